@@ -1,0 +1,3 @@
+from attn_ledger.cli import main
+
+main()
