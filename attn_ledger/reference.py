@@ -109,3 +109,15 @@ def sdpa_attention(q, k, v, *, allow_mask=None, scale=None) -> "torch.Tensor":
     return F.scaled_dot_product_attention(
         q, repeat_kv(k, nh), repeat_kv(v, nh), attn_mask=mask, dropout_p=0.0, scale=scale
     )
+
+
+def heads_of(x: "torch.Tensor", n_heads: int) -> "torch.Tensor":
+    """Reference head split ``[B, T, n*D] -> [B, n, T, D]``, written apart from the pipeline's."""
+    b, t, e = x.shape
+    return x.view(b, t, n_heads, e // n_heads).permute(0, 2, 1, 3)
+
+
+def join_heads(x: "torch.Tensor") -> "torch.Tensor":
+    """Reference head merge ``[B, n, T, D] -> [B, T, n*D]``, written apart from the pipeline's."""
+    b, n, t, d = x.shape
+    return x.permute(0, 2, 1, 3).contiguous().view(b, t, n * d)

@@ -1,0 +1,1110 @@
+"""The attention ledger: run attention as named stages, check each, name the first divergence.
+
+Two entry points build a :class:`~attn_ledger.report.Ledger`:
+
+* :func:`run_ledger` runs the built-in multi-head attention from a :class:`RunConfig`
+  (stages ``input`` .. ``output``), optionally with one deliberate fault.
+* :func:`run_ledger_tensors` / :func:`ledger_on_qkv` run saved or given Q, K, V (and
+  optionally the user's own ``scores``, ``weights`` and ``out``) through ``input``,
+  ``scores``, ``masked_scores``, ``weights`` and ``context``.
+
+The score-grid stages run one block of query rows at a time. Key columns that the
+relation forbids for a whole block are skipped. Checks are measured per block and
+folded (max or sum) into one ledger row per stage, so the first divergence is the
+first by stage order over all blocks. The float64 reference may run on a sample of
+blocks at large sizes (the ledger says which); the SDPA reference runs on every block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from attn_ledger import checks as C
+from attn_ledger.report import Check, Ledger, StageRow, first_divergence_of
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from attn_ledger.config import RunConfig
+
+CONFIG_STAGES = ("input", "head_roundtrip", "q", "k", "v", "scores", "masked_scores", "weights", "context", "merged", "output")
+TENSOR_STAGES = ("input", "scores", "masked_scores", "weights", "context")
+
+AXES = {
+    "input": "[B,Tq,E]",
+    "head_roundtrip": "[B,T,E]",
+    "q": "[B,Nh,Tq,Dh]",
+    "k": "[B,Nkv,Tk,Dh]",
+    "v": "[B,Nkv,Tk,Dv]",
+    "scores": "[B,Nh,Tq,Tk]",
+    "masked_scores": "[B,Nh,Tq,Tk]",
+    "weights": "[B,Nh,Tq,Tk]",
+    "context": "[B,Nh,Tq,Dv]",
+    "merged": "[B,Tq,Nh*Dv]",
+    "output": "[B,Tq,E]",
+}
+
+SMALL_GRID = 1 << 16  # grids up to this many entries are kept whole for inspection
+BLOCK_TARGET = 1 << 24  # entries of one block's score grid when streaming
+F64_BUDGET = 1 << 26  # grid entries the float64 reference covers before sampling blocks
+EXACT_RANGE_BUDGET = 1 << 22  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
+
+ProgressFn = Callable[[int, int], None]
+
+
+# --- the intended relation ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Relation:
+    """The intended allow relation, produced one block of query rows at a time.
+
+    ``parts`` are functions ``(q0, q1) -> bool [B|1, Nh|1, q1-q0, Tk]`` combined by AND.
+    """
+
+    name: str
+    parts: tuple[Callable[[int, int], "Tensor"], ...] = ()
+
+    def block(self, q0: int, q1: int) -> "Tensor | None":
+        allow = None
+        for part in self.parts:
+            a = part(q0, q1)
+            allow = a if allow is None else (allow & a)
+        return allow
+
+
+def relation_from_config(cfg: "RunConfig", device: Any = None) -> Relation:
+    """Build the intended relation a config names, in allow polarity."""
+    import torch
+
+    from attn_ledger import masks
+
+    tq, tk = cfg.tq, cfg.tk
+    parts: list[Callable[[int, int], Tensor]] = []
+    names: list[str] = []
+    for r in cfg.relations:
+        if r == "none":
+            continue
+        if r == "causal":
+            parts.append(lambda q0, q1: masks.causal(tq, tk, "bottom-right", q0, q1, device)[None, None])
+            names.append("causal (bottom-right)" if tq != tk else "causal")
+        elif r == "causal-top-left":
+            parts.append(lambda q0, q1: masks.causal(tq, tk, "top-left", q0, q1, device)[None, None])
+            names.append("causal (top-left)")
+        elif r == "padding":
+            valid = masks.valid_from_lengths(cfg.valid_lengths or [], tk, cfg.padding_side, device)  # [B, Tk]
+            padded = masks.key_padding(valid)  # [B, 1, 1, Tk]
+            parts.append(lambda q0, q1, p=padded: p)
+            names.append(f"key padding ({cfg.padding_side}) lengths {cfg.valid_lengths}")
+        elif r == "sliding-window":
+            w = int(cfg.window or 1)
+            parts.append(lambda q0, q1: masks.sliding_window(tq, tk, w, q0, q1, device)[None, None])
+            names.append(f"sliding window {w}")
+        elif r == "prefix-lm":
+            p = int(cfg.prefix_len or 0)
+            parts.append(lambda q0, q1: masks.prefix_lm(tq, tk, p, q0, q1, device)[None, None])
+            names.append(f"prefix-LM prefix {p}")
+        elif r == "segments":
+            ids = torch.repeat_interleave(
+                torch.arange(len(cfg.segment_lengths or [])), torch.tensor(cfg.segment_lengths or [])
+            ).to(device)[None]  # [1, T]
+            seg = masks.segments(ids, ids)  # [1, 1, Tq, Tk]
+            parts.append(lambda q0, q1, s=seg: s[:, :, q0:q1])
+            names.append(f"segments {cfg.segment_lengths}")
+    return Relation(" + ".join(names) or "none", tuple(parts))
+
+
+def relation_from_tensors(
+    b: int, nh: int, tq: int, tk: int, allow_mask: "Tensor | None", key_valid: "Tensor | None"
+) -> Relation:
+    """The relation a saved ``allow_mask`` and/or ``key_valid`` declare, placed by named axes."""
+    from attn_ledger import masks
+
+    parts: list[Callable[[int, int], Tensor]] = []
+    names: list[str] = []
+    if allow_mask is not None:
+        grid = masks.expand_to_grid(allow_mask, b, nh, tq, tk)  # [B|1, Nh|1, Tq, Tk]
+        parts.append(lambda q0, q1, g=grid: g[:, :, q0:q1])
+        names.append(f"allow_mask {list(allow_mask.shape)}")
+    if key_valid is not None:
+        padded = masks.key_padding(key_valid)  # [B, 1, 1, Tk]
+        parts.append(lambda q0, q1, p=padded: p)
+        names.append("key_valid [B, Tk]")
+    return Relation(" + ".join(names) or "none", tuple(parts))
+
+
+# --- folding measurements across blocks --------------------------------------------------
+
+def _fold_max(a: float | None, b: float) -> float:
+    if a is None:
+        return b
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return max(a, b)
+
+
+@dataclass
+class _Stage:
+    """What one stage has measured so far."""
+
+    shape: Optional[tuple[int, ...]] = None
+    raised: Optional[BaseException] = None
+    maxes: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    extra: list[Check] = field(default_factory=list)
+
+    def max(self, key: str, value: float) -> None:
+        self.maxes[key] = _fold_max(self.maxes.get(key), float(value))
+
+    def add(self, key: str, value: int) -> None:
+        self.counts[key] = self.counts.get(key, 0) + int(value)
+
+
+@dataclass
+class _Run:
+    """Everything the block engine needs, and what it has found."""
+
+    stages: dict[str, _Stage]
+    dtype: "torch.dtype"
+    dims: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+    kept: dict[str, list] = field(default_factory=dict)
+    stop_after_divergence: bool = True
+
+
+def _choose_blocks(b: int, nh: int, tq: int, tk: int, block_size: int | None) -> list[tuple[int, int]]:
+    if block_size is None:
+        per_row = max(1, b * nh * tk)
+        block_size = tq if b * nh * tq * tk <= BLOCK_TARGET else max(16, BLOCK_TARGET // per_row)
+    block_size = max(1, min(block_size, tq))
+    return [(q0, min(q0 + block_size, tq)) for q0 in range(0, tq, block_size)]
+
+
+def _sampled(blocks: list[tuple[int, int]], b: int, nh: int, tk: int) -> list[int]:
+    """Indices of blocks the float64 reference covers: all, or an even sample with the first and last."""
+    n = len(blocks)
+    per_block = [b * nh * (q1 - q0) * tk for q0, q1 in blocks]
+    if sum(per_block) <= F64_BUDGET:
+        return list(range(n))
+    k = max(2, F64_BUDGET // max(per_block))
+    step = max(1, (n - 1) / (k - 1))
+    return sorted({min(n - 1, round(i * step)) for i in range(k)})
+
+
+def _key_hull(*allows: "Tensor | None", tk: int) -> tuple[int, int]:
+    """The smallest key range holding every key either relation allows for this block."""
+    import torch
+
+    lo, hi = tk, 0
+    for a in allows:
+        if a is None:
+            return 0, tk
+        cols = a.reshape(-1, a.shape[-1]).any(dim=0)  # [Tk]
+        idx = torch.nonzero(cols).flatten()
+        if idx.numel():
+            lo, hi = min(lo, int(idx[0])), max(hi, int(idx[-1]) + 1)
+    return (0, tk) if hi <= lo else (lo, hi)
+
+
+# --- the block engine -----------------------------------------------------------------
+
+def _attend_blocks(
+    run: _Run,
+    ops: Any,
+    q: "Tensor",
+    k_exp: "Tensor",
+    v_exp: "Tensor",
+    ref: tuple["Tensor", "Tensor", "Tensor"],
+    relation: Relation,
+    *,
+    scale: float,
+    ref_scale: float,
+    empty_zero: bool,
+    user: dict[str, "Tensor"],
+    block_size: int | None,
+    keep_grids: bool,
+    progress: ProgressFn | None,
+) -> tuple["Tensor | None", "Tensor", dict[tuple[int, int], "Tensor"]]:
+    """Run scores -> masked_scores -> weights -> context over query blocks.
+
+    Returns the pipeline context (or None if a stage raised), the SDPA context, and the
+    float64 reference context of every sampled block.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from attn_ledger.reference import reference_stages
+
+    st = run.stages
+    b, nh, tq, dh = q.shape
+    tk = k_exp.shape[-2]
+    dv = v_exp.shape[-1]
+    dtype_name = C.dtype_name(run.dtype)
+    half = dtype_name in C.HALF_DTYPES
+    rtol, atol = C.tolerance(run.dtype)
+    r64, a64 = C.tolerance("float64")
+    q64, k64, v64 = ref
+    blocks = _choose_blocks(b, nh, tq, tk, block_size)
+    small = b * nh * tq * tk <= SMALL_GRID
+    keep = keep_grids or small
+    full_keys = keep or bool(user)
+    sampled = set(_sampled(blocks, b, nh, tk))
+    if len(blocks) > 1:
+        run.notes.append(f"score-grid stages ran in {len(blocks)} query blocks of {blocks[0][1] - blocks[0][0]} rows")
+    if len(sampled) < len(blocks):
+        shown = ", ".join(str(i) for i in sorted(sampled))
+        run.notes.append(f"float64 reference on a sample of {len(sampled)} of {len(blocks)} query blocks: {shown}; SDPA on all")
+    context = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
+    sdpa_ctx = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
+    ref_ctx: dict[tuple[int, int], Tensor] = {}
+    for key in ("scores", "masked_scores", "weights"):
+        st[key].shape = (b, nh, tq, tk)
+    st["context"].shape = (b, nh, tq, dv)
+    allowed_counts: list[int] | None = None
+
+    for n_done, (q0, q1) in enumerate(blocks):
+        rows = q1 - q0
+        allow_i = relation.block(q0, q1)  # intended, [B|1, Nh|1, rows, Tk]
+        allow_p = ops.polarity(allow_i)  # what the pipeline applies
+        lo, hi = (0, tk) if full_keys else _key_hull(allow_i, allow_p, tk=tk)
+        kw = hi - lo
+        ai = None if allow_i is None else allow_i[..., lo:hi]
+        ap = None if allow_p is None else allow_p[..., lo:hi]
+        if allow_i is not None:
+            counts = allow_i.expand(b, -1, -1, -1)[0, 0].sum(dim=-1).tolist()  # batch 0, head 0
+            allowed_counts = (allowed_counts or []) + [int(c) for c in counts]
+        qb = q[:, :, q0:q1]  # [B, Nh, rows, Dh]
+        kb, vb = k_exp[:, :, lo:hi], v_exp[:, :, lo:hi]  # [B, Nh, kw, Dh], [B, Nh, kw, Dv]
+        grid = (b, nh, rows, kw)
+        live = None if ai is None else ai.any(dim=-1).expand(b, nh, rows)  # [B, Nh, rows]: has an allowed key
+
+        # float64 reference (sampled blocks), and the plain same-dtype one for half precision
+        ref_blk = plain_blk = None
+        if n_done in sampled:
+            ref_blk = reference_stages(q64[:, :, q0:q1], k64[:, :, lo:hi], v64[:, :, lo:hi], allow_mask=ai,
+                                       scale=ref_scale, empty_rows="zeros" if empty_zero else "nan")
+            ref_ctx[(q0, q1)] = ref_blk["out"]
+            if half:
+                plain_blk = reference_stages(qb, kb, vb, allow_mask=ai, scale=ref_scale,
+                                             empty_rows="zeros" if empty_zero else "nan", dtype=run.dtype)
+
+        # scores
+        s_st = st["scores"]
+        try:
+            s = ops.scores(qb, kb, scale)  # [B, Nh, rows, kw]
+        except Exception as exc:  # a stage that raises is a level-1 divergence at that stage
+            s_st.raised = exc
+            return None, sdpa_ctx, ref_ctx
+        if tuple(s.shape) != grid:
+            s_st.shape = tuple(s.shape) if len(blocks) == 1 else s_st.shape
+            s_st.add("shape_mismatch", 1)
+            s_st.extra.append(C.shape_check(s.shape, grid, AXES["scores"], "shape"))
+            return None, sdpa_ctx, ref_ctx
+        s_st.add("nonfinite", 0 if C.all_finite(s) else C.nonfinite_count(s))
+        s_st.max("max_abs", C.max_abs(s))
+        if ref_blk is not None:
+            d, ex = C.excess_error(s, ref_blk["scores"], rtol, atol * max(1.0, C.max_abs(ref_blk["scores"])))
+            s_st.max("ref_diff", d)
+            s_st.max("ref_excess", ex)
+        if "scores" in user:
+            us = user["scores"][:, :, q0:q1]
+            st["user_scores"] = st.get("user_scores") or _Stage()
+            _user_compare(st["user_scores"], us, ref_blk["scores"] if ref_blk is not None else None, rtol, atol)
+
+        # masked scores
+        m_st = st["masked_scores"]
+        try:
+            m = ops.mask(s, ap)  # [B, Nh, rows, kw]
+        except Exception as exc:
+            m_st.raised = exc
+            return None, sdpa_ctx, ref_ctx
+        m_st.add("nan_or_posinf", 0 if C.all_finite(m, allow_neg_inf=True) else C.nonfinite_count(m, allow_neg_inf=True))
+        neg = torch.isneginf(m)  # excluded pairs
+        dead = neg.all(dim=-1)  # [B, Nh, rows]: query rows with every key excluded
+        if not full_keys and ai is not None and lo > 0 or hi < tk:
+            pass  # keys outside [lo, hi) are excluded for both relations by construction of the hull
+        declared_dead = (~live) if (live is not None and empty_zero) else torch.zeros_like(dead)
+        m_st.add("fully_blocked", int((dead & ~declared_dead).sum()))
+        if ai is not None:
+            forb = ~ai  # broadcast [B|1, Nh|1, rows, kw]
+            m_st.add("forbidden_kept", int((forb & ~neg).sum()))
+            m_st.add("allowed_dropped", int((ai & neg).sum()))
+            m_st.add("allowed_pairs", int(ai.expand(grid).sum()))
+        m_st.add("pairs", b * nh * rows * tk)
+
+        # weights
+        w_st = st["weights"]
+        try:
+            w = ops.softmax(m, ap, empty_zero)  # [B, Nh, rows, kw]
+        except Exception as exc:
+            w_st.raised = exc
+            return None, sdpa_ctx, ref_ctx
+        w_st.add("nonfinite", 0 if C.all_finite(w) else C.nonfinite_count(w))
+        _weight_invariants(w_st, w, ai, live, empty_zero)
+        if ref_blk is not None:
+            d, ex = C.excess_error(w, ref_blk["weights"], rtol, atol)
+            w_st.max("ref_diff", d)
+            w_st.max("ref_excess", ex)
+        if "weights" in user:
+            uw = user["weights"][:, :, q0:q1]
+            ust = st.setdefault("user_weights", _Stage())
+            ust.add("nonfinite", C.nonfinite_count(uw))
+            _weight_invariants(ust, uw, ai, live, empty_zero)
+            _user_compare(ust, uw, ref_blk["weights"] if ref_blk is not None else None, rtol, atol)
+
+        # context
+        c_st = st["context"]
+        try:
+            c = ops.mix(w, vb)  # [B, Nh, rows, Dv]
+        except Exception as exc:
+            c_st.raised = exc
+            return None, sdpa_ctx, ref_ctx
+        if tuple(c.shape) != (b, nh, rows, dv):
+            c_st.extra.append(C.shape_check(c.shape, (b, nh, rows, dv), AXES["context"], "shape"))
+            return None, sdpa_ctx, ref_ctx
+        context[:, :, q0:q1] = c
+        c_st.add("nonfinite", 0 if C.all_finite(c) else C.nonfinite_count(c))
+        c_st.max("range_excess", _range_excess(c, vb, ai, rtol, atol))
+        sd = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=ai, dropout_p=0.0, scale=ref_scale)
+        sdpa_ctx[:, :, q0:q1] = sd
+        d, ex = C.excess_error(c, sd, rtol, atol * max(1.0, C.max_abs(sd)))
+        c_st.max("sdpa_diff", d)
+        c_st.max("sdpa_excess", ex)
+        if ref_blk is not None:
+            scale_ref = max(1.0, C.max_abs(ref_blk["out"]))
+            d, ex = C.excess_error(c, ref_blk["out"], rtol, atol * scale_ref)
+            c_st.max("ref_diff", d)
+            c_st.max("ref_excess", ex)
+            if half and plain_blk is not None:
+                c_st.max("plain_diff", C.excess_error(plain_blk["out"], ref_blk["out"], 0, 0)[0])
+                c_st.max("sdpa_ref_diff", C.excess_error(sd, ref_blk["out"], 0, 0)[0])
+        if "out" in user:
+            uo = user["out"][:, :, q0:q1]
+            ust = st.setdefault("user_out", _Stage())
+            ust.add("nonfinite", C.nonfinite_count(uo))
+            ust.max("range_excess", _range_excess(uo, vb, ai, rtol, atol))
+            if ref_blk is not None:
+                _user_compare(ust, uo, ref_blk["out"], rtol, atol * max(1.0, C.max_abs(ref_blk["out"])))
+                if half and plain_blk is not None:
+                    ust.max("plain_diff", C.excess_error(plain_blk["out"], ref_blk["out"], 0, 0)[0])
+
+        if keep:
+            for name, t in (("scores", s), ("masked_scores", m), ("weights", w)):
+                run.kept.setdefault(name, []).append(t)
+        if progress is not None:
+            progress(n_done + 1, len(blocks))
+
+    if allowed_counts is not None and len(allowed_counts) <= 32:
+        run.notes.append(f"allowed keys per query (b=0, h=0): {allowed_counts}")
+    st["masked_scores"].maxes["_counts_known"] = 1.0
+    return context, sdpa_ctx, ref_ctx
+
+
+def _user_compare(ust: _Stage, actual: "Tensor", expected: "Tensor | None", rtol: float, atol: float) -> None:
+    if expected is None:
+        return
+    d, ex = C.excess_error(actual, expected, rtol, atol)
+    ust.max("ref_diff", d)
+    ust.max("ref_excess", ex)
+
+
+def _weight_invariants(stage: _Stage, w: "Tensor", ai: "Tensor | None", live: "Tensor | None", empty_zero: bool) -> None:
+    """Row sums over keys, weight on forbidden keys, and declared-empty rows, for one block."""
+    import torch
+
+    sums = w.sum(dim=-1)  # [B, Nh, rows]
+    err = (sums - 1).abs()
+    if live is not None:
+        err = torch.where(live, err, torch.zeros_like(err))
+        if empty_zero and bool((~live).any()):
+            empty = w.abs().amax(dim=-1)  # [B, Nh, rows]
+            stage.max("empty_row_max", float(torch.where(~live, empty, torch.zeros_like(empty)).amax()))
+    stage.max("row_sum_err", float(err.amax()) if err.numel() else 0.0)
+    if ai is not None and not bool(ai.all()):
+        forb = w.abs().masked_fill(ai, 0.0)
+        stage.max("forbidden_max", float(forb.amax()) if forb.numel() else 0.0)
+    else:
+        stage.max("forbidden_max", 0.0)
+
+
+def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, atol: float) -> float:
+    """How far any context coordinate lies outside the per-coordinate range of the value rows it mixes.
+
+    Exact (per query, over its allowed keys) when small enough; otherwise per block over
+    the block's key span, which is a looser bound.
+    """
+    import torch
+
+    b, nh, rows, dv = c.shape
+    kw = vb.shape[-2]
+    if kw == 0 or c.numel() == 0:
+        return 0.0
+    vf = vb.to(torch.float64)
+    cf = c.to(torch.float64)
+    tol = atol + rtol * float(vf.abs().amax())
+    if ai is not None and b * nh * rows * kw * dv <= EXACT_RANGE_BUDGET:
+        allow = ai.expand(b, nh, rows, kw)[..., None]  # [B, Nh, rows, kw, 1]
+        vv = vf[:, :, None, :, :]  # [B, Nh, 1, kw, Dv]
+        lo = torch.where(allow, vv, torch.full_like(vv, math.inf)).amin(dim=-2)  # [B, Nh, rows, Dv]
+        hi = torch.where(allow, vv, torch.full_like(vv, -math.inf)).amax(dim=-2)
+        has = allow.any(dim=-2).expand_as(lo)
+        lo = torch.where(has, lo, torch.zeros_like(lo))  # an empty row must be zeros
+        hi = torch.where(has, hi, torch.zeros_like(hi))
+    else:
+        lo = vf.amin(dim=-2, keepdim=True)  # [B, Nh, 1, Dv]
+        hi = vf.amax(dim=-2, keepdim=True)
+    below = (lo - cf).amax()
+    above = (cf - hi).amax()
+    excess = max(float(below), float(above)) - tol
+    return math.nan if math.isnan(float(below)) or math.isnan(float(above)) else excess
+
+
+# --- judging the folded measurements ----------------------------------------------------
+
+def _cmp(st: _Stage, name: str, key: str, against: str, rtol: float, atol: float) -> Check | None:
+    if f"{key}_diff" not in st.maxes:
+        return None
+    return C.compare_check(name, st.maxes[f"{key}_diff"], st.maxes[f"{key}_excess"], rtol, atol, against)
+
+
+def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[str, list[Check]]:
+    st = run.stages
+    rtol, atol = C.tolerance(run.dtype)
+    out: dict[str, list[Check]] = {}
+    tol_sum = max(1e-5, 10 * rtol)
+    half = C.dtype_name(run.dtype) in C.HALF_DTYPES
+
+    s = st["scores"]
+    out["scores"] = [*s.extra]
+    if s.shape is not None and not s.extra:
+        out["scores"].append(C.shape_check(s.shape, s.shape, AXES["scores"]))
+    if "nonfinite" in s.counts:
+        out["scores"].append(C.finite_check(s.counts["nonfinite"], "scores"))
+        out["scores"].append(_headroom(s.maxes.get("max_abs", 0.0), run.dtype))
+        c = _cmp(s, "matches_reference", "ref", "float64 reference", rtol, atol)
+        if c:
+            out["scores"].append(c)
+    if "user_scores" in st:
+        out["scores"] += _user_checks(st["user_scores"], "scores", rtol, atol, tol_sum)
+
+    m = st["masked_scores"]
+    out["masked_scores"] = []
+    if "pairs" in m.counts:
+        out["masked_scores"] += [
+            C.shape_check(m.shape, m.shape, AXES["masked_scores"]),
+            C.finite_check(m.counts["nan_or_posinf"], "masked scores", allow_neg_inf=True),
+            C.count_check(3, "no_fully_blocked_query", m.counts["fully_blocked"],
+                          "query rows with every key blocked" + (" (beyond rows declared empty)" if empty_zero else "")),
+        ]
+        if "forbidden_kept" in m.counts:
+            out["masked_scores"] += [
+                C.count_check(3, "forbidden_excluded", m.counts["forbidden_kept"], "forbidden (query, key) scores not excluded"),
+                C.count_check(3, "allowed_kept", m.counts["allowed_dropped"], "allowed (query, key) scores excluded"),
+            ]
+        else:
+            out["masked_scores"].append(Check(3, "forbidden_excluded", True, 0.0, "no relation: every key allowed"))
+
+    w = st["weights"]
+    out["weights"] = []
+    if "nonfinite" in w.counts:
+        out["weights"] += [
+            C.shape_check(w.shape, w.shape, AXES["weights"]),
+            C.finite_check(w.counts["nonfinite"], "weights"),
+            C.bound_check(3, "key_row_sums", w.maxes.get("row_sum_err", 0.0), tol_sum, "max |sum over keys - 1|"),
+            C.bound_check(3, "forbidden_weight", w.maxes.get("forbidden_max", 0.0), tol_sum, "largest weight on a forbidden key"),
+        ]
+        if "empty_row_max" in w.maxes:
+            out["weights"].append(C.bound_check(3, "empty_rows_zero", w.maxes["empty_row_max"], 0.0, "largest weight in a declared-empty row"))
+        c = _cmp(w, "matches_reference", "ref", "float64 reference", rtol, atol)
+        if c:
+            out["weights"].append(c)
+    if "user_weights" in st:
+        out["weights"] += _user_checks(st["user_weights"], "weights", rtol, atol, tol_sum)
+
+    c_st = st["context"]
+    out["context"] = [*c_st.extra]
+    if "nonfinite" in c_st.counts:
+        out["context"] += [
+            C.shape_check(c_st.shape, c_st.shape, AXES["context"]),
+            C.finite_check(c_st.counts["nonfinite"], "context values"),
+            C.bound_check(3, "in_value_range", max(0.0, c_st.maxes.get("range_excess", 0.0)) if not math.isnan(c_st.maxes.get("range_excess", 0.0)) else math.nan,
+                          0.0, "largest excursion outside the mixed value rows' range"),
+        ]
+        if half and "plain_diff" in c_st.maxes:
+            floor = 1e-3 if C.dtype_name(run.dtype) == "float16" else 8e-3
+            out["context"].append(C.factor_check("matches_reference", c_st.maxes["ref_diff"], c_st.maxes["plain_diff"], floor, "float64 reference"))
+            out["context"].append(C.factor_check("matches_sdpa", c_st.maxes["sdpa_ref_diff"], c_st.maxes["plain_diff"], floor, "float64 reference (SDPA's error)"))
+        else:
+            for ch in (_cmp(c_st, "matches_reference", "ref", "float64 reference", rtol, atol),
+                       _cmp(c_st, "matches_sdpa", "sdpa", "F.scaled_dot_product_attention", rtol, atol)):
+                if ch:
+                    out["context"].append(ch)
+    if "user_out" in st:
+        u = st["user_out"]
+        out["context"] += [
+            C.finite_check(u.counts.get("nonfinite", 0), "values in the given out").__class__(
+                3, "user_out_finite", u.counts.get("nonfinite", 0) == 0, float(u.counts.get("nonfinite", 0)),
+                f"{u.counts.get('nonfinite', 0)} non-finite values in the given out"),
+        ]
+        excess = u.maxes.get("range_excess", 0.0)
+        out["context"].append(C.bound_check(3, "user_out_in_value_range", math.nan if math.isnan(excess) else max(0.0, excess), 0.0,
+                                            "given out: largest excursion outside the mixed value rows' range"))
+        if half and "plain_diff" in u.maxes:
+            floor = 1e-3 if C.dtype_name(run.dtype) == "float16" else 8e-3
+            out["context"].append(C.factor_check("user_out_matches_reference", u.maxes["ref_diff"], u.maxes["plain_diff"], floor, "float64 reference"))
+        else:
+            ch = _cmp(u, "user_out_matches_reference", "ref", "float64 reference", rtol, atol)
+            if ch:
+                out["context"].append(ch)
+    return out
+
+
+def _user_checks(u: _Stage, what: str, rtol: float, atol: float, tol_sum: float) -> list[Check]:
+    found: list[Check] = []
+    if u.extra:
+        return list(u.extra)
+    if what == "weights":
+        n = u.counts.get("nonfinite", 0)
+        found.append(Check(3, "user_weights_finite", n == 0, float(n), f"{n} non-finite values in the given weights"))
+        found.append(C.bound_check(3, "user_weights_key_row_sums", u.maxes.get("row_sum_err", 0.0), tol_sum, "given weights: max |sum over keys - 1|"))
+        found.append(C.bound_check(3, "user_weights_forbidden_weight", u.maxes.get("forbidden_max", 0.0), tol_sum,
+                                   "given weights: largest weight on a forbidden key"))
+    ch = _cmp(u, f"user_{what}_matches_reference", "ref", "float64 reference", rtol, atol)
+    if ch:
+        found.append(ch)
+    return found
+
+
+def _headroom(max_abs_score: float, dtype: "torch.dtype") -> Check:
+    """Warning: the largest |score| against the dtype's range, and whether exp overflows without max-subtraction."""
+    import torch
+
+    info = torch.finfo(dtype)
+    limit = math.log(info.max)
+    ok = not math.isnan(max_abs_score) and max_abs_score < limit
+    return Check(3, "exp_headroom", ok, max_abs_score,
+                 f"largest |score| {max_abs_score:.3g}; exp overflows {C.dtype_name(dtype)} above {limit:.3g} "
+                 f"without max-subtraction (range {info.max:.3g})", severity="warning")
+
+
+# --- assembling the ledger ---------------------------------------------------------------
+
+def _finish(
+    command: str,
+    title: str,
+    order: tuple[str, ...],
+    checks: dict[str, list[Check]],
+    shapes: dict[str, tuple[int, ...] | None],
+    raised: dict[str, BaseException],
+    keep_going: bool,
+    notes: list[str],
+    meta: dict[str, Any],
+    tensors: dict[str, Any],
+    row_notes: dict[str, str] | None = None,
+) -> Ledger:
+    """Turn per-stage checks into rows with statuses, and name the first divergence."""
+    rows: list[StageRow] = []
+    diverged_at: int | None = None
+    stopped = False
+    row_notes = row_notes or {}
+    for i, stage in enumerate(order):
+        found = list(checks.get(stage, []))
+        if stage in raised:
+            found = [C.raised_check(raised[stage])] + found
+        computed = stage in checks or stage in raised
+        if stopped or not computed:
+            rows.append(StageRow(stage, shapes.get(stage), AXES[stage], "not_reached",
+                                 tuple(Check(c.level, c.name, None, None, "not reached", c.severity) for c in found),
+                                 row_notes.get(stage, "")))
+            continue
+        failing = any(c.failed for c in found)
+        if failing and diverged_at is None:
+            diverged_at = i
+            status = "diverged"
+        elif failing:
+            status = "downstream"
+        else:
+            status = "ok"
+        rows.append(StageRow(stage, shapes.get(stage), AXES[stage], status, tuple(found), row_notes.get(stage, "")))
+        if stage in raised or (diverged_at is not None and not keep_going):
+            stopped = True
+    return Ledger(command, title, tuple(rows), first_divergence_of(rows), tuple(notes), meta, tensors)
+
+
+def _resolve_device(name: str) -> "torch.device":
+    import torch
+
+    from attn_ledger.errors import InputError
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"device: got {name!r}, but CUDA is not available here; expected cpu or auto")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+        raise InputError("device: got 'mps', but MPS is not available here; expected cpu or auto")
+    return torch.device(name)
+
+
+def _torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def _ref_dtype(device: "torch.device") -> "torch.dtype":
+    import torch
+
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: ProgressFn | None = None) -> Ledger:
+    """Run the built-in multi-head attention as named stages and check each.
+
+    Args:
+        config: a validated :class:`~attn_ledger.config.RunConfig`.
+        keep_going: evaluate every row after the first divergence (marked ``downstream``)
+            instead of stopping there (later rows ``not_reached``).
+        progress: optional ``callback(done, total)`` over query blocks.
+
+    Returns:
+        The :class:`~attn_ledger.report.Ledger`; ``ledger.first_divergence`` is the diagnosis.
+    """
+    import torch
+
+    from attn_ledger import reference as R
+    from attn_ledger.pipeline import make_input, make_weights, ops_for, project
+
+    cfg = config
+    device = _resolve_device(cfg.device)
+    dtype = _torch_dtype(cfg.dtype)
+    ref_dtype = _ref_dtype(device)
+    b, tq, tk, e, nh, nkv, dh, dv = cfg.batch_size, cfg.tq, cfg.tk, cfg.embed_dim, cfg.num_heads, cfg.nkv, cfg.dh, cfg.dv
+    ops = ops_for(cfg.fault)
+    empty_zero = cfg.empty_rows == "zeros"
+    cross = cfg.query_len is not None
+    relation = relation_from_config(cfg, device)
+    stages = {s: _Stage() for s in CONFIG_STAGES}
+    run = _Run(stages, dtype, {"B": b, "Nh": nh})
+    checks: dict[str, list[Check]] = {}
+    raised: dict[str, BaseException] = {}
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    rtol, atol = C.tolerance(dtype)
+    title = (f"ATTENTION LEDGER B={b} Tq={tq} Tk={tk} E={e} Nh={nh}" + (f" Nkv={nkv}" if nkv != nh else "")
+             + f" Dh={dh}" + (f" Dv={dv}" if dv != dh else "") + f" mask={relation.name} dtype={cfg.dtype}"
+             + (f" fault={cfg.fault}" if cfg.fault else ""))
+    meta = {"B": b, "Tq": tq, "Tk": tk, "E": e, "Nh": nh, "Nkv": nkv, "Dh": dh, "Dv": dv, "mask": relation.name,
+            "dtype": cfg.dtype, "device": str(device), "fault": cfg.fault, "input": cfg.input, "seed": cfg.seed}
+
+    def stop_here() -> bool:
+        return not keep_going and any(c.failed for cs in checks.values() for c in cs)
+
+    def done(tensors: dict[str, Any] | None = None) -> Ledger:
+        return _finish("run", title, CONFIG_STAGES, checks, shapes, raised, keep_going, run.notes, meta, tensors or {})
+
+    # input
+    x = make_input(b, tq, e, cfg.input, cfg.seed, dtype, device)  # [B, Tq, E]
+    x_kv = make_input(b, tk, e, cfg.input, cfg.seed, dtype, device, offset=7919) if cross else x  # [B, Tk, E]
+    w = make_weights(e, nh, nkv, dh, dv, cfg.seed, dtype, device)
+    shapes["input"] = tuple(x.shape)
+    checks["input"] = [
+        C.shape_check(x.shape, (b, tq, e), "[B,Tq,E]"),
+        Check(1, "heads_divide_width", e == nh * dh, float(e), f"E == Nh*Dh: {e} == {nh}*{dh}"),
+        C.finite_check(C.nonfinite_count(x) + (C.nonfinite_count(x_kv) if cross else 0), "input values"),
+    ]
+    row_notes = {"input": "x [B,Tk,E] for keys/values: " + str(list(x_kv.shape)) if cross else ""}
+
+    # head_roundtrip: split then merge an arange tensor, compared by value
+    probe = torch.arange(max(1, min(b, 2)) * tq * e, dtype=torch.float64).reshape(-1, tq, e)  # [B', Tq, E]
+    ctx_probe = torch.arange(probe.shape[0] * nh * tq * dv, dtype=torch.float64).reshape(-1, nh, tq, dv)  # [B', Nh, Tq, Dv]
+    try:
+        split = ops.split(probe, nh)
+        rt = ops.merge(split)
+        merged_probe = ops.merge(ctx_probe)
+        shapes["head_roundtrip"] = tuple(rt.shape)
+        checks["head_roundtrip"] = [
+            C.shape_check(rt.shape, probe.shape, "[B,T,E]"),
+            C.roundtrip_check(probe, rt),
+            C.head_slices_check("split_head_slices", split, probe, nh, "split"),
+            C.head_slices_check("merge_head_slices", ctx_probe, merged_probe, nh, "merge"),
+        ]
+    except Exception as exc:
+        raised["head_roundtrip"] = exc
+        return done()
+    if stop_here():
+        return done()
+
+    # reference chain, float64, from the same input values and weights
+    x64, xkv64 = x.to(ref_dtype), x_kv.to(ref_dtype)
+    q64 = R.heads_of(x64 @ w.wq.to(ref_dtype).T, nh)  # [B, Nh, Tq, Dh]
+    k64 = R.heads_of(xkv64 @ w.wk.to(ref_dtype).T, nkv)  # [B, Nkv, Tk, Dh]
+    v64 = R.heads_of(xkv64 @ w.wv.to(ref_dtype).T, nkv)  # [B, Nkv, Tk, Dv]
+
+    # q, k, v
+    try:
+        q = ops.split(project(x, w.wq), nh)  # [B, Nh, Tq, Dh]
+        shapes["q"] = tuple(q.shape)
+        checks["q"] = _proj_checks(q, (b, nh, tq, dh), "q", q64, rtol, atol)
+    except Exception as exc:
+        raised["q"] = exc
+        return done()
+    try:
+        k = ops.split(project(x_kv, w.wk), nkv)  # [B, Nkv, Tk, Dh]
+        shapes["k"] = tuple(k.shape)
+        checks["k"] = _proj_checks(k, (b, nkv, tk, dh), "k", k64, rtol, atol)
+        checks["k"].insert(1, C.kv_pairing_check(ops.expand, nh, nkv))
+    except Exception as exc:
+        raised["k"] = exc
+        return done()
+    try:
+        v = ops.split(project(x_kv, w.wv), nkv)  # [B, Nkv, Tk, Dv]
+        shapes["v"] = tuple(v.shape)
+        checks["v"] = _proj_checks(v, (b, nkv, tk, dv), "v", v64, rtol, atol)
+    except Exception as exc:
+        raised["v"] = exc
+        return done()
+    if stop_here():
+        return done()
+
+    # score-grid stages, streamed over query blocks
+    try:
+        k_exp, v_exp = ops.expand(k, nh), ops.expand(v, nh)  # [B, Nh, Tk, Dh], [B, Nh, Tk, Dv]
+    except Exception as exc:
+        raised["scores"] = exc
+        return done()
+    ref = (q64, R.repeat_kv(k64, nh), R.repeat_kv(v64, nh))
+    context, sdpa_ctx, ref_ctx = _attend_blocks(
+        run, ops, q, k_exp, v_exp, ref, relation, scale=ops.scale_for(dh), ref_scale=1.0 / math.sqrt(dh),
+        empty_zero=empty_zero, user={}, block_size=cfg.block_size, keep_grids=cfg.keep_grids, progress=progress)
+    grid_checks = _judge_grid_stages(run, relation, empty_zero)
+    for stage in ("scores", "masked_scores", "weights", "context"):
+        if stages[stage].raised is not None:
+            raised[stage] = stages[stage].raised
+        if grid_checks.get(stage) or stage in raised:
+            checks[stage] = grid_checks.get(stage, [])
+            shapes[stage] = stages[stage].shape
+    tensors = {name: torch.cat(parts, dim=2) for name, parts in run.kept.items()}
+    if context is None:
+        return done(tensors)
+    tensors["context"] = context
+    picture = _picture(relation, tq, tk, b, nh)
+    if picture:
+        row_notes["masked_scores"] = "relation (b=0, h=0), queries as rows, keys as columns:\n" + picture
+    if stop_here():
+        ledger = done(tensors)
+        return _with_row_notes(ledger, row_notes)
+
+    # merged and output
+    try:
+        merged = ops.merge(context)  # [B, Tq, Nh*Dv]
+        shapes["merged"] = tuple(merged.shape)
+        ref_rows = sorted(ref_ctx)
+        got = torch.cat([merged[:, q0:q1] for q0, q1 in ref_rows], dim=1)
+        want = torch.cat([R.join_heads(ref_ctx[r]) for r in ref_rows], dim=1)
+        checks["merged"] = [
+            C.shape_check(merged.shape, (b, tq, nh * dv), AXES["merged"]),
+            C.head_slices_check("merge_head_slices", context, merged, nh, "merge")
+            if tuple(merged.shape) == (b, tq, nh * dv) else Check(2, "merge_head_slices", False, None, "shape cannot hold the heads"),
+        ]
+        if got.shape == want.shape:
+            d, ex = C.excess_error(got, want, rtol, atol * max(1.0, C.max_abs(want)))
+            checks["merged"].append(C.compare_check("matches_reference", d, ex, rtol, atol, "float64 reference"))
+    except Exception as exc:
+        raised["merged"] = exc
+        return _with_row_notes(done(tensors), row_notes)
+    if stop_here():
+        return _with_row_notes(done(tensors), row_notes)
+    try:
+        out = project(merged, w.wo)  # [B, Tq, E]
+        shapes["output"] = tuple(out.shape)
+        tensors["output"] = out
+        checks["output"] = [
+            C.shape_check(out.shape, (b, tq, e), "[B,Tq,E] (the external layout)", "external_layout"),
+            C.finite_check(C.nonfinite_count(out), "output values"),
+        ]
+        if tuple(out.shape) == (b, tq, e):
+            wo64 = w.wo.to(ref_dtype)
+            got = torch.cat([out[:, q0:q1] for q0, q1 in ref_rows], dim=1)
+            want = torch.cat([R.join_heads(ref_ctx[r]) @ wo64.T for r in ref_rows], dim=1)
+            d, ex = C.excess_error(got, want, rtol, atol * max(1.0, C.max_abs(want)))
+            checks["output"].append(C.compare_check("matches_reference", d, ex, rtol, atol, "float64 reference"))
+            sd_out = R.join_heads(sdpa_ctx) @ w.wo.T
+            d, ex = C.excess_error(out, sd_out, rtol, atol * max(1.0, C.max_abs(sd_out)))
+            checks["output"].append(C.compare_check("matches_sdpa", d, ex, rtol, atol, "SDPA-based forward"))
+    except Exception as exc:
+        raised["output"] = exc
+    return _with_row_notes(done(tensors), row_notes)
+
+
+def _with_row_notes(ledger: Ledger, notes: dict[str, str]) -> Ledger:
+    from dataclasses import replace
+
+    rows = tuple(replace(r, note=notes.get(r.stage, r.note)) if notes.get(r.stage) else r for r in ledger.rows)
+    return replace(ledger, rows=rows)
+
+
+def _picture(relation: Relation, tq: int, tk: int, b: int, nh: int) -> str | None:
+    from attn_ledger.masks import picture
+
+    if not relation.parts or tq > 16 or tk > 16:
+        return None
+    allow = relation.block(0, tq)
+    if allow is None:
+        return None
+    return picture(allow.expand(max(b, 1), -1, -1, -1)[0, 0])
+
+
+def _proj_checks(t: "Tensor", want: tuple[int, ...], name: str, ref: "Tensor", rtol: float, atol: float) -> list[Check]:
+    found = [C.shape_check(t.shape, want, AXES[name]), C.finite_check(C.nonfinite_count(t), f"{name} values")]
+    if tuple(t.shape) == tuple(ref.shape):
+        d, ex = C.excess_error(t, ref, rtol, atol * max(1.0, C.max_abs(ref)))
+        found.append(C.compare_check("matches_reference", d, ex, rtol, atol, "float64 projection + split"))
+    return found
+
+
+# --- saved or given tensors -----------------------------------------------------------
+
+TENSOR_NAMES = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _validate_qkv(q: "Tensor", k: "Tensor", v: "Tensor") -> None:
+    """Reject Q, K, V that cannot describe attention, with one line naming what is wrong."""
+    import torch
+
+    from attn_ledger.errors import InputError
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: got {type(t).__name__}, expected a tensor")
+        if t.dim() not in (3, 4):
+            raise InputError(f"{name}: got rank {t.dim()} shape {list(t.shape)}, expected [B, T, D] or [B, Nh, T, D]")
+        if C.dtype_name(t.dtype) not in FLOAT_DTYPES:
+            raise InputError(f"{name}: got dtype {C.dtype_name(t.dtype)}, expected one of {', '.join(FLOAT_DTYPES)}")
+    if not (q.dim() == k.dim() == v.dim()):
+        raise InputError(f"q/k/v: got ranks {q.dim()}, {k.dim()}, {v.dim()}, expected the same rank for all three")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InputError(f"q/k/v: got dtypes {C.dtype_name(q.dtype)}, {C.dtype_name(k.dtype)}, {C.dtype_name(v.dtype)}, expected one dtype")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise InputError(f"batch: got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}, expected the same batch size B")
+    if k.shape[-2] != v.shape[-2]:
+        raise InputError(f"Tk: got k {k.shape[-2]} key positions and v {v.shape[-2]}, expected K and V token counts to match")
+    if q.shape[-1] != k.shape[-1]:
+        raise InputError(f"Dh: got q width {q.shape[-1]} and k width {k.shape[-1]}, expected Q and K widths to match")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-2] == 0:
+            raise InputError(f"{name}: got 0 token positions in shape {list(t.shape)}, expected at least one")
+        if t.shape[-1] == 0:
+            raise InputError(f"{name}: got feature width 0 in shape {list(t.shape)}, expected a nonzero width")
+    if q.dim() == 4:
+        nh, nkv = q.shape[1], k.shape[1]
+        if k.shape[1] != v.shape[1]:
+            raise InputError(f"Nkv: got k {k.shape[1]} heads and v {v.shape[1]}, expected the same number of kv heads")
+        if nh == 0 or nkv == 0 or nh % nkv:
+            raise InputError(f"Nkv: got Nh={nh} query heads and Nkv={nkv} kv heads, expected Nkv to divide Nh")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() and not C.all_finite(t):
+            raise InputError(f"{name}: holds {C.nonfinite_count(t)} NaN or inf values, expected finite inputs")
+
+
+def ledger_on_qkv(
+    q: "Tensor",
+    k: "Tensor",
+    v: "Tensor",
+    *,
+    allow_mask: "Tensor | None" = None,
+    key_valid: "Tensor | None" = None,
+    mask: str = "none",
+    window: int | None = None,
+    prefix_len: int | None = None,
+    scores: "Tensor | None" = None,
+    weights: "Tensor | None" = None,
+    out: "Tensor | None" = None,
+    empty_rows: str = "error",
+    block_size: int | None = None,
+    keep_grids: bool = False,
+    keep_going: bool = False,
+    progress: ProgressFn | None = None,
+    source: str = "tensors",
+) -> Ledger:
+    """Run the ledger on given Q, K, V (and optionally the user's own intermediates).
+
+    Args:
+        q: ``[B, Tq, Dh]`` (one head) or ``[B, Nh, Tq, Dh]``.
+        k: ``[B, Tk, Dh]`` or ``[B, Nkv, Tk, Dh]`` (Nkv divides Nh).
+        v: ``[B, Tk, Dv]`` or ``[B, Nkv, Tk, Dv]``.
+        allow_mask: bool ``[Tq, Tk]``, ``[B, Tq, Tk]`` or ``[B, Nh, Tq, Tk]``, True = may attend.
+        key_valid: bool ``[B, Tk]``, True = a real key (placed as ``[B, 1, 1, Tk]``).
+        mask: relations to add by name, joined by ``+``: ``causal`` (bottom-right),
+            ``causal-top-left``, ``sliding-window`` (with ``window``), ``prefix-lm`` (with ``prefix_len``).
+        scores, weights, out: the user's own intermediates (scores scaled, before masking),
+            shaped like the derived grid / context; each is compared with the reference.
+        empty_rows: ``"error"`` (a query with every key blocked is a divergence) or
+            ``"zeros"`` (such rows are declared and must come out as zeros).
+
+    Returns:
+        The :class:`~attn_ledger.report.Ledger` for stages input, scores, masked_scores, weights, context.
+    """
+    import torch
+
+    from attn_ledger import masks
+    from attn_ledger.errors import InputError
+    from attn_ledger.pipeline import HEALTHY
+
+    _validate_qkv(q, k, v)
+    one_head = q.dim() == 3
+    if one_head:
+        q, k, v = q[:, None], k[:, None], v[:, None]  # [B, 1, T, D]
+    b, nh, tq, dh = q.shape
+    nkv, tk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = q.dtype
+    for name, t in (("allow_mask", allow_mask), ("key_valid", key_valid)):
+        if t is not None and t.dtype != torch.bool:
+            raise InputError(f"{name}: got dtype {C.dtype_name(t.dtype)}, expected bool (True = may attend / real key)")
+    if allow_mask is not None:
+        masks.expand_to_grid(allow_mask, b, nh, tq, tk)  # validates the named axes
+    if key_valid is not None and tuple(key_valid.shape) != (b, tk):
+        raise InputError(f"key_valid: got shape {list(key_valid.shape)}, expected [B, Tk]={[b, tk]}")
+    relation = relation_from_tensors(b, nh, tq, tk, allow_mask, key_valid)
+    extra_parts: list[Callable[[int, int], Tensor]] = []
+    extra_names: list[str] = []
+    for r in [p.strip() for p in (mask or "none").split("+")]:
+        if r == "none":
+            continue
+        if r == "causal":
+            extra_parts.append(lambda q0, q1: masks.causal(tq, tk, "bottom-right", q0, q1, q.device)[None, None])
+            extra_names.append("causal (bottom-right)" if tq != tk else "causal")
+        elif r == "causal-top-left":
+            extra_parts.append(lambda q0, q1: masks.causal(tq, tk, "top-left", q0, q1, q.device)[None, None])
+            extra_names.append("causal (top-left)")
+        elif r == "sliding-window":
+            if not window or window < 1:
+                raise InputError(f"window: got {window!r}, expected a positive window length for mask 'sliding-window'")
+            extra_parts.append(lambda q0, q1: masks.sliding_window(tq, tk, window, q0, q1, q.device)[None, None])
+            extra_names.append(f"sliding window {window}")
+        elif r == "prefix-lm":
+            if prefix_len is None or prefix_len < 0:
+                raise InputError(f"prefix_len: got {prefix_len!r}, expected a prefix length for mask 'prefix-lm'")
+            extra_parts.append(lambda q0, q1: masks.prefix_lm(tq, tk, prefix_len, q0, q1, q.device)[None, None])
+            extra_names.append(f"prefix-LM prefix {prefix_len}")
+        else:
+            raise InputError(f"mask: got {mask!r}, expected none, causal, causal-top-left, sliding-window or prefix-lm joined by '+'")
+    if extra_parts:
+        names = [n for n in (relation.name if relation.parts else "", *extra_names) if n]
+        relation = Relation(" + ".join(names), relation.parts + tuple(extra_parts))
+    if empty_rows not in ("error", "zeros"):
+        raise InputError(f"empty_rows: got {empty_rows!r}, expected 'error' or 'zeros'")
+
+    stages = {s: _Stage() for s in TENSOR_STAGES}
+    run = _Run(stages, dtype, {"B": b, "Nh": nh})
+    grid, ctx_shape = (b, nh, tq, tk), (b, nh, tq, dv)
+    user: dict[str, Tensor] = {}
+    for name, t, want in (("scores", scores, grid), ("weights", weights, grid), ("out", out, ctx_shape)):
+        if t is None:
+            continue
+        if not t.is_floating_point():
+            raise InputError(f"{name}: got dtype {C.dtype_name(t.dtype)}, expected a floating-point tensor")
+        t4 = t[:, None] if (one_head and t.dim() == 3) else t
+        st = stages.setdefault(f"user_{name}", _Stage())
+        if tuple(t4.shape) != want:
+            shown = "[B,Nh,Tq,Tk]" if name != "out" else "[B,Nh,Tq,Dv]"
+            st.extra.append(C.shape_check(t.shape, want if not one_head else (want[0], *want[2:]),
+                                          f"given {name} {shown if not one_head else shown.replace('Nh,', '')}", f"user_{name}_shape"))
+        else:
+            user[name] = t4
+    ref_dtype = _ref_dtype(q.device)
+    checks: dict[str, list[Check]] = {}
+    shapes: dict[str, tuple[int, ...] | None] = {"input": tuple(q.shape)}
+    raised: dict[str, BaseException] = {}
+    checks["input"] = [
+        Check(1, "qk_widths_match", q.shape[-1] == k.shape[-1], float(dh), f"Q and K widths {q.shape[-1]} and {k.shape[-1]}"),
+        Check(1, "kv_tokens_match", k.shape[-2] == v.shape[-2], float(tk), f"K and V token counts {k.shape[-2]} and {v.shape[-2]}"),
+        C.kv_pairing_check(HEALTHY.expand, nh, nkv),
+        C.finite_check(C.nonfinite_count(q) + C.nonfinite_count(k) + C.nonfinite_count(v), "input values"),
+    ]
+    k_exp, v_exp = HEALTHY.expand(k, nh), HEALTHY.expand(v, nh)
+    from attn_ledger.reference import repeat_kv
+
+    ref = (q.to(ref_dtype), repeat_kv(k.to(ref_dtype), nh), repeat_kv(v.to(ref_dtype), nh))
+    context, _, _ = _attend_blocks(
+        run, HEALTHY, q, k_exp, v_exp, ref, relation, scale=1.0 / math.sqrt(dh), ref_scale=1.0 / math.sqrt(dh),
+        empty_zero=empty_rows == "zeros", user=user, block_size=block_size, keep_grids=keep_grids, progress=progress)
+    grid_checks = _judge_grid_stages(run, relation, empty_rows == "zeros")
+    for stage in ("scores", "masked_scores", "weights", "context"):
+        if stages[stage].raised is not None:
+            raised[stage] = stages[stage].raised
+        checks[stage] = grid_checks.get(stage, [])
+        shapes[stage] = stages[stage].shape
+    tensors = {name: torch.cat(parts, dim=2) for name, parts in run.kept.items()}
+    if context is not None:
+        tensors["context"] = context
+    row_notes = {"input": f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}" + (" (one head: Nh=1 inserted)" if one_head else "")}
+    picture = _picture(relation, tq, tk, b, nh)
+    if picture:
+        row_notes["masked_scores"] = "relation (b=0, h=0), queries as rows, keys as columns:\n" + picture
+    if allow_mask is not None and tq != tk:
+        run.notes.append("allow_mask alignment: " + _alignment_of(allow_mask, b, nh, tq, tk))
+    title = (f"ATTENTION LEDGER ({source}) B={b} Tq={tq} Tk={tk} Nh={nh}" + (f" Nkv={nkv}" if nkv != nh else "")
+             + f" Dh={dh}" + (f" Dv={dv}" if dv != dh else "") + f" mask={relation.name} dtype={C.dtype_name(dtype)}")
+    meta = {"B": b, "Tq": tq, "Tk": tk, "Nh": nh, "Nkv": nkv, "Dh": dh, "Dv": dv, "mask": relation.name,
+            "dtype": C.dtype_name(dtype), "device": str(q.device), "given": sorted(["q", "k", "v", *user])}
+    ledger = _finish("run", title, TENSOR_STAGES, checks, shapes, raised, keep_going, run.notes, meta, tensors, row_notes)
+    return ledger
+
+
+def _alignment_of(allow_mask: "Tensor", b: int, nh: int, tq: int, tk: int) -> str:
+    """Say whether a saved mask is the causal relation aligned top-left, bottom-right, or neither."""
+    from attn_ledger import masks
+
+    grid = masks.expand_to_grid(allow_mask, b, nh, tq, tk)
+    br = masks.causal(tq, tk, "bottom-right", device=allow_mask.device)
+    tl = masks.causal(tq, tk, "top-left", device=allow_mask.device)
+    if bool((grid == br).all()):
+        return "causal, bottom-right (query i may use key j iff j <= i + Tk - Tq)"
+    if bool((grid == tl).all()):
+        return "causal, top-left (query i may use key j iff j <= i), which a KV-cache decode does not want"
+    return "not a pure causal relation in either alignment"
+
+
+def run_ledger_tensors(
+    path: str,
+    *,
+    mask: str = "none",
+    window: int | None = None,
+    prefix_len: int | None = None,
+    empty_rows: str = "error",
+    dtype: str | None = None,
+    device: str = "cpu",
+    block_size: int | None = None,
+    keep_grids: bool = False,
+    keep_going: bool = False,
+    progress: ProgressFn | None = None,
+) -> Ledger:
+    """Load a ``.pt``/``.safetensors``/``.npz`` file of q, k, v (and optional masks and intermediates) and run the ledger."""
+    from attn_ledger.errors import TensorFileError
+    from attn_ledger.tensorio import load_tensor_file
+
+    found = load_tensor_file(path, "tensors")
+    unknown = sorted(set(found) - set(TENSOR_NAMES))
+    if unknown:
+        raise TensorFileError(f"tensors: {path!r} holds unexpected tensor {unknown[0]!r}, expected names from {', '.join(TENSOR_NAMES)}")
+    missing = [n for n in ("q", "k", "v") if n not in found]
+    if missing:
+        raise TensorFileError(f"tensors: {path!r} has no {missing[0]!r} tensor (found {sorted(found) or 'none'}), expected q, k and v")
+    dev = _resolve_device(device)
+    t = {n: x.to(dev) for n, x in found.items()}
+    if dtype is not None:
+        dt = _torch_dtype(dtype)
+        for n in ("q", "k", "v", "scores", "weights", "out"):
+            if n in t and t[n].is_floating_point():
+                t[n] = t[n].to(dt)
+    return ledger_on_qkv(
+        t["q"], t["k"], t["v"], allow_mask=t.get("allow_mask"), key_valid=t.get("key_valid"), mask=mask,
+        window=window, prefix_len=prefix_len, scores=t.get("scores"), weights=t.get("weights"), out=t.get("out"),
+        empty_rows=empty_rows, block_size=block_size, keep_grids=keep_grids, keep_going=keep_going,
+        progress=progress, source=str(path))
