@@ -46,6 +46,12 @@ from attn_ledger.commands import run as _run  # noqa: E402
 
 app.command("run")(_run.run)
 
+from attn_ledger.commands import polarity as _polarity  # noqa: E402
+from attn_ledger.commands import sweep_scale as _sweep_scale  # noqa: E402
+
+app.command("sweep-scale")(_sweep_scale.sweep_scale)
+app.command("polarity")(_polarity.polarity)
+
 
 def main() -> None:
     app()

@@ -1,0 +1,54 @@
+"""``attn-ledger polarity``: boolean mask conventions per API, probed, and a user's mask fingerprinted."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from attn_ledger.commands.common import Format, Progress, execute
+
+
+class Expect(str, Enum):
+    """The relation a mask file should encode."""
+
+    causal = "causal"
+    padding = "padding"
+
+
+class PaddingSide(str, Enum):
+    """Where padding sits in each row of a [B, Tk] padding mask."""
+
+    right = "right"
+    left = "left"
+
+
+def polarity(
+    mask: Annotated[Optional[Path], typer.Option("--mask", help="A mask file (.pt, .npz, .safetensors) to fingerprint.")] = None,
+    expect: Annotated[Optional[Expect], typer.Option("--expect", help="The relation the mask should encode.")] = None,
+    padding_side: Annotated[PaddingSide, typer.Option("--padding-side", help="Padding side for --expect padding.")] = PaddingSide.right,
+    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+) -> None:
+    """Which boolean convention does each attention API use, and what does the wrong one do?
+
+    Exit 1 when a probe and the installed documentation disagree, or a --mask file matches
+    neither polarity of the expected relation or is a float 0/1 mask.
+    """
+
+    def build():
+        from attn_ledger.errors import field_error
+        from attn_ledger.experiments import polarity as pol
+
+        if mask is not None or expect is not None:
+            if mask is None:
+                raise field_error("--expect", expect.value, "it together with --mask FILE")
+            if expect is None:
+                raise field_error("--mask", str(mask), "it together with --expect causal|padding")
+            return pol.fingerprint(mask, expect.value, padding_side.value)
+        with Progress("polarity") as progress:
+            return pol.run_polarity(progress=progress)
+
+    execute(build, output_format, output)

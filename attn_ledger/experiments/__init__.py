@@ -1,0 +1,1 @@
+"""Experiments that answer one question each: score scale against Dh, mask polarity per API."""
