@@ -46,6 +46,10 @@ from attn_ledger.commands import run as _run  # noqa: E402
 
 app.command("run")(_run.run)
 
+from attn_ledger.commands import intervene as _intervene  # noqa: E402
+
+app.command("intervene")(_intervene.intervene)
+
 from attn_ledger.commands import polarity as _polarity  # noqa: E402
 from attn_ledger.commands import sweep_scale as _sweep_scale  # noqa: E402
 

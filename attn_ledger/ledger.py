@@ -171,6 +171,7 @@ class _Run:
     dims: dict[str, int]
     notes: list[str] = field(default_factory=list)
     kept: dict[str, list] = field(default_factory=dict)
+    row_values: dict[str, str] = field(default_factory=dict)
     stop_after_divergence: bool = True
 
 
@@ -273,7 +274,7 @@ def _attend_blocks(
         ai = None if allow_i is None else allow_i[..., lo:hi]
         ap = None if allow_p is None else allow_p[..., lo:hi]
         if allow_i is not None:
-            counts = allow_i.expand(b, -1, -1, -1)[0, 0].sum(dim=-1).tolist()  # batch 0, head 0
+            counts = allow_i.expand(max(b, 1), allow_i.shape[1], rows, tk)[0, 0].sum(dim=-1).tolist()  # batch 0, head 0
             allowed_counts = (allowed_counts or []) + [int(c) for c in counts]
         qb = q[:, :, q0:q1]  # [B, Nh, rows, Dh]
         kb, vb = k_exp[:, :, lo:hi], v_exp[:, :, lo:hi]  # [B, Nh, kw, Dh], [B, Nh, kw, Dv]
@@ -323,8 +324,7 @@ def _attend_blocks(
         m_st.add("nan_or_posinf", 0 if C.all_finite(m, allow_neg_inf=True) else C.nonfinite_count(m, allow_neg_inf=True))
         neg = torch.isneginf(m)  # excluded pairs
         dead = neg.all(dim=-1)  # [B, Nh, rows]: query rows with every key excluded
-        if not full_keys and ai is not None and lo > 0 or hi < tk:
-            pass  # keys outside [lo, hi) are excluded for both relations by construction of the hull
+        # keys outside [lo, hi) are forbidden by both relations, so they are excluded by construction
         declared_dead = (~live) if (live is not None and empty_zero) else torch.zeros_like(dead)
         m_st.add("fully_blocked", int((dead & ~declared_dead).sum()))
         if ai is not None:
@@ -398,8 +398,15 @@ def _attend_blocks(
 
     if allowed_counts is not None and len(allowed_counts) <= 32:
         run.notes.append(f"allowed keys per query (b=0, h=0): {allowed_counts}")
-    st["masked_scores"].maxes["_counts_known"] = 1.0
+    if keep and b * nh * tq * tk <= 16 and b * nh * tq * dv <= 16:
+        w_all = torch.cat(run.kept["weights"], dim=2)
+        run.row_values["weights"] = "weights (b=0, h=0): " + _rows_text(w_all[0, 0])
+        run.row_values["context"] = "context (b=0, h=0): " + _rows_text(context[0, 0])
     return context, sdpa_ctx, ref_ctx
+
+
+def _rows_text(t: "Tensor") -> str:
+    return "[" + ", ".join("[" + ", ".join(f"{x:.6f}" for x in row) + "]" for row in t.tolist()) + "]"
 
 
 def _user_compare(ust: _Stage, actual: "Tensor", expected: "Tensor | None", rtol: float, atol: float) -> None:
@@ -603,19 +610,21 @@ def _finish(
     meta: dict[str, Any],
     tensors: dict[str, Any],
     row_notes: dict[str, str] | None = None,
+    axes: dict[str, str] | None = None,
 ) -> Ledger:
     """Turn per-stage checks into rows with statuses, and name the first divergence."""
     rows: list[StageRow] = []
     diverged_at: int | None = None
     stopped = False
     row_notes = row_notes or {}
+    axes = axes or AXES
     for i, stage in enumerate(order):
         found = list(checks.get(stage, []))
         if stage in raised:
             found = [C.raised_check(raised[stage])] + found
         computed = stage in checks or stage in raised
         if stopped or not computed:
-            rows.append(StageRow(stage, shapes.get(stage), AXES[stage], "not_reached",
+            rows.append(StageRow(stage, shapes.get(stage), axes[stage], "not_reached",
                                  tuple(Check(c.level, c.name, None, None, "not reached", c.severity) for c in found),
                                  row_notes.get(stage, "")))
             continue
@@ -627,7 +636,7 @@ def _finish(
             status = "downstream"
         else:
             status = "ok"
-        rows.append(StageRow(stage, shapes.get(stage), AXES[stage], status, tuple(found), row_notes.get(stage, "")))
+        rows.append(StageRow(stage, shapes.get(stage), axes[stage], status, tuple(found), row_notes.get(stage, "")))
         if stage in raised or (diverged_at is not None and not keep_going):
             stopped = True
     return Ledger(command, title, tuple(rows), first_divergence_of(rows), tuple(notes), meta, tensors)
@@ -794,7 +803,8 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     tensors["context"] = context
     picture = _picture(relation, tq, tk, b, nh)
     if picture:
-        row_notes["masked_scores"] = "relation (b=0, h=0), queries as rows, keys as columns:\n" + picture
+        row_notes["masked_scores"] = "intended relation (b=0, h=0), queries as rows, keys as columns:\n" + picture
+    row_notes.update(run.row_values)
     if stop_here():
         ledger = done(tensors)
         return _with_row_notes(ledger, row_notes)
@@ -1046,15 +1056,16 @@ def ledger_on_qkv(
     row_notes = {"input": f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}" + (" (one head: Nh=1 inserted)" if one_head else "")}
     picture = _picture(relation, tq, tk, b, nh)
     if picture:
-        row_notes["masked_scores"] = "relation (b=0, h=0), queries as rows, keys as columns:\n" + picture
+        row_notes["masked_scores"] = "intended relation (b=0, h=0), queries as rows, keys as columns:\n" + picture
+    row_notes.update(run.row_values)
     if allow_mask is not None and tq != tk:
         run.notes.append("allow_mask alignment: " + _alignment_of(allow_mask, b, nh, tq, tk))
     title = (f"ATTENTION LEDGER ({source}) B={b} Tq={tq} Tk={tk} Nh={nh}" + (f" Nkv={nkv}" if nkv != nh else "")
              + f" Dh={dh}" + (f" Dv={dv}" if dv != dh else "") + f" mask={relation.name} dtype={C.dtype_name(dtype)}")
     meta = {"B": b, "Tq": tq, "Tk": tk, "Nh": nh, "Nkv": nkv, "Dh": dh, "Dv": dv, "mask": relation.name,
             "dtype": C.dtype_name(dtype), "device": str(q.device), "given": sorted(["q", "k", "v", *user])}
-    ledger = _finish("run", title, TENSOR_STAGES, checks, shapes, raised, keep_going, run.notes, meta, tensors, row_notes)
-    return ledger
+    axes = {**AXES, "input": "[B,Nh,Tq,Dh]"}
+    return _finish("run", title, TENSOR_STAGES, checks, shapes, raised, keep_going, run.notes, meta, tensors, row_notes, axes)
 
 
 def _alignment_of(allow_mask: "Tensor", b: int, nh: int, tq: int, tk: int) -> str:

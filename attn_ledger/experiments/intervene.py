@@ -625,14 +625,14 @@ def _cut_rows(report: InterventionReport) -> list[list[str]]:
                 row += ["-", "-", "error"]
                 continue
             c = p.cuts[idx]
-            moved = f" (pos {c.moved_position})" if c.status == "leak" else ""
+            moved = f"@{c.moved_position}" if c.status == "leak" else ""
             row += [_g(c.prefix_delta), _g(c.suffix_delta), c.status + moved]
         rows.append(row)
     return rows
 
 
 def _cut_headers(report: InterventionReport) -> list[str]:
-    headers = ["cut i", "changed"]
+    headers = ["cut i", "changed"]  # a status "leak@p" names the first position p <= i that moved
     for p in report.paths:
         headers += [f"{p.grad_mode} prefix", f"{p.grad_mode} suffix", f"{p.grad_mode}"]
     return headers
@@ -656,12 +656,12 @@ def _summary_rows(report: InterventionReport) -> list[list[str]]:
                      "yes" if p.ok else "NO"])
     for c in report.controls:
         r = c.result
-        rows.append([f"control: {c.name}", r.grad_mode, r.verdict, "leak", _g(r.max_prefix_delta), _g(r.min_suffix_delta),
+        rows.append([f"control {c.name}", r.grad_mode, r.verdict, "leak", _g(r.max_prefix_delta), _g(r.min_suffix_delta),
                      "yes" if c.failed_as_expected else "NO"])
     return rows
 
 
-_SUMMARY_HEADERS = ["run", "path", "verdict", "expected", "max |d| prefix", "min |d| suffix", "as expected"]
+_SUMMARY_HEADERS = ["run", "path", "verdict", "expected", "max prefix delta", "min suffix delta", "as expected"]
 
 
 def _title(report: InterventionReport) -> str:
@@ -705,7 +705,7 @@ def _render_rich(report: InterventionReport) -> Any:
         parts.append(table)
     summary = Table(title="verdicts", title_justify="left")
     for h in _SUMMARY_HEADERS:
-        summary.add_column(h, justify="right" if "|d|" in h else "left")
+        summary.add_column(h, justify="right" if "delta" in h else "left", no_wrap=h in ("run", "path", "verdict"))
     for row in _summary_rows(report):
         summary.add_row(*row)
     parts.append(summary)

@@ -466,9 +466,9 @@ def _rich(title: str, rows, checks, facts, plot, ok: bool) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
     for h in _HEADERS:
-        table.add_column(h, justify="right", no_wrap=True)
+        table.add_column(h, justify="right", min_width=7 if h != "Dh" else 4)
     for r in rows:
         table.add_row(*_cells(r))
     parts: list[Any] = [table, Text("maxp: mean largest softmax probability per query row; H: mean softmax entropy (nats).")]

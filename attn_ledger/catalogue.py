@@ -1,0 +1,500 @@
+"""A catalogue of broken attention kernels and modules, and what each level of checking sees of them.
+
+Every kernel here follows the kernel protocol (see :mod:`attn_ledger.kernelcheck`) and is
+correct except for one deliberate, realistic fault. The two module faults go through
+:func:`attn_ledger.modulecheck.check_module`. Where the built-in pipeline has the same
+fault (``attn-ledger run --fault``), the white-box ledger's first divergence is shown
+beside the black-box level, since the ledger sees every stage and ``check`` sees only
+inputs and outputs.
+
+:func:`run_catalogue` is a self-test of the tool: its exit code is 1 if any fault goes
+undetected.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from attn_ledger.report import LEVEL_NAMES, Check, envelope
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+
+# --- shared pieces of the broken kernels ----------------------------------------------
+
+
+def _expand(q: "Tensor", k: "Tensor", v: "Tensor") -> tuple["Tensor", "Tensor"]:
+    """Grouped-query kv heads to one per query head: kv head g serves query heads g*group..(g+1)*group-1."""
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, Nh, Tk, D]
+
+
+def _allow(q: "Tensor", k: "Tensor", allow_mask: "Tensor | None", is_causal: bool) -> "Tensor | None":
+    """The protocol's relation: allow_mask AND (if is_causal) the bottom-right causal relation."""
+    import torch
+
+    tq, tk = q.shape[-2], k.shape[-2]
+    allow = allow_mask
+    if is_causal:
+        i = torch.arange(tq, device=q.device)[:, None]
+        j = torch.arange(tk, device=q.device)[None, :]
+        causal = j <= i + (tk - tq)  # [Tq, Tk]
+        allow = causal if allow is None else (allow & causal)
+    return allow
+
+
+def _scale(q: "Tensor", scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def _masked_softmax(scores: "Tensor", allow: "Tensor | None") -> "Tensor":
+    import torch
+
+    if allow is None:
+        return torch.softmax(scores, dim=-1)
+    w = torch.softmax(scores.masked_fill(~allow, float("-inf")), dim=-1)  # [B, Nh, Tq, Tk]
+    return torch.nan_to_num(w, nan=0.0)  # a query with no allowed key gets zeros, as SDPA does
+
+
+def _attend(q, k, v, allow_mask=None, is_causal=False, scale=None):
+    """Correct manual attention; the broken kernels change one step of it."""
+    k, v = _expand(q, k, v)
+    allow = _allow(q, k, allow_mask, is_causal)
+    scores = q @ k.transpose(-2, -1) * _scale(q, scale)  # [B, Nh, Tq, Tk]
+    return _masked_softmax(scores, allow) @ v  # [B, Nh, Tq, Dv]
+
+
+def _merge(x: "Tensor") -> "Tensor":
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]
+
+
+def _split(x: "Tensor", h: int) -> "Tensor":
+    b, t, e = x.shape
+    return x.reshape(b, t, h, e // h).transpose(1, 2)  # [B, H, T, D]
+
+
+# --- the broken kernels ---------------------------------------------------------------
+
+
+def split_reshape(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Works in [B, T, E] layout inside and splits heads with ``reshape(B, H, T, D)`` (no transpose)."""
+
+    def bad_split(x):
+        b, h, t, d = x.shape
+        return _merge(x).reshape(b, h, t, d)  # [B, H, T, D] in shape only: heads hold half-positions
+
+    def bad_unsplit(x):
+        b, h, t, d = x.shape
+        return _split(x.reshape(b, t, h * d), h)  # the inverse reshape, then the correct layout
+
+    out = _attend(bad_split(q), bad_split(k), bad_split(v), allow_mask, is_causal, scale)
+    return bad_unsplit(out)
+
+
+def merge_reshape(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Merges heads for the output with ``reshape(B, Tq, Nh*Dv)`` (no transpose), then splits correctly."""
+    out = _attend(q, k, v, allow_mask, is_causal, scale)  # [B, Nh, Tq, Dv]
+    b, h, t, d = out.shape
+    return _split(out.reshape(b, t, h * d), h)
+
+
+def k_transpose(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """``k.transpose(1, 2)`` where ``k.transpose(-2, -1)`` was meant: runs only when Nh == Tk == Dh."""
+    k, v = _expand(q, k, v)
+    scores = q @ k.transpose(1, 2) * _scale(q, scale)  # meant [B, Nh, Tq, Tk]
+    return _masked_softmax(scores, _allow(q, k, allow_mask, is_causal)) @ v
+
+
+def softmax_axis(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Softmax over the query axis (dim=-2) instead of the key axis."""
+    import torch
+
+    k, v = _expand(q, k, v)
+    allow = _allow(q, k, allow_mask, is_causal)
+    scores = q @ k.transpose(-2, -1) * _scale(q, scale)  # [B, Nh, Tq, Tk]
+    if allow is not None:
+        scores = scores.masked_fill(~allow, float("-inf"))
+    return torch.nan_to_num(torch.softmax(scores, dim=-2), nan=0.0) @ v
+
+
+def no_scale(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Forgets the 1/sqrt(Dh) scale."""
+    return _attend(q, k, v, allow_mask, is_causal, scale=1.0)
+
+
+def mask_polarity(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Treats the allow relation as a block relation (``masked_fill(allow, -inf)``), as nn.MultiheadAttention would."""
+    import torch
+
+    k, v = _expand(q, k, v)
+    allow = _allow(q, k, allow_mask, is_causal)
+    scores = q @ k.transpose(-2, -1) * _scale(q, scale)
+    if allow is not None:
+        scores = scores.masked_fill(allow, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def mask_after_softmax(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Normalises first, then zeroes the forbidden weights: rows no longer sum to one."""
+    import torch
+
+    k, v = _expand(q, k, v)
+    allow = _allow(q, k, allow_mask, is_causal)
+    w = torch.softmax(q @ k.transpose(-2, -1) * _scale(q, scale), dim=-1)  # [B, Nh, Tq, Tk]
+    if allow is not None:
+        w = w * allow
+    return w @ v
+
+
+def gqa_repeat(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Grouped-query kv heads tiled with ``repeat`` instead of ``repeat_interleave``."""
+    import torch.nn.functional as F
+
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)  # kv head h % Nkv, not h // group
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_allow(q, k, allow_mask, is_causal), scale=scale)
+
+
+def causal_top_left(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Forwards ``is_causal`` to F.scaled_dot_product_attention, whose causal relation is top-left aligned."""
+    import torch
+    import torch.nn.functional as F
+
+    k, v = _expand(q, k, v)
+    if is_causal and allow_mask is not None:
+        tril = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        allow_mask, is_causal = allow_mask & tril, False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allow_mask, is_causal=is_causal, scale=scale)
+
+
+def float_mask_bias(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Adds the 0/1 allow relation to the scores as a float bias: forbidden keys get +0, not -inf."""
+    import torch
+
+    k, v = _expand(q, k, v)
+    allow = _allow(q, k, allow_mask, is_causal)
+    scores = q @ k.transpose(-2, -1) * _scale(q, scale)
+    if allow is not None:
+        scores = scores + allow.to(scores.dtype)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def softmax_overflow(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """A hand-written softmax, ``exp(s) / exp(s).sum()``, without subtracting the row maximum."""
+    import torch
+
+    k, v = _expand(q, k, v)
+    allow = _allow(q, k, allow_mask, is_causal)
+    e = torch.exp(q @ k.transpose(-2, -1) * _scale(q, scale))  # overflows once s > ~88 in float32
+    if allow is not None:
+        e = e * allow
+    w = e / e.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
+    return w @ v
+
+
+# --- the broken modules -----------------------------------------------------------------
+
+
+def _dropout_module(embed_dim: int, num_heads: int) -> "nn.Module":
+    """Passes ``dropout_p=0.1`` to F.scaled_dot_product_attention whether or not the module is training."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class DropoutAtEval(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_heads = num_heads
+            self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
+            self.out = nn.Linear(embed_dim, embed_dim, bias=False)
+
+        def forward(self, x):
+            b, t, e = x.shape
+            q, k, v = (_split(p, self.num_heads) for p in self.qkv(x).chunk(3, dim=-1))  # [B, Nh, T, Dh]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)  # ignores self.training
+            return self.out(_merge(o))  # [B, T, E]
+
+    return DropoutAtEval()
+
+
+def _batch_first_module(embed_dim: int, num_heads: int) -> "nn.Module":
+    """nn.MultiheadAttention left at ``batch_first=False`` and fed ``[B, T, E]``."""
+    import torch
+    from torch import nn
+
+    class BatchFirstConfusion(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(embed_dim, num_heads, bias=False)  # expects [T, B, E]
+
+        def forward(self, x):
+            t = x.shape[1]
+            blocked = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)  # MHA: True = blocked
+            return self.mha(x, x, x, attn_mask=blocked, need_weights=False)[0]
+
+    return BatchFirstConfusion()
+
+
+# --- the catalogue ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One deliberate failure.
+
+    Attributes:
+        name: stable id (the pipeline's fault name where it has one).
+        kind: ``kernel`` (checked with the kernel protocol) or ``module`` (check_module).
+        summary: what the code does wrong, in one line.
+        target: the broken kernel function, or the module factory.
+        pipeline_fault: the same fault in the built-in pipeline (``run --fault``), if any.
+        module_causal: for modules, whether the module is meant to be causal.
+    """
+
+    name: str
+    kind: str
+    summary: str
+    target: Callable[..., Any]
+    pipeline_fault: str | None = None
+    module_causal: bool = True
+
+
+CATALOGUE: tuple[Fault, ...] = (
+    Fault("split-reshape", "kernel", "bad split: heads re-split from [B, T, E] with reshape, no transpose",
+          split_reshape, "split-reshape"),
+    Fault("merge-reshape", "kernel", "bad merge: heads merged with reshape, no transpose, then split correctly",
+          merge_reshape, "merge-reshape"),
+    Fault("k-transpose", "kernel", "wrong transpose: k.transpose(1, 2) for k.transpose(-2, -1)",
+          k_transpose, "k-transpose"),
+    Fault("softmax-axis", "kernel", "softmax over queries (dim=-2), not keys", softmax_axis, "softmax-axis"),
+    Fault("no-scale", "kernel", "missing 1/sqrt(Dh) scale", no_scale, "no-scale"),
+    Fault("mask-polarity", "kernel", "allow mask used as a block mask (inverted polarity)", mask_polarity,
+          "mask-polarity"),
+    Fault("mask-after-softmax", "kernel", "forbidden weights zeroed after softmax", mask_after_softmax,
+          "mask-after-softmax"),
+    Fault("dropout-at-eval", "module", "dropout_p passed to SDPA regardless of .training", _dropout_module),
+    Fault("batch-first", "module", "nn.MultiheadAttention(batch_first=False) fed [B, T, E]", _batch_first_module),
+    Fault("gqa-repeat", "kernel", "grouped-query kv heads paired by repeat, not repeat_interleave", gqa_repeat),
+    Fault("causal-top-left", "kernel", "is_causal forwarded to SDPA: top-left where decode needs bottom-right",
+          causal_top_left),
+    Fault("float-mask-bias", "kernel", "0/1 float allow mask added to the scores as a bias", float_mask_bias),
+    Fault("softmax-overflow", "kernel", "hand-written softmax without subtracting the row max", softmax_overflow),
+)
+
+
+@dataclass(frozen=True)
+class FaultResult:
+    """What each view saw of one fault.
+
+    Attributes:
+        fault: the catalogue entry.
+        level, check: the lowest level at which the black-box check detects it, and the check
+            (None when undetected).
+        case: the smallest failing case id (kernels) or None (modules).
+        passes_through: ``(level, check)`` for each check that was evaluated and never failed.
+        clean_levels: levels at which every evaluated check passed on every case.
+        white_level, white_stage, white_check: the white-box ledger's first divergence on the
+            built-in pipeline with the same fault, or None where it has no such fault.
+        note: anything that stopped a view from running.
+    """
+
+    fault: Fault
+    level: int | None
+    check: str | None
+    case: str | None
+    passes_through: tuple[tuple[int, str], ...]
+    clean_levels: tuple[int, ...] = ()
+    white_level: int | None = None
+    white_stage: str | None = None
+    white_check: str | None = None
+    note: str = ""
+
+    @property
+    def detected(self) -> bool:
+        return self.level is not None
+
+    def passes_text(self) -> str:
+        """``L1 all, L2 all, L3 finite``: whole levels where nothing failed, else the checks that held."""
+        parts = []
+        for level in sorted({lv for lv, _ in self.passes_through}):
+            if level in self.clean_levels:
+                parts.append(f"L{level} all")
+            else:
+                parts.append(", ".join(f"L{lv} {n}" for lv, n in self.passes_through if lv == level))
+        return ", ".join(parts) or "-"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fault": self.fault.name,
+            "kind": self.fault.kind,
+            "summary": self.fault.summary,
+            "detected": self.detected,
+            "black_box": {"level": self.level, "check": self.check, "smallest_case": self.case},
+            "white_box": None if self.fault.pipeline_fault is None else {
+                "fault": self.fault.pipeline_fault, "level": self.white_level,
+                "stage": self.white_stage, "check": self.white_check,
+            },
+            "passes_through": [name for _, name in self.passes_through],
+            "clean_levels": list(self.clean_levels),
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class CatalogueReport:
+    """The result of ``attn-ledger faults``."""
+
+    results: tuple[FaultResult, ...]
+    elapsed_s: float = 0.0
+
+    @property
+    def undetected(self) -> tuple[FaultResult, ...]:
+        return tuple(r for r in self.results if not r.detected)
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if not self.undetected else "undetected"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if not self.undetected else 1
+
+    def result(self, name: str) -> FaultResult:
+        for r in self.results:
+            if r.fault.name == name:
+                return r
+        raise KeyError(name)
+
+    def to_json(self) -> dict[str, Any]:
+        return envelope(
+            "faults", self.verdict,
+            faults_total=len(self.results),
+            undetected=[r.fault.name for r in self.undetected],
+            elapsed_s=round(self.elapsed_s, 3),
+            faults=[r.to_json() for r in self.results],
+        )
+
+    def _rows(self) -> list[list[str]]:
+        rows = []
+        for r in self.results:
+            black = f"L{r.level} {r.check}" if r.detected else "UNDETECTED"
+            if r.fault.pipeline_fault is None:
+                white = "-"
+            elif r.white_level is None:
+                white = "none" if not r.note else "not run"
+            else:
+                white = f"L{r.white_level} {r.white_stage}.{r.white_check}"
+            rows.append([r.fault.name, r.fault.kind, black, white, r.passes_text()])
+        return rows
+
+    _HEAD = ("fault", "kind", "black box (check)", "white box (run --fault)", "passes all the way through")
+
+    def _tail(self) -> list[str]:
+        lines = [f"{len(self.results) - len(self.undetected)} of {len(self.results)} faults detected"]
+        if self.undetected:
+            lines.append("undetected: " + ", ".join(r.fault.name for r in self.undetected))
+        lines += [f"{r.fault.name}: {r.fault.summary}" for r in self.results]
+        lines += [f"{r.fault.name}: {r.note}" for r in self.results if r.note]
+        lines.append("levels: " + ", ".join(f"L{k} {v}" for k, v in LEVEL_NAMES.items()))
+        return lines
+
+    def to_markdown(self) -> str:
+        out = ["| " + " | ".join(self._HEAD) + " |", "|" + "---|" * len(self._HEAD)]
+        out += ["| " + " | ".join(row) + " |" for row in self._rows()]
+        out += [""] + [f"- {line}" for line in self._tail()]
+        return "\n".join(out) + "\n"
+
+    def to_rich(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(title="FAULT CATALOGUE: which level first sees each fault", title_justify="left")
+        for i, col in enumerate(self._HEAD):
+            table.add_column(col, no_wrap=i < 2, overflow="fold")
+        for row in self._rows():
+            table.add_row(*row, style="bold red" if row[2] == "UNDETECTED" else None)
+        return Group(table, *(Text(line) for line in self._tail()))
+
+
+def _passes(checks: Iterable[Check]) -> tuple[tuple[int, str], ...]:
+    """Checks evaluated at least once and never failed, in first-seen order."""
+    seen: dict[tuple[int, str], bool] = {}
+    for c in checks:
+        if c.ok is not None:
+            seen[(c.level, c.name)] = seen.get((c.level, c.name), True) and not c.failed
+    return tuple(key for key, ok in seen.items() if ok)
+
+
+def _clean(checks: Iterable[Check]) -> tuple[int, ...]:
+    """Levels with at least one evaluated check and no failure."""
+    evaluated, failed = set(), set()
+    for c in checks:
+        if c.ok is not None:
+            evaluated.add(c.level)
+        if c.failed:
+            failed.add(c.level)
+    return tuple(sorted(evaluated - failed))
+
+
+def _white_box(pipeline_fault: str) -> tuple[int | None, str | None, str | None, str]:
+    try:
+        from attn_ledger.config import load_config
+        from attn_ledger.ledger import run_ledger
+
+        d = run_ledger(load_config(overrides={"fault": pipeline_fault})).first_divergence
+    except Exception as exc:  # the white-box view is a comparison column; its absence is a note
+        return None, None, None, f"white-box ledger did not run: {type(exc).__name__}: {exc}"
+    if d is None:
+        return None, None, None, ""
+    return d.level, d.stage, d.check, ""
+
+
+def check_fault(fault: Fault, seed: int = 0) -> FaultResult:
+    """Run one fault through ``check`` (and the white-box ledger where the pipeline has it)."""
+    if fault.kind == "kernel":
+        from attn_ledger.kernelcheck import check_kernel
+
+        report = check_kernel(fault.target, target=f"attn_ledger.catalogue:{fault.target.__name__}", seed=seed)
+        small = report.smallest_failing
+        first = None if small is None else min(
+            (r.first_failure for r in report.failing), key=lambda c: c.level  # type: ignore[union-attr]
+        )
+        level = None if first is None else first.level
+        case = None
+        if first is not None:
+            at_level = [r for r in report.failing if r.first_failure.level == level]  # type: ignore[union-attr]
+            best = min(at_level, key=lambda r: (r.case.size, r.case.id))
+            first, case = best.first_failure, best.case.id
+        result = FaultResult(fault, level, None if first is None else first.name, case,
+                             _passes(c for r in report.results for c in r.checks), _clean(
+                                 c for r in report.results for c in r.checks))
+    else:
+        from attn_ledger.modulecheck import check_module
+
+        report = check_module(fault.target, 12, 3, causal=fault.module_causal, seed=seed, subject=fault.name)
+        first = report.first_finding
+        result = FaultResult(fault, None if first is None else first.level, None if first is None else first.check,
+                             None, _passes(report.checks), _clean(report.checks))
+    if fault.pipeline_fault is not None:
+        wl, ws, wc, note = _white_box(fault.pipeline_fault)
+        result = replace(result, white_level=wl, white_stage=ws, white_check=wc, note=note)
+    return result
+
+
+def run_catalogue(
+    faults: Sequence[Fault] | None = None, *, seed: int = 0, progress: Callable[[int, int], None] | None = None
+) -> CatalogueReport:
+    """Run every fault of the catalogue (or the given ones); exit code 1 if any goes undetected."""
+    todo = CATALOGUE if faults is None else tuple(faults)
+    start = time.perf_counter()
+    results = []
+    for i, fault in enumerate(todo):
+        results.append(check_fault(fault, seed))
+        if progress is not None:
+            progress(i + 1, len(todo))
+    return CatalogueReport(tuple(results), time.perf_counter() - start)

@@ -1,0 +1,78 @@
+"""``attn-ledger check``: run a user's attention function (kernel protocol) or module over a grid of cases."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from attn_ledger.commands.common import Format, Progress, execute
+
+
+class EmptyRows(str, Enum):
+    """What a query with every key blocked must return."""
+
+    zeros = "zeros"
+    nan = "nan"
+    any = "any"
+
+
+def check(
+    target: Annotated[
+        Optional[str],
+        typer.Argument(help="The attention function, 'path/to/file.py:NAME' or 'package.module:NAME' (kernel protocol)."),
+    ] = None,
+    module: Annotated[
+        Optional[str],
+        typer.Option("--module", help="Check a module instead: 'file.py:FACTORY', FACTORY(embed_dim, num_heads) -> nn.Module."),
+    ] = None,
+    embed_dim: Annotated[Optional[int], typer.Option("--embed-dim", help="E, for --module.")] = None,
+    heads: Annotated[Optional[int], typer.Option("--heads", help="Nh, for --module.")] = None,
+    causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Whether the module is meant to be causal (--module).")] = True,
+    case: Annotated[
+        Optional[list[str]], typer.Option("--case", help="Run only this case id (repeatable); any well-formed id works.")
+    ] = None,
+    empty_rows: Annotated[
+        EmptyRows, typer.Option("--empty-rows", help="Contract for a query whose every key is blocked.")
+    ] = EmptyRows.zeros,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for the random inputs and perturbations.")] = 0,
+    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+) -> None:
+    """Check an attention function or module from outside and name the first level where it goes wrong.
+
+    Kernel protocol: attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None) with
+    q [B, Nh, Tq, Dh], k [B, Nkv, Tk, Dh], v [B, Nkv, Tk, Dv] -> [B, Nh, Tq, Dv]; allow_mask True =
+    may attend; is_causal bottom-right aligned. Exit 0 every case passes, 1 a finding, 2 setup error.
+    """
+
+    def build():
+        from attn_ledger.errors import InputError
+        from attn_ledger.userload import load_object
+
+        if (target is None) == (module is None):
+            raise InputError("target: expected exactly one of a function 'file.py:NAME' or --module 'file.py:FACTORY'")
+        if module is not None:
+            if case:
+                raise InputError("--case: applies to a kernel-protocol function, not to --module")
+            if embed_dim is None or heads is None:
+                raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={embed_dim}, heads={heads}")
+            if embed_dim < 1 or heads < 1 or embed_dim % heads:
+                raise InputError(f"embed_dim must be a positive multiple of heads: embed_dim={embed_dim}, heads={heads}")
+            factory = load_object(module, "--module")
+            from attn_ledger.modulecheck import check_module
+
+            with Progress("checking module") as bar:
+                return check_module(factory, embed_dim, heads, causal=causal, seed=seed, progress=bar)
+        if embed_dim is not None or heads is not None:
+            raise InputError("--embed-dim/--heads: apply only with --module")
+        from attn_ledger.kernelcheck import check_kernel, select_cases
+
+        cases = select_cases(case)
+        fn = load_object(target, "target")
+        with Progress("checking cases") as bar:
+            return check_kernel(fn, cases, target=target, empty_rows=empty_rows.value, seed=seed, progress=bar)
+
+    execute(build, output_format, output)
