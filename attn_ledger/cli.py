@@ -56,6 +56,12 @@ from attn_ledger.commands import sweep_scale as _sweep_scale  # noqa: E402
 app.command("sweep-scale")(_sweep_scale.sweep_scale)
 app.command("polarity")(_polarity.polarity)
 
+from attn_ledger.commands import check as _check  # noqa: E402
+from attn_ledger.commands import faults as _faults  # noqa: E402
+
+app.command("check")(_check.check)
+app.command("faults")(_faults.faults)
+
 
 def main() -> None:
     app()
