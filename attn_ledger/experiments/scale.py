@@ -376,10 +376,11 @@ def tensor_stats(path: str | Path) -> TensorScaleReport:
     if q.dtype in (torch.float16, torch.bfloat16) or k.dtype in (torch.float16, torch.bfloat16):
         low = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else k.dtype
         dtype_max = float(torch.finfo(low).max)
+        low_name = str(low).replace("torch.", "")
         room = _headroom(dtype_max, largest)
         flags.append(Check(
             3, "score_headroom", room >= HEADROOM_FACTOR, room,
-            f"largest |raw score| {largest:.4g} is a factor {room:.4g} below the {low} limit {dtype_max:.6g}; "
+            f"largest |raw score| {largest:.4g} is a factor {room:.4g} below the {low_name} limit {dtype_max:.6g}; "
             f"flagged under {HEADROOM_FACTOR:g}",
         ))
     return TensorScaleReport(
