@@ -1,0 +1,52 @@
+"""The pytest helper, used the way a user would use it in their own suite."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from attn_ledger.errors import InputError
+from attn_ledger.testing import assert_attention_matches
+from attn_ledger.userload import load_object
+
+KERNELS = Path(__file__).resolve().parents[1] / "fixtures" / "kernels"
+attention = load_object(f"{KERNELS / 'good.py'}:attention")
+sdpa_is_causal = load_object(f"{KERNELS / 'sdpa_is_causal.py'}:attention")
+
+
+def test_my_attention_follows_the_protocol():
+    assert_attention_matches(attention)
+
+
+def test_selected_cases():
+    assert_attention_matches(attention, ["b2-h4kv2-tq5tk9-dh8dv4-pad-causal-rand-f32", "b1-h1kv1-tq1tk1-dh4dv4-none-rand-bf16"])
+    assert_attention_matches(sdpa_is_causal, "b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32")
+
+
+def test_failure_message_is_the_diagnosis():
+    with pytest.raises(AssertionError) as info:
+        assert_attention_matches(sdpa_is_causal, name="sdpa_is_causal")
+    msg = str(info.value)
+    assert msg.startswith("sdpa_is_causal: ")
+    # Tq > Tk: top-left lets early queries read keys that bottom-right blocks, a local (L3) break
+    assert "smallest failing case b1-h3kv3-tq6tk3-dh4dv6-causal-flag-rand-f32: L3 convex_range" in msg
+    assert "attn-ledger check sdpa_is_causal --case b1-h3kv3-tq6tk3-dh4dv6-causal-flag-rand-f32" in msg
+    # the case named in the message is accepted back and still fails
+    case = re.search(r"--case (\S+)", msg).group(1)
+    with pytest.raises(AssertionError, match="L3 convex_range"):
+        assert_attention_matches(sdpa_is_causal, case)
+
+
+def test_empty_rows_contract():
+    nan_rows = load_object(f"{KERNELS / 'manual_nan_rows.py'}:attention")
+    case = "b2-h4kv2-tq5tk5-dh8dv8-pad-empty-rand-f32"
+    with pytest.raises(AssertionError, match="empty_rows"):
+        assert_attention_matches(nan_rows, case)
+    assert_attention_matches(nan_rows, case, empty_rows="nan")
+
+
+def test_bad_case_id_is_an_input_error_not_an_assertion():
+    with pytest.raises(InputError):
+        assert_attention_matches(attention, "b2-nonsense")
