@@ -398,7 +398,7 @@ def _attend_blocks(
 
     if allowed_counts is not None and len(allowed_counts) <= 32:
         run.notes.append(f"allowed keys per query (b=0, h=0): {allowed_counts}")
-    if keep and b * nh * tq * tk <= 16 and b * nh * tq * dv <= 16:
+    if keep and b > 0 and b * nh * tq * tk <= 16 and b * nh * tq * dv <= 16:
         w_all = torch.cat(run.kept["weights"], dim=2)
         run.row_values["weights"] = "weights (b=0, h=0): " + _rows_text(w_all[0, 0])
         run.row_values["context"] = "context (b=0, h=0): " + _rows_text(context[0, 0])
