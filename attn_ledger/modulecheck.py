@@ -132,7 +132,7 @@ class ModuleCheckReport:
 
     def to_markdown(self) -> str:
         out = [f"## {self._title()}", "", "| level | check | result | detail |", "|---|---|---|---|"]
-        out += ["| " + " | ".join(r) + " |" for r in self._rows()]
+        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in self._rows()]
         out += [""] + [f"- {line}" for line in self._tail()]
         return "\n".join(out) + "\n"
 

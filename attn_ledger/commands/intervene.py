@@ -90,7 +90,10 @@ def _build(config, module_spec, embed_dim, heads, seq_len, batch_size, seed, at,
         note = ("run on the built-in pipeline at the same sizes, which shows the probe can fail here; no fault can be "
                 "injected into your module, so its own result stands alone" if with_controls
                 else "skipped (--no-controls); no fault can be injected into your module, so its result stands alone")
-    with Progress("intervening") as progress:
+    # Seed torch's own generator too, so a module that draws random numbers in its forward
+    # (dropout left on) gives the same report twice.
+    with Progress("intervening") as progress, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
         return intervene_report(subject_module, x, subject=subject, num_heads=cfg.num_heads, cuts=cuts,
                                 controls=control_list, controls_note=note, seed=cfg.seed, progress=progress)
 

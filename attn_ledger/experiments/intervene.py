@@ -677,6 +677,8 @@ def _lines(report: InterventionReport) -> list[str]:
     if report.determinism is not None:
         lines.append(("eval determinism: " if report.determinism.identical else "eval determinism: FINDING: ")
                      + report.determinism.summary())
+        if not report.determinism.identical:
+            lines.append("the per-cut deltas above then include that randomness: make eval calls agree first, then rerun")
     if report.controls_note:
         lines.append("controls: " + report.controls_note)
     lines.extend(report.notes)
