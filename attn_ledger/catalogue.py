@@ -222,8 +222,7 @@ def _dropout_module(embed_dim: int, num_heads: int) -> "nn.Module":
 
 
 def _batch_first_module(embed_dim: int, num_heads: int) -> "nn.Module":
-    """nn.MultiheadAttention left at ``batch_first=False`` and fed ``[B, T, E]``."""
-    import torch
+    """nn.MultiheadAttention left at ``batch_first=False`` and fed ``[B, T, E]`` (no mask, so nothing raises)."""
     from torch import nn
 
     class BatchFirstConfusion(nn.Module):
@@ -232,9 +231,7 @@ def _batch_first_module(embed_dim: int, num_heads: int) -> "nn.Module":
             self.mha = nn.MultiheadAttention(embed_dim, num_heads, bias=False)  # expects [T, B, E]
 
         def forward(self, x):
-            t = x.shape[1]
-            blocked = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)  # MHA: True = blocked
-            return self.mha(x, x, x, attn_mask=blocked, need_weights=False)[0]
+            return self.mha(x, x, x, need_weights=False)[0]  # reads B as positions and T as examples
 
     return BatchFirstConfusion()
 
@@ -277,7 +274,8 @@ CATALOGUE: tuple[Fault, ...] = (
     Fault("mask-after-softmax", "kernel", "forbidden weights zeroed after softmax", mask_after_softmax,
           "mask-after-softmax"),
     Fault("dropout-at-eval", "module", "dropout_p passed to SDPA regardless of .training", _dropout_module),
-    Fault("batch-first", "module", "nn.MultiheadAttention(batch_first=False) fed [B, T, E]", _batch_first_module),
+    Fault("batch-first", "module", "nn.MultiheadAttention(batch_first=False) fed [B, T, E], not causal",
+          _batch_first_module, module_causal=False),
     Fault("gqa-repeat", "kernel", "grouped-query kv heads paired by repeat, not repeat_interleave", gqa_repeat),
     Fault("causal-top-left", "kernel", "is_causal forwarded to SDPA: top-left where decode needs bottom-right",
           causal_top_left),

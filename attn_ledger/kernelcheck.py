@@ -371,7 +371,7 @@ class KernelCheckReport:
         name = self.target.rsplit(":", 1)[-1] if ":" in self.target else "attention"
         seed_arg = f", seed={self.seed}" if self.seed else ""
         py = (
-            f"q, k, v, kw = attn_ledger.kernelcheck.case_inputs({result.case.id!r}{seed_arg}); "
+            f"q, k, v, kw = case_inputs({result.case.id!r}{seed_arg})\n"
             f"out = {name}(q, k, v, **kw)  # {result.case.call_text(name)}"
         )
         return cli, py
@@ -752,6 +752,14 @@ def _status(c: Check) -> str:
     return "pass" if c.ok else ("-" if c.ok is None else ("FAIL" if c.severity == "error" else "warn"))
 
 
+def _indent(text: str) -> str:
+    return "\n".join("  " + ln for ln in text.splitlines())
+
+
+def _mark(c: Check, res: CaseResult) -> str:
+    return "FIRST" if c is res.first_failure else _status(c)
+
+
 def _summary_line(r: KernelCheckReport) -> str:
     n, nf = len(r.results), len(r.failing)
     if not nf:
@@ -779,12 +787,13 @@ def report_text(r: KernelCheckReport, max_cases: int = 3) -> str:
         for c in _ordered(res):
             if c.ok is None:
                 continue
-            lines.append(f"  L{c.level} {c.name:<20} {_status(c):<5} {c.detail}")
+            lines.append(f"  L{c.level} {c.name:<20} {_mark(c, res):<5} {c.detail}")
     if len(failing) > max_cases:
         lines.append(f"\n... and {len(failing) - max_cases} more failing cases")
     repro = r.reproduction()
     if repro:
-        lines += ["", "reproduce:", f"  {repro[0]}", f"  {repro[1]}"]
+        lines += ["", "reproduce:", f"  {repro[0]}", "  from attn_ledger.kernelcheck import case_inputs",
+                  _indent(repro[1])]
     return "\n".join(lines)
 
 
@@ -795,7 +804,7 @@ def report_markdown(r: KernelCheckReport) -> str:
                 "| level | check | status | value | detail |", "|---|---|---|---|---|"]
         for c in _ordered(res):
             val = "" if c.value is None else _fmt(c.value)
-            out.append(f"| L{c.level} | {c.name} | {_status(c)} | {val} | {c.detail.replace('|', '/')} |")
+            out.append(f"| L{c.level} | {c.name} | {_mark(c, res)} | {val} | {c.detail.replace('|', chr(92) + '|')} |")
         out.append("")
     out += ["## Cases", "", "| case | elements | result | first failure |", "|---|---|---|---|"]
     for res in r.results:
@@ -808,7 +817,7 @@ def report_markdown(r: KernelCheckReport) -> str:
     repro = r.reproduction()
     if repro:
         out += ["## Reproduce the smallest failing case", "", "```", repro[0], "```", "", "```python",
-                "import attn_ledger.kernelcheck", repro[1], "```", ""]
+                "from attn_ledger.kernelcheck import case_inputs", repro[1], "```", ""]
     return "\n".join(out)
 
 
@@ -817,19 +826,31 @@ def report_rich(r: KernelCheckReport) -> Any:
     from rich.table import Table
     from rich.text import Text
 
+    def line(text: str, style: str = "") -> Text:
+        # never wrapped, so a reproduction line stays one line to copy
+        return Text(text, style=style, no_wrap=True, overflow="ignore")
+
     parts: list[Any] = []
-    for res in sorted(r.failing, key=lambda x: (x.case.size, x.case.id)):
-        t = Table(title=f"case {res.case.id}   {res.case.call_text()}", title_justify="left",
+    smallest = r.smallest_failing
+    for res in sorted(r.failing, key=lambda x: (x is not smallest, x.case.size, x.case.id)):
+        # The smallest failing case gets its whole ledger; the others show only their failing checks.
+        full = res is smallest
+        passed = sum(1 for c in res.checks if c.ok)
+        title = f"case {res.case.id}   {res.case.call_text()}"
+        t = Table(title=Text(title if full else f"{title}   ({passed} checks pass)"), title_justify="left",
                   show_edge=False, expand=False)
         for col in ("level", "check", "status", "detail"):
-            t.add_column(col, overflow="fold")
+            t.add_column(col, no_wrap=col != "detail", overflow="fold")
         for c in _ordered(res):
-            t.add_row(f"L{c.level}", c.name, _status(c), c.detail,
-                      style="bold red" if c is res.first_failure else ("dim" if c.ok is None else None))
+            if not full and not c.failed:
+                continue
+            first = c is res.first_failure
+            t.add_row(f"L{c.level}", c.name, "FIRST" if first else _status(c), Text(c.detail),
+                      style="bold red" if first else ("dim" if c.ok is None else None))
         parts += [t, Text("")]
     summary = Table(title="cases", title_justify="left", show_edge=False)
     for col in ("case", "elements", "result", "first failure"):
-        summary.add_column(col, overflow="fold")
+        summary.add_column(col, no_wrap=col != "first failure", overflow="fold")
     for res in r.results:
         f = res.first_failure
         summary.add_row(res.case.id, str(res.case.size), "pass" if f is None else "FAIL",
@@ -841,5 +862,7 @@ def report_rich(r: KernelCheckReport) -> Any:
     parts.append(Text(_summary_line(r), style="bold"))
     repro = r.reproduction()
     if repro:
-        parts += [Text("reproduce the smallest failing case:"), Text("  " + repro[0]), Text("  " + repro[1])]
+        cli = repro[0].replace(" --case ", " \\\n      --case ", 1)
+        py = "from attn_ledger.kernelcheck import case_inputs\n" + repro[1]
+        parts += [Text("reproduce the smallest failing case:"), line(_indent(cli)), line(_indent(py))]
     return Group(*parts)

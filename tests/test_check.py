@@ -239,7 +239,7 @@ def test_cli_markdown_has_the_ledger_and_the_summary():
     res = runner.invoke(app, ["check", f"{KERNELS / 'manual_nan_rows.py'}:attention", "--format", "markdown",
                               "--case", "b1-h3kv3-tq6tk3-dh4dv6-causal-flag-rand-f32"])
     assert res.exit_code == 1
-    assert "| L3 | empty_rows | FAIL |" in res.stdout and "## Cases" in res.stdout
+    assert "| L3 | empty_rows | FIRST |" in res.stdout and "## Cases" in res.stdout
 
 
 def test_cli_empty_rows_option():
@@ -293,9 +293,10 @@ def test_cli_module_protocol():
     assert good.exit_code == 0, good.output
     assert json.loads(good.stdout)["protocol"] == "module"
     bad = runner.invoke(app, ["check", "--module", "attn_ledger.catalogue:_batch_first_module",
-                              "--embed-dim", "12", "--heads", "3", "--format", "json"])
+                              "--embed-dim", "12", "--heads", "3", "--no-causal", "--format", "json"])
     assert bad.exit_code == 1
-    assert json.loads(bad.stdout)["first_finding"]["level"] in (1, 2)
+    first = json.loads(bad.stdout)["first_finding"]
+    assert (first["level"], first["check"]) == (2, "batch_independence")
 
 
 def test_check_help_and_docs_show_the_options():

@@ -31,8 +31,6 @@ def test_cli_every_fault_detected_exit_0():
 
 
 def test_an_undetectable_fault_makes_the_self_test_fail(monkeypatch):
-    from attn_ledger.kernelcheck import Case  # noqa: F401  (the good kernel is defined below)
-
     def correct(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
         return catalogue._attend(q, k, v, allow_mask, is_causal, scale)
 
@@ -57,6 +55,7 @@ EXPECTED_BLACK_BOX = {
     "softmax-overflow": (3, "finite"),
     "no-scale": (4, "reference"),  # only a reference sees it
     "dropout-at-eval": (4, None),  # eval-mode calls disagree
+    "batch-first": (2, "batch_independence"),  # same shape out; examples read as positions
 }
 
 

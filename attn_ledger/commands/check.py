@@ -65,7 +65,7 @@ def check(
             from attn_ledger.modulecheck import check_module
 
             with Progress("checking module") as bar:
-                return check_module(factory, embed_dim, heads, causal=causal, seed=seed, progress=bar)
+                return check_module(factory, embed_dim, heads, causal=causal, seed=seed, progress=bar, subject=module)
         if embed_dim is not None or heads is not None:
             raise InputError("--embed-dim/--heads: apply only with --module")
         from attn_ledger.kernelcheck import check_kernel, select_cases
