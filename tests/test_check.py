@@ -313,3 +313,15 @@ def test_benchmark_kernel_is_the_good_one():
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                          attn_mask=torch.ones(5, 9, dtype=torch.bool).tril(4))
     assert torch.allclose(good_attention(q, k, v, **kw), ref)
+
+
+def test_cli_output_file_holds_the_json(tmp_path):
+    out = tmp_path / "check.json"
+    res = runner.invoke(app, ["check", GOOD, "--case", "b2-h4kv2-tq5tk9-dh8dv4-pad-empty-rand-f64",
+                              "--format", "json", "--output", str(out)])
+    assert res.exit_code == 0 and res.stdout == ""
+    data = json.loads(out.read_text())
+    assert data["verdict"] == "pass" and data["cases"][0]["case"]["id"] == "b2-h4kv2-tq5tk9-dh8dv4-pad-empty-rand-f64"
+    assert data["cases"][0]["checks"][0] == {"level": 1, "name": "call", "ok": True, "value": None,
+                                             "detail": "attention(q, k, v, allow_mask=key_padding(lengths=[8, 0])"
+                                                       "[B, 1, 1, Tk]) returned", "severity": "error"}
