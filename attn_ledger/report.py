@@ -188,6 +188,30 @@ class Ledger:
         return ledger_rich(self)
 
 
+class CheckedReport:
+    """Shared verdict logic for reports that carry a tuple of :class:`Check` named ``checks``."""
+
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.failed for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.ok else "fail"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def check(self, name: str) -> Check:
+        for c in self.checks:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+
 class Report(Protocol):
     """What every command hands to the CLI for rendering."""
 

@@ -9,16 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from attn_ledger.commands.common import Format, Progress, execute
-
-
-class FaultName(str, Enum):
-    split_reshape = "split-reshape"
-    merge_reshape = "merge-reshape"
-    k_transpose = "k-transpose"
-    softmax_axis = "softmax-axis"
-    no_scale = "no-scale"
-    mask_polarity = "mask-polarity"
-    mask_after_softmax = "mask-after-softmax"
+from attn_ledger.config import Fault as FaultName
 
 
 class DType(str, Enum):

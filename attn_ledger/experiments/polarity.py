@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from attn_ledger.errors import TensorFileError, field_error
-from attn_ledger.report import Check, envelope, json_number
+from attn_ledger.report import CheckedReport, Check, envelope, json_number
 
 if TYPE_CHECKING:
     import torch
@@ -462,7 +462,7 @@ def audit_disagreements(rows: tuple[AuditRow, ...]) -> tuple[str, ...]:
 # --- the report -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class PolarityReport:
+class PolarityReport(CheckedReport):
     """``attn-ledger polarity``: conventions, the polarity table, the fully blocked row audit."""
 
     torch_version: str
@@ -471,18 +471,6 @@ class PolarityReport:
     audit: tuple[AuditRow, ...]
     disagreements: tuple[str, ...]
     checks: tuple[Check, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not any(c.failed for c in self.checks)
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if self.ok else "fail"
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
 
     def to_json(self) -> dict[str, Any]:
         return envelope(

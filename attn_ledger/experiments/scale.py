@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from attn_ledger.errors import TensorFileError, field_error
-from attn_ledger.report import Check, envelope, json_number
+from attn_ledger.report import CheckedReport, Check, envelope, json_number
 
 if TYPE_CHECKING:
     import torch
@@ -146,7 +146,7 @@ def relationship_checks(rows: Sequence[ScaleRow]) -> tuple[Check, ...]:
 
 
 @dataclass(frozen=True)
-class SweepReport:
+class SweepReport(CheckedReport):
     """``sweep-scale`` without ``--tensors``: the synthetic sweep and its relationship checks."""
 
     rows: tuple[ScaleRow, ...]
@@ -155,18 +155,6 @@ class SweepReport:
     keys: int
     seed: int
     plot: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not any(c.failed for c in self.checks)
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if self.ok else "fail"
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
 
     def to_json(self) -> dict[str, Any]:
         return envelope(
