@@ -48,9 +48,12 @@ AXES = {
 }
 
 SMALL_GRID = 1 << 16  # grids up to this many entries are kept whole for inspection
-BLOCK_TARGET = 1 << 24  # entries of one block's score grid when streaming
-F64_BUDGET = 1 << 26  # grid entries the float64 reference covers before sampling blocks
+BLOCK_TARGET = 1 << 21  # entries of one block's score grid when streaming (a few MiB: stays in cache)
+MIN_BLOCK_ROWS = 16  # fewer query rows per block make the matrix products inefficient
+F64_BUDGET = 1 << 22  # grid entries the float64 reference covers before sampling blocks
 EXACT_RANGE_BUDGET = 1 << 22  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
+SDPA_ROWS = 512  # query rows per SDPA reference call, when its mask stays within BLOCK_TARGET entries
+VALUE_CHUNK = 64  # key positions per precomputed (min, max) of the value rows
 
 ProgressFn = Callable[[int, int], None]
 
@@ -176,9 +179,19 @@ class _Run:
 
 
 def _choose_blocks(b: int, nh: int, tq: int, tk: int, block_size: int | None) -> list[tuple[int, int]]:
+    """Query blocks ``[(q0, q1), ...]``: one block for small grids, else blocks of about BLOCK_TARGET entries.
+
+    A block's grid should stay in the last-level cache while its checks run over it;
+    blocks of at least MIN_BLOCK_ROWS rows keep the matrix products efficient.
+    """
     if block_size is None:
         per_row = max(1, b * nh * tk)
-        block_size = tq if b * nh * tq * tk <= BLOCK_TARGET else max(16, BLOCK_TARGET // per_row)
+        if b * nh * tq * tk <= BLOCK_TARGET:
+            block_size = tq
+        else:
+            block_size = max(MIN_BLOCK_ROWS, BLOCK_TARGET // per_row)
+            n = -(-tq // block_size)
+            block_size = -(-tq // n)  # even blocks, no short tail
     block_size = max(1, min(block_size, tq))
     return [(q0, min(q0 + block_size, tq)) for q0 in range(0, tq, block_size)]
 
@@ -190,7 +203,9 @@ def _sampled(blocks: list[tuple[int, int]], b: int, nh: int, tk: int) -> list[in
     if sum(per_block) <= F64_BUDGET:
         return list(range(n))
     k = max(2, F64_BUDGET // max(per_block))
-    step = max(1, (n - 1) / (k - 1))
+    if k >= n:
+        return list(range(n))
+    step = (n - 1) / (k - 1)
     return sorted({min(n - 1, round(i * step)) for i in range(k)})
 
 
@@ -207,6 +222,64 @@ def _key_hull(*allows: "Tensor | None", tk: int) -> tuple[int, int]:
         if idx.numel():
             lo, hi = min(lo, int(idx[0])), max(hi, int(idx[-1]) + 1)
     return (0, tk) if hi <= lo else (lo, hi)
+
+
+def _band(ai: "Tensor | None", kw: int) -> tuple[int, int]:
+    """The key columns ``[v0, v1)`` where the relation is not "allowed" for every (batch, head, query) of the block.
+
+    Outside the band every pair is allowed, so the mask checks there reduce to "no -inf,
+    no NaN, no +inf", which one ``aminmax`` screens; the band gets the exact per-pair counts.
+    """
+    import torch
+
+    if ai is None:
+        return 0, 0
+    not_all = ~ai.reshape(-1, kw).all(dim=0)  # [kw]
+    idx = torch.nonzero(not_all).flatten()
+    if not idx.numel():
+        return 0, 0
+    return int(idx[0]), int(idx[-1]) + 1
+
+
+def _clean_allowed(m: "Tensor") -> bool:
+    """Screen a region where every pair is allowed: no -inf (nothing excluded), no NaN, no +inf."""
+    import torch
+
+    if m.numel() == 0:
+        return True
+    lo, hi = (float(x) for x in torch.aminmax(m))
+    return math.isfinite(lo) and math.isfinite(hi)
+
+
+def _value_chunks(v: "Tensor") -> tuple["Tensor", "Tensor"] | None:
+    """Per-chunk (min, max) of the value rows, ``[B, Nh, Tk // VALUE_CHUNK, Dv]`` each, for key-span ranges."""
+    import torch
+
+    tk = v.shape[-2]
+    n = tk // VALUE_CHUNK
+    if n < 2:
+        return None
+    b, nh, _, dv = v.shape
+    head = v[:, :, : n * VALUE_CHUNK].reshape(b, nh, n, VALUE_CHUNK, dv)
+    return head.amin(dim=3), head.amax(dim=3)
+
+
+def _value_span(v: "Tensor", chunks: tuple["Tensor", "Tensor"] | None, lo: int, hi: int) -> tuple["Tensor", "Tensor"]:
+    """Per-coordinate (min, max) of value rows ``lo..hi``, ``[B, Nh, 1, Dv]`` each, exact, in v's dtype."""
+    import torch
+
+    if chunks is None or hi - lo < 2 * VALUE_CHUNK:
+        vs = v[:, :, lo:hi]
+        return vs.amin(dim=-2, keepdim=True), vs.amax(dim=-2, keepdim=True)
+    c0, c1 = -(-lo // VALUE_CHUNK), hi // VALUE_CHUNK  # whole chunks inside [lo, hi)
+    cmin, cmax = chunks
+    vmin = cmin[:, :, c0:c1].amin(dim=-2, keepdim=True)
+    vmax = cmax[:, :, c0:c1].amax(dim=-2, keepdim=True)
+    for a, z in ((lo, c0 * VALUE_CHUNK), (c1 * VALUE_CHUNK, hi)):
+        if z > a:
+            vmin = torch.minimum(vmin, v[:, :, a:z].amin(dim=-2, keepdim=True))
+            vmax = torch.maximum(vmax, v[:, :, a:z].amax(dim=-2, keepdim=True))
+    return vmin, vmax
 
 
 # --- the block engine -----------------------------------------------------------------
@@ -227,11 +300,17 @@ def _attend_blocks(
     block_size: int | None,
     keep_grids: bool,
     progress: ProgressFn | None,
+    backends: tuple[tuple[str, "torch.dtype"], ...] = (),
 ) -> tuple["Tensor | None", "Tensor", dict[tuple[int, int], "Tensor"]]:
     """Run scores -> masked_scores -> weights -> context over query blocks.
 
+    ``ref`` holds the reference's Q ``[B, Nh, Tq, Dh]``, K ``[B, Nkv|Nh, Tk, Dh]`` and V,
+    in any dtype: each sampled block is cast to the reference dtype (float64, or float32
+    where the device has none) and its kv heads repeated by the reference's own code,
+    so no whole-size float64 copy is ever made.
+
     Returns the pipeline context (or None if a stage raised), the SDPA context, and the
-    float64 reference context of every sampled block.
+    reference context of every sampled block.
     """
     import torch
     import torch.nn.functional as F
@@ -245,13 +324,15 @@ def _attend_blocks(
     dtype_name = C.dtype_name(run.dtype)
     half = dtype_name in C.HALF_DTYPES
     rtol, atol = C.tolerance(run.dtype)
-    r64, a64 = C.tolerance("float64")
-    q64, k64, v64 = ref
+    q_ref, k_ref, v_ref = ref
+    ref_dtype = _ref_dtype(q.device)
+    empty = "zeros" if empty_zero else "nan"
     blocks = _choose_blocks(b, nh, tq, tk, block_size)
     small = b * nh * tq * tk <= SMALL_GRID
     keep = keep_grids or small
     full_keys = keep or bool(user)
     sampled = set(_sampled(blocks, b, nh, tk))
+    chunks = _value_chunks(v_exp) if b * nh * tq * tk > SMALL_GRID else None
     if len(blocks) > 1:
         run.notes.append(f"score-grid stages ran in {len(blocks)} query blocks of {blocks[0][1] - blocks[0][0]} rows")
     if len(sampled) < len(blocks):
@@ -264,6 +345,8 @@ def _attend_blocks(
         st[key].shape = (b, nh, tq, tk)
     st["context"].shape = (b, nh, tq, dv)
     allowed_counts: list[int] | None = None
+    sdpa_done, sdpa_rows = 0, _sdpa_group_rows(relation, blocks, b, nh, tk)
+    pending: list[tuple[int, int]] = []  # blocks of the current SDPA group not yet compared
 
     for n_done, (q0, q1) in enumerate(blocks):
         rows = q1 - q0
@@ -273,23 +356,23 @@ def _attend_blocks(
         kw = hi - lo
         ai = None if allow_i is None else allow_i[..., lo:hi]
         ap = None if allow_p is None else allow_p[..., lo:hi]
-        if allow_i is not None:
+        if allow_i is not None and tq <= 32:
             counts = allow_i.expand(max(b, 1), allow_i.shape[1], rows, tk)[0, 0].sum(dim=-1).tolist()  # batch 0, head 0
             allowed_counts = (allowed_counts or []) + [int(c) for c in counts]
         qb = q[:, :, q0:q1]  # [B, Nh, rows, Dh]
         kb, vb = k_exp[:, :, lo:hi], v_exp[:, :, lo:hi]  # [B, Nh, kw, Dh], [B, Nh, kw, Dv]
         grid = (b, nh, rows, kw)
         live = None if ai is None else ai.any(dim=-1).expand(b, nh, rows)  # [B, Nh, rows]: has an allowed key
+        v0, v1 = _band(ai, kw)  # outside [v0, v1) every pair of the block is allowed
 
         # float64 reference (sampled blocks), and the plain same-dtype one for half precision
         ref_blk = plain_blk = None
         if n_done in sampled:
-            ref_blk = reference_stages(q64[:, :, q0:q1], k64[:, :, lo:hi], v64[:, :, lo:hi], allow_mask=ai,
-                                       scale=ref_scale, empty_rows="zeros" if empty_zero else "nan")
+            ref_blk = reference_stages(q_ref[:, :, q0:q1], k_ref[:, :, lo:hi], v_ref[:, :, lo:hi], allow_mask=ai,
+                                       scale=ref_scale, empty_rows=empty, dtype=ref_dtype)
             ref_ctx[(q0, q1)] = ref_blk["out"]
             if half:
-                plain_blk = reference_stages(qb, kb, vb, allow_mask=ai, scale=ref_scale,
-                                             empty_rows="zeros" if empty_zero else "nan", dtype=run.dtype)
+                plain_blk = reference_stages(qb, kb, vb, allow_mask=ai, scale=ref_scale, empty_rows=empty, dtype=run.dtype)
 
         # scores
         s_st = st["scores"]
@@ -303,10 +386,15 @@ def _attend_blocks(
             s_st.add("shape_mismatch", 1)
             s_st.extra.append(C.shape_check(s.shape, grid, AXES["scores"], "shape"))
             return None, sdpa_ctx, ref_ctx
-        s_st.add("nonfinite", 0 if C.all_finite(s) else C.nonfinite_count(s))
-        s_st.max("max_abs", C.max_abs(s))
+        s_lo, s_hi = (float(x) for x in torch.aminmax(s)) if s.numel() else (0.0, 0.0)  # finiteness, largest |score|
+        if math.isnan(s_lo) or math.isnan(s_hi):
+            s_st.add("nonfinite", C.nonfinite_count(s))
+            s_st.max("max_abs", math.nan)
+        else:
+            s_st.add("nonfinite", 0 if math.isfinite(s_lo) and math.isfinite(s_hi) else C.nonfinite_count(s))
+            s_st.max("max_abs", max(abs(s_lo), abs(s_hi)))
         if ref_blk is not None:
-            d, ex = C.excess_error(s, ref_blk["scores"], rtol, atol * max(1.0, C.max_abs(ref_blk["scores"])))
+            d, ex = _excess(s, ref_blk["scores"], rtol, atol * max(1.0, _max_abs(ref_blk["scores"])))
             s_st.max("ref_diff", d)
             s_st.max("ref_excess", ex)
         if "scores" in user:
@@ -321,18 +409,7 @@ def _attend_blocks(
         except Exception as exc:
             m_st.raised = exc
             return None, sdpa_ctx, ref_ctx
-        m_st.add("nan_or_posinf", 0 if C.all_finite(m, allow_neg_inf=True) else C.nonfinite_count(m, allow_neg_inf=True))
-        neg = torch.isneginf(m)  # excluded pairs
-        dead = neg.all(dim=-1)  # [B, Nh, rows]: query rows with every key excluded
-        # keys outside [lo, hi) are forbidden by both relations, so they are excluded by construction
-        declared_dead = (~live) if (live is not None and empty_zero) else torch.zeros_like(dead)
-        m_st.add("fully_blocked", int((dead & ~declared_dead).sum()))
-        if ai is not None:
-            forb = ~ai  # broadcast [B|1, Nh|1, rows, kw]
-            m_st.add("forbidden_kept", int((forb & ~neg).sum()))
-            m_st.add("allowed_dropped", int((ai & neg).sum()))
-            m_st.add("allowed_pairs", int(ai.expand(grid).sum()))
-        m_st.add("pairs", b * nh * rows * tk)
+        _mask_counts(m_st, m, ai, live, empty_zero, v0, v1, b, nh, rows, tk)
 
         # weights
         w_st = st["weights"]
@@ -341,10 +418,9 @@ def _attend_blocks(
         except Exception as exc:
             w_st.raised = exc
             return None, sdpa_ctx, ref_ctx
-        w_st.add("nonfinite", 0 if C.all_finite(w) else C.nonfinite_count(w))
-        _weight_invariants(w_st, w, ai, live, empty_zero)
+        _weight_invariants(w_st, w, ai, live, empty_zero, band=(v0, v1), count_nonfinite=True)
         if ref_blk is not None:
-            d, ex = C.excess_error(w, ref_blk["weights"], rtol, atol)
+            d, ex = _excess(w, ref_blk["weights"], rtol, atol)
             w_st.max("ref_diff", d)
             w_st.max("ref_excess", ex)
         if "weights" in user:
@@ -365,30 +441,34 @@ def _attend_blocks(
             c_st.extra.append(C.shape_check(c.shape, (b, nh, rows, dv), AXES["context"], "shape"))
             return None, sdpa_ctx, ref_ctx
         context[:, :, q0:q1] = c
-        c_st.add("nonfinite", 0 if C.all_finite(c) else C.nonfinite_count(c))
-        c_st.max("range_excess", _range_excess(c, vb, ai, rtol, atol))
-        sd = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=ai, dropout_p=0.0, scale=ref_scale)
-        sdpa_ctx[:, :, q0:q1] = sd
-        d, ex = C.excess_error(c, sd, rtol, atol * max(1.0, C.max_abs(sd)))
-        c_st.max("sdpa_diff", d)
-        c_st.max("sdpa_excess", ex)
+        span = None if chunks is None else _value_span(v_exp, chunks, lo, hi)
+        c_st.max("range_excess", _range_excess(c, vb, ai, rtol, atol, span=span))
+        if q1 > sdpa_done:  # SDPA runs on a group of blocks at once: its kernel is faster on more rows
+            sdpa_done = _sdpa_rows(sdpa_ctx, q, k_exp, v_exp, relation, q0, blocks, sdpa_rows, ref_scale)
+        sd = sdpa_ctx[:, :, q0:q1]  # [B, Nh, rows, Dv]
+        pending.append((q0, q1))
+        if q1 == sdpa_done:  # the group is complete: compare its blocks with SDPA in one go
+            _compare_sdpa(c_st, context, sdpa_ctx, pending, rtol, atol)
+            pending = []
         if ref_blk is not None:
-            scale_ref = max(1.0, C.max_abs(ref_blk["out"]))
-            d, ex = C.excess_error(c, ref_blk["out"], rtol, atol * scale_ref)
+            scale_ref = max(1.0, _max_abs(ref_blk["out"]))
+            d, ex = _excess(c, ref_blk["out"], rtol, atol * scale_ref)
             c_st.max("ref_diff", d)
             c_st.max("ref_excess", ex)
             if half and plain_blk is not None:
-                c_st.max("plain_diff", C.excess_error(plain_blk["out"], ref_blk["out"], 0, 0)[0])
-                c_st.max("sdpa_ref_diff", C.excess_error(sd, ref_blk["out"], 0, 0)[0])
+                c_st.max("plain_diff", _excess(plain_blk["out"], ref_blk["out"], 0, 0)[0])
+                c_st.max("sdpa_ref_diff", _excess(sd, ref_blk["out"], 0, 0)[0])
         if "out" in user:
             uo = user["out"][:, :, q0:q1]
             ust = st.setdefault("user_out", _Stage())
             ust.add("nonfinite", C.nonfinite_count(uo))
-            ust.max("range_excess", _range_excess(uo, vb, ai, rtol, atol))
+            ust.max("range_excess", _range_excess(uo, vb, ai, rtol, atol, span=span))
             if ref_blk is not None:
-                _user_compare(ust, uo, ref_blk["out"], rtol, atol * max(1.0, C.max_abs(ref_blk["out"])))
+                _user_compare(ust, uo, ref_blk["out"], rtol, atol * max(1.0, _max_abs(ref_blk["out"])))
                 if half and plain_blk is not None:
-                    ust.max("plain_diff", C.excess_error(plain_blk["out"], ref_blk["out"], 0, 0)[0])
+                    ust.max("plain_diff", _excess(plain_blk["out"], ref_blk["out"], 0, 0)[0])
+        if backends:
+            _backend_compare(c_st, backends, qb, kb, vb, ai, ref_scale, ref_blk, rtol, atol)
 
         if keep:
             for name, t in (("scores", s), ("masked_scores", m), ("weights", w)):
@@ -417,11 +497,143 @@ def _user_compare(ust: _Stage, actual: "Tensor", expected: "Tensor | None", rtol
     ust.max("ref_excess", ex)
 
 
-def _weight_invariants(stage: _Stage, w: "Tensor", ai: "Tensor | None", live: "Tensor | None", empty_zero: bool) -> None:
-    """Row sums over keys, weight on forbidden keys, and declared-empty rows, for one block."""
+def _sdpa_group_rows(relation: Relation, blocks: list[tuple[int, int]], b: int, nh: int, tk: int) -> int:
+    """Query rows per SDPA call: at least one ledger block, up to SDPA_ROWS while its mask stays small."""
+    rows = blocks[0][1] - blocks[0][0]
+    allow = relation.block(0, min(rows, blocks[-1][1]))
+    mask_per_row = tk * (1 if allow is None else allow.shape[0] * allow.shape[1])  # bool mask entries per query row
+    return max(rows, min(SDPA_ROWS, BLOCK_TARGET // max(1, mask_per_row)) // rows * rows)
+
+
+def _sdpa_rows(out: "Tensor", q: "Tensor", k: "Tensor", v: "Tensor", relation: Relation, q0: int,
+               blocks: list[tuple[int, int]], group_rows: int, scale: float) -> int:
+    """F.scaled_dot_product_attention on query rows ``q0 .. q0 + group_rows`` (whole blocks), into ``out``.
+
+    The intended relation goes in as a boolean mask on the keys it allows; returns the last row done.
+    """
+    import torch.nn.functional as F
+
+    q1 = min(q0 + group_rows, blocks[-1][1])
+    allow = relation.block(q0, q1)  # [B|1, Nh|1, rows, Tk]
+    lo, hi = _key_hull(allow, tk=k.shape[-2])
+    mask = None if allow is None else allow[..., lo:hi]
+    out[:, :, q0:q1] = F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, lo:hi], v[:, :, lo:hi],
+                                                      attn_mask=mask, dropout_p=0.0, scale=scale)
+    return q1
+
+
+def _compare_sdpa(c_st: _Stage, context: "Tensor", sdpa_ctx: "Tensor", done: list[tuple[int, int]],
+                  rtol: float, atol: float) -> None:
+    """Context against SDPA for consecutive blocks: non-finite count, max |diff|, and each block's excess.
+
+    Each block's atol is scaled by that block's largest |SDPA value|, as if compared one by one.
+    """
+    import torch
+
+    g0, g1 = done[0][0], done[-1][1]
+    cg = context[:, :, g0:g1]  # [B, Nh, rows, Dv]
+    c_st.add("nonfinite", 0 if C.all_finite(cg) else C.nonfinite_count(cg))
+    sizes = {q1 - q0 for q0, q1 in done}
+    if len(sizes) == 1 and cg.numel():
+        r = sizes.pop()
+        e = sdpa_ctx[:, :, g0:g1].to(torch.float64, copy=True)  # changed in place below
+        d = cg.to(torch.float64, copy=True)
+        d.sub_(e).abs_()  # [B, Nh, rows, Dv]
+        diff = float(d.amax())
+        if math.isfinite(diff):
+            b, nh, _, dv = e.shape
+            e.abs_()
+            per = (b, nh, len(done), r, dv)
+            scale = e.view(per).amax(dim=(0, 1, 3, 4)).clamp_(min=1.0)  # [blocks]: max(1, max |SDPA|)
+            excess = d.sub_(e.mul_(rtol)).view(per).amax(dim=(0, 1, 3, 4)) - atol * scale  # [blocks]
+            c_st.max("sdpa_diff", diff)
+            c_st.max("sdpa_excess", float(excess.amax()))
+            return
+    for q0, q1 in done:
+        sd = sdpa_ctx[:, :, q0:q1]
+        d, ex = _excess(context[:, :, q0:q1], sd, rtol, atol * max(1.0, C.max_abs(sd)))
+        c_st.max("sdpa_diff", d)
+        c_st.max("sdpa_excess", ex)
+
+
+def _max_abs(t: "Tensor") -> float:
+    """Largest |value| in one ``aminmax`` pass (NaN if any value is NaN), as ``checks.max_abs``."""
+    import torch
+
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = (float(x) for x in torch.aminmax(t))
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(abs(lo), abs(hi))
+
+
+def _excess(actual: "Tensor", expected: "Tensor", rtol: float, atol: float) -> tuple[float, float]:
+    """:func:`checks.excess_error` with fewer passes over the grid; the same two numbers.
+
+    Computed in float64 in place; when anything is non-finite it defers to
+    ``checks.excess_error``, whose NaN and infinity rules then apply.
+    """
+    import torch
+
+    if actual.numel() == 0 or actual.shape != expected.shape:
+        return C.excess_error(actual, expected, rtol, atol)
+    e = expected.to(torch.float64)
+    d = actual.to(torch.float64, copy=True)
+    d.sub_(e).abs_()  # |actual - expected|
+    diff = float(d.amax())
+    if not math.isfinite(diff):
+        return C.excess_error(actual, expected, rtol, atol)
+    d.sub_(e.abs_().mul_(rtol) if e is not expected else e.abs().mul_(rtol))
+    return diff, float(d.amax()) - atol
+
+
+def _mask_counts(st: _Stage, m: "Tensor", ai: "Tensor | None", live: "Tensor | None", empty_zero: bool,
+                 v0: int, v1: int, b: int, nh: int, rows: int, tk: int) -> None:
+    """Masked-score counts for one block: NaN/+inf, rows with every key excluded, forbidden kept, allowed dropped.
+
+    Outside the band ``[v0, v1)`` every pair is allowed, so there the counts are all zero
+    exactly when the region holds no -inf, NaN or +inf, which one ``aminmax`` screens. The
+    band (or the whole block, when a screen fails) is counted pair by pair.
+    """
+    import torch
+
+    kw = m.shape[-1]
+    if _clean_allowed(m[..., :v0]) and _clean_allowed(m[..., v1:]):
+        a, z = v0, v1
+    else:
+        a, z = 0, kw
+    mb = m[..., a:z]  # [B, Nh, rows, z - a]
+    st.add("nan_or_posinf", 0 if C.all_finite(mb, allow_neg_inf=True) else C.nonfinite_count(mb, allow_neg_inf=True))
+    neg = torch.isneginf(mb)  # excluded pairs
+    if z - a < kw:
+        blocked = 0  # every row keeps a finite score outside the band
+    else:
+        dead = neg.all(dim=-1)  # [B, Nh, rows]: query rows with every key excluded
+        # keys outside the block's key hull are forbidden by both relations, so they are excluded by construction
+        if live is not None and empty_zero:
+            dead = dead & live
+        blocked = int(dead.sum())
+    st.add("fully_blocked", blocked)
+    if ai is not None:
+        ab = ai[..., a:z]
+        st.add("forbidden_kept", int((~ab & ~neg).sum()))
+        st.add("allowed_dropped", int((ab & neg).sum()))
+        st.add("allowed_pairs", int(ai.sum()) * (b // ai.shape[0]) * (nh // ai.shape[1]))
+    st.add("pairs", b * nh * rows * tk)
+
+
+def _weight_invariants(stage: _Stage, w: "Tensor", ai: "Tensor | None", live: "Tensor | None", empty_zero: bool,
+                       band: tuple[int, int] | None = None, count_nonfinite: bool = False) -> None:
+    """Row sums over keys, weight on forbidden keys, and declared-empty rows, for one block.
+
+    ``band``: key columns ``[v0, v1)`` outside which ``ai`` allows every pair; forbidden
+    keys lie only inside it. ``count_nonfinite``: also count non-finite weights, cleared
+    at once when every row sum is finite (a NaN or infinite weight makes its row sum so).
+    """
     import torch
 
     sums = w.sum(dim=-1)  # [B, Nh, rows]
+    if count_nonfinite:
+        stage.add("nonfinite", 0 if C.all_finite(sums) else C.nonfinite_count(w))
     err = (sums - 1).abs()
     if live is not None:
         err = torch.where(live, err, torch.zeros_like(err))
@@ -429,18 +641,21 @@ def _weight_invariants(stage: _Stage, w: "Tensor", ai: "Tensor | None", live: "T
             empty = w.abs().amax(dim=-1)  # [B, Nh, rows]
             stage.max("empty_row_max", float(torch.where(~live, empty, torch.zeros_like(empty)).amax()))
     stage.max("row_sum_err", float(err.amax()) if err.numel() else 0.0)
-    if ai is not None and not bool(ai.all()):
-        forb = w.abs().masked_fill(ai, 0.0)
+    v0, v1 = band if band is not None else (0, w.shape[-1])
+    if ai is not None and v1 > v0 and not bool(ai[..., v0:v1].all()):
+        forb = w[..., v0:v1].abs().masked_fill(ai[..., v0:v1], 0.0)  # [B, Nh, rows, v1 - v0]
         stage.max("forbidden_max", float(forb.amax()) if forb.numel() else 0.0)
     else:
         stage.max("forbidden_max", 0.0)
 
 
-def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, atol: float) -> float:
+def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, atol: float,
+                  span: tuple["Tensor", "Tensor"] | None = None) -> float:
     """How far any context coordinate lies outside the per-coordinate range of the value rows it mixes.
 
     Exact (per query, over its allowed keys) when small enough; otherwise per block over
-    the block's key span, which is a looser bound.
+    the block's key span, which is a looser bound. ``span``: that span's per-coordinate
+    (min, max) ``[B, Nh, 1, Dv]`` when already known (see :func:`_value_span`).
     """
     import torch
 
@@ -448,10 +663,10 @@ def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, a
     kw = vb.shape[-2]
     if kw == 0 or c.numel() == 0:
         return 0.0
-    vf = vb.to(torch.float64)
     cf = c.to(torch.float64)
-    tol = atol + rtol * float(vf.abs().amax())
     if ai is not None and b * nh * rows * kw * dv <= EXACT_RANGE_BUDGET:
+        vf = vb.to(torch.float64)
+        tol = atol + rtol * float(vf.abs().amax())
         allow = ai.expand(b, nh, rows, kw)[..., None]  # [B, Nh, rows, kw, 1]
         vv = vf[:, :, None, :, :]  # [B, Nh, 1, kw, Dv]
         lo = torch.where(allow, vv, torch.full_like(vv, math.inf)).amin(dim=-2)  # [B, Nh, rows, Dv]
@@ -460,8 +675,9 @@ def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, a
         lo = torch.where(has, lo, torch.zeros_like(lo))  # an empty row must be zeros
         hi = torch.where(has, hi, torch.zeros_like(hi))
     else:
-        lo = vf.amin(dim=-2, keepdim=True)  # [B, Nh, 1, Dv]
-        hi = vf.amax(dim=-2, keepdim=True)
+        vlo, vhi = span if span is not None else (vb.amin(dim=-2, keepdim=True), vb.amax(dim=-2, keepdim=True))
+        lo, hi = vlo.to(torch.float64), vhi.to(torch.float64)  # [B, Nh, 1, Dv]; min and max are exact in any dtype
+        tol = atol + rtol * float(torch.maximum(lo.abs(), hi.abs()).amax())
     below = (lo - cf).amax()
     above = (cf - hi).amax()
     excess = max(float(below), float(above)) - tol
@@ -1027,7 +1243,6 @@ def ledger_on_qkv(
                                           f"given {name} {shown if not one_head else shown.replace('Nh,', '')}", f"user_{name}_shape"))
         else:
             user[name] = t4
-    ref_dtype = _ref_dtype(q.device)
     checks: dict[str, list[Check]] = {}
     shapes: dict[str, tuple[int, ...] | None] = {"input": tuple(q.shape)}
     raised: dict[str, BaseException] = {}
@@ -1038,9 +1253,7 @@ def ledger_on_qkv(
         C.finite_check(C.nonfinite_count(q) + C.nonfinite_count(k) + C.nonfinite_count(v), "input values"),
     ]
     k_exp, v_exp = HEALTHY.expand(k, nh), HEALTHY.expand(v, nh)
-    from attn_ledger.reference import repeat_kv
-
-    ref = (q.to(ref_dtype), repeat_kv(k.to(ref_dtype), nh), repeat_kv(v.to(ref_dtype), nh))
+    ref = (q, k, v)  # cast to ref_dtype and kv heads repeated by the reference, one sampled block at a time
     context, _, _ = _attend_blocks(
         run, HEALTHY, q, k_exp, v_exp, ref, relation, scale=1.0 / math.sqrt(dh), ref_scale=1.0 / math.sqrt(dh),
         empty_zero=empty_rows == "zeros", user=user, block_size=block_size, keep_grids=keep_grids, progress=progress)
