@@ -1,0 +1,227 @@
+"""Ledger cost against F.scaled_dot_product_attention, on the same q, k, v in one process.
+
+For each shape (B, Nh, T, Dh), causal, float32:
+
+* time: median of ``--repeats`` calls of ``attn_ledger.ledger.ledger_on_qkv(q, k, v, mask="causal")``
+  and of ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, after one warm-up call each;
+* peak resident memory of each call: the high-water mark is reset before the call by writing
+  ``5`` to ``/proc/self/clear_refs`` and read afterwards from ``VmHWM`` in ``/proc/self/status``
+  (shown as the process peak and as the growth over the resident size just before the call).
+
+``--cli`` also runs ``attn-ledger run --tensors FILE --mask causal`` at (1, 32, 8192, 128) in a
+subprocess (the file is written first, as .safetensors in a temporary directory) and reports its
+wall time and peak resident memory (``/usr/bin/time -v`` where present, else ``getrusage``).
+
+Prints Markdown tables ready for docs/performance.md, with the machine they came from.
+
+Usage::
+
+    python benchmarks/bench_ledger.py                 # ratio shapes and the T = 512..8192 table
+    python benchmarks/bench_ledger.py --cli           # plus the 8192 CLI run
+    python benchmarks/bench_ledger.py --device cuda   # CUDA shapes (memory columns are host RSS)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RATIO_SHAPES = [(1, 8, 512, 64), (1, 32, 2048, 128), (1, 8, 4096, 128)]
+SCALE_TS = [512, 1024, 2048, 4096, 8192]
+CLI_SHAPE = (1, 32, 8192, 128)
+
+
+def _status_kib(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    return int(m.group(1)) if m else 0
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _measure(fn, repeats: int, sync) -> tuple[float, float, float]:
+    """(median seconds, peak RSS MiB, peak growth over the RSS before the call MiB)."""
+    fn()
+    sync()
+    times, peak, grow = [], 0.0, 0.0
+    for _ in range(repeats):
+        can_reset = _reset_peak()
+        before = _status_kib("VmRSS")
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+        hwm = _status_kib("VmHWM") if can_reset else 0
+        peak = max(peak, hwm / 1024)
+        grow = max(grow, (hwm - before) / 1024)
+    return statistics.median(times), peak, grow
+
+
+def machine(device: str) -> str:
+    import torch
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = _meminfo_gib()
+    text = (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {mem:.0f} GiB RAM, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+    if device == "cuda":
+        text += f", GPU {torch.cuda.get_device_name()}"
+    return text
+
+
+def _meminfo_gib() -> float:
+    try:
+        m = re.search(r"^MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+        return int(m.group(1)) / 2**20 if m else 0.0
+    except OSError:
+        return 0.0
+
+
+def bench_shape(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from attn_ledger.ledger import ledger_on_qkv
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g).to(device) for _ in range(3))  # [B, Nh, T, Dh]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    verdicts = []
+
+    def ledger():
+        led = ledger_on_qkv(q, k, v, mask="causal")
+        verdicts.append(led.first_divergence)
+
+    sd_t, sd_peak, sd_grow = _measure(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats, sync)
+    lg_t, lg_peak, lg_grow = _measure(ledger, repeats, sync)
+    if any(d is not None for d in verdicts):
+        raise SystemExit(f"healthy ledger diverged at {shape}: {verdicts[-1]}")
+    return {"shape": shape, "sdpa_s": sd_t, "ledger_s": lg_t, "ratio": lg_t / sd_t,
+            "sdpa_peak": sd_peak, "sdpa_grow": sd_grow, "ledger_peak": lg_peak, "ledger_grow": lg_grow}
+
+
+def run_cli(shape: tuple[int, int, int, int]) -> dict:
+    """``attn-ledger run --tensors FILE --mask causal`` in a subprocess: wall time and peak RSS."""
+    import torch
+    from safetensors.torch import save_file
+
+    exe = shutil.which("attn-ledger") or str(Path(sys.executable).with_name("attn-ledger"))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "qkv.safetensors"
+        g = torch.Generator().manual_seed(0)
+        save_file({n: torch.randn(*shape, generator=g) for n in ("q", "k", "v")}, str(path))
+        cmd = [exe, "run", "--tensors", str(path), "--mask", "causal", "--format", "json"]
+        timer = shutil.which("time") if Path("/usr/bin/time").exists() else None
+        timer = "/usr/bin/time" if Path("/usr/bin/time").exists() else timer
+        t0 = time.perf_counter()
+        if timer:
+            proc = subprocess.run([timer, "-v", *cmd], capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+            peak = int(m.group(1)) / 1024 if m else float("nan")
+            how = "/usr/bin/time -v"
+        else:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+            how = "getrusage(RUSAGE_CHILDREN)"
+        import json
+
+        try:
+            verdict = json.loads(proc.stdout)["verdict"]
+        except (ValueError, KeyError):
+            verdict = f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"
+        sd_peak = _sdpa_subprocess(path)
+    return {"shape": shape, "wall_s": wall, "peak_mib": peak, "how": how, "verdict": verdict,
+            "exit": proc.returncode, "sdpa_peak_mib": sd_peak}
+
+
+def _sdpa_subprocess(path: Path) -> float:
+    """Peak RSS (MiB) of a fresh process that loads the same file and runs SDPA once."""
+    code = (
+        "import re,torch,torch.nn.functional as F;from safetensors.torch import load_file;"
+        f"t=load_file({str(path)!r});F.scaled_dot_product_attention(t['q'],t['k'],t['v'],is_causal=True);"
+        "print(re.search(r'VmHWM:\\s+(\\d+)',open('/proc/self/status').read()).group(1))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        return int(out.stdout.strip()) / 1024
+    except ValueError:
+        return float("nan")
+
+
+def _fmt_shape(shape) -> str:
+    return "(" + ", ".join(str(x) for x in shape) + ")"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--skip-ratio", action="store_true", help="skip the three ratio shapes")
+    ap.add_argument("--skip-scale", action="store_true", help="skip the T = 512..8192 table")
+    ap.add_argument("--scale-heads", type=int, default=8)
+    ap.add_argument("--scale-dh", type=int, default=64)
+    ap.add_argument("--max-t", type=int, default=8192, help="largest T in the scaling table")
+    ap.add_argument("--cli", action="store_true", help=f"also run the CLI at {CLI_SHAPE} in a subprocess")
+    args = ap.parse_args(argv)
+
+    print(f"Machine: {machine(args.device)}; device {args.device}; causal float32; "
+          f"median of {args.repeats} after one warm-up; peak RSS via /proc/self/clear_refs + VmHWM\n")
+    if not args.skip_ratio:
+        print("| (B, Nh, T, Dh) | SDPA ms | ledger ms | ledger / SDPA | SDPA peak RSS MiB (growth) | ledger peak RSS MiB (growth) |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for shape in RATIO_SHAPES:
+            r = bench_shape(shape, args.repeats, args.device)
+            print(f"| {_fmt_shape(shape)} | {r['sdpa_s'] * 1e3:.1f} | {r['ledger_s'] * 1e3:.1f} | {r['ratio']:.2f} "
+                  f"| {r['sdpa_peak']:.0f} (+{r['sdpa_grow']:.0f}) | {r['ledger_peak']:.0f} (+{r['ledger_grow']:.0f}) |", flush=True)
+        print()
+    if not args.skip_scale:
+        nh, dh = args.scale_heads, args.scale_dh
+        print(f"Scaling, (1, {nh}, T, {dh}): time per T^2 relative to T = {SCALE_TS[0]} (1.00 = quadratic)\n")
+        print("| T | SDPA ms | ledger ms | ledger / SDPA | SDPA / T^2 (rel.) | ledger / T^2 (rel.) | ledger peak RSS MiB (growth) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        base = None
+        for t in [t for t in SCALE_TS if t <= args.max_t]:
+            r = bench_shape((1, nh, t, dh), args.repeats, args.device)
+            per = (r["sdpa_s"] / t**2, r["ledger_s"] / t**2)
+            base = base or per
+            print(f"| {t} | {r['sdpa_s'] * 1e3:.1f} | {r['ledger_s'] * 1e3:.1f} | {r['ratio']:.2f} | {per[0] / base[0]:.2f} "
+                  f"| {per[1] / base[1]:.2f} | {r['ledger_peak']:.0f} (+{r['ledger_grow']:.0f}) |", flush=True)
+        print()
+    if args.cli:
+        r = run_cli(CLI_SHAPE)
+        print(f"CLI: `attn-ledger run --tensors qkv.safetensors --mask causal` at {_fmt_shape(CLI_SHAPE)} float32 "
+              f"(inputs {3 * 4 * CLI_SHAPE[0] * CLI_SHAPE[1] * CLI_SHAPE[2] * CLI_SHAPE[3] / 2**30:.2f} GiB)\n")
+        print("| run | wall s | peak RSS MiB | verdict |")
+        print("|---|---:|---:|---|")
+        print(f"| attn-ledger run --tensors (measured by {r['how']}) | {r['wall_s']:.1f} | {r['peak_mib']:.0f} | {r['verdict']} |")
+        print(f"| SDPA alone, fresh process loading the same file | - | {r['sdpa_peak_mib']:.0f} | - |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
