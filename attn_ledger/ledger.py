@@ -353,6 +353,9 @@ def _attend_blocks(
         allow_i = relation.block(q0, q1)  # intended, [B|1, Nh|1, rows, Tk]
         allow_p = ops.polarity(allow_i)  # what the pipeline applies
         lo, hi = (0, tk) if full_keys else _key_hull(allow_i, allow_p, tk=tk)
+        if allow_i is not None and (lo > 0 or hi < tk) and bool(allow_i[..., lo:hi].all()):
+            # keep one key every query of the block must not use, so a mask never applied still shows
+            lo, hi = (lo, hi + 1) if hi < tk else (lo - 1, hi)
         kw = hi - lo
         ai = None if allow_i is None else allow_i[..., lo:hi]
         ap = None if allow_p is None else allow_p[..., lo:hi]

@@ -1,0 +1,191 @@
+"""Streaming over query blocks: any block size gives the same first divergence and the same verdicts.
+
+The grids here are larger than SMALL_GRID so the key hull, the mask band and the
+value-chunk ranges are in play; block sizes 1 and 3 and the whole grid are compared.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attn_ledger.ledger as L
+from attn_ledger import checks as C
+from attn_ledger.config import load_config
+from attn_ledger.ledger import ledger_on_qkv, run_ledger
+
+BASE = {"batch_size": 1, "seq_len": 190, "embed_dim": 16, "num_heads": 2}  # grid 72200 > SMALL_GRID
+BLOCKS = [1, 3, None]
+
+CASES = [
+    ("healthy causal", {}),
+    ("healthy sliding-window", {"mask": "sliding-window", "window": 7}),
+    ("healthy causal+padding zeros", {"mask": "causal+padding", "valid_lengths": [150], "empty_rows": "zeros",
+                                      "padding_side": "left"}),
+    ("mask-polarity", {"fault": "mask-polarity"}),
+    ("mask-after-softmax", {"fault": "mask-after-softmax"}),
+    ("softmax-axis", {"fault": "softmax-axis"}),
+    ("no-scale", {"fault": "no-scale"}),
+]
+
+
+def _verdicts(led) -> dict[tuple[str, str], bool | None]:
+    return {(r.stage, c.name): c.ok for r in led.rows for c in r.checks}
+
+
+def _first(led):
+    d = led.first_divergence
+    return None if d is None else (d.stage, d.level, d.check)
+
+
+@pytest.mark.parametrize("name,extra", CASES, ids=[c[0] for c in CASES])
+def test_block_size_does_not_change_the_diagnosis(name, extra):
+    found = {}
+    for bs in BLOCKS:
+        led = run_ledger(load_config(overrides={**BASE, **extra, "block_size": bs}), keep_going=True)
+        found[bs] = (_first(led), _verdicts(led), led.row("masked_scores").checks)
+    first = {bs: f for bs, (f, _, _) in found.items()}
+    assert len({f and f[:2] for f in first.values()}) == 1, first  # same stage and level
+    assert (first[None] is None) == name.startswith("healthy")
+    if name == "softmax-axis":
+        # normalising over the query axis gives block-dependent weights: one-row blocks with a
+        # fully excluded key come out NaN (finite fails) rather than summing wrongly over keys
+        assert first[3] == first[None] == ("weights", 3, "key_row_sums") and first[1] == ("weights", 3, "finite")
+        return
+    assert len(set(first.values())) == 1, first
+    assert found[1][1] == found[3][1] == found[None][1]
+    if first[None] is None or name == "mask-polarity":  # the hull then spans the same keys at any block size
+        counts = {bs: [(c.name, c.value) for c in checks if c.name != "shape"] for bs, (_, _, checks) in found.items()}
+        assert counts[1] == counts[3] == counts[None]  # pair counts are exact, whatever the blocking
+
+
+def test_whole_grid_is_one_block_and_streaming_is_noted():
+    led = run_ledger(load_config(overrides={**BASE, "block_size": 3}))
+    assert any(n.startswith("score-grid stages ran in 64 query blocks of 3 rows") for n in led.notes)
+    led = run_ledger(load_config(overrides=BASE))
+    assert not any("query blocks" in n for n in led.notes)
+
+
+def _qkv(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g) for _ in range(3))
+
+
+def test_random_allow_mask_takes_the_exact_path_and_matches_whole_grid():
+    """An irregular relation varies in every key column: counted pair by pair, same numbers."""
+    q, k, v = _qkv((1, 2, 190, 8))
+    g = torch.Generator().manual_seed(5)
+    allow = torch.rand(190, 190, generator=g) < 0.7
+    allow[:, 0] = True
+    led = {bs: ledger_on_qkv(q, k, v, allow_mask=allow, block_size=bs) for bs in BLOCKS}
+    assert all(x.first_divergence is None for x in led.values())
+    pairs = {bs: x.check("masked_scores", "forbidden_excluded").detail for bs, x in led.items()}
+    assert len(set(pairs.values())) == 1
+
+
+def test_dropped_allowed_key_outside_the_band_is_counted_exactly(monkeypatch):
+    """A pipeline that excludes an always-allowed key: the band screen fails and the whole block is counted."""
+    import attn_ledger.pipeline as P
+
+    def drop_key0(scores, allow):
+        out = P.apply_mask(scores, allow)
+        return out.index_fill(-1, torch.tensor([0]), float("-inf"))  # key 0 is allowed for every causal query
+
+    broken = P.Ops(mask=drop_key0)
+    monkeypatch.setattr(P, "ops_for", lambda fault: broken)
+    for bs in BLOCKS:
+        led = run_ledger(load_config(overrides={**BASE, "block_size": bs}))
+        c = led.check("masked_scores", "allowed_kept")
+        assert (c.ok, c.value) == (False, 2 * 190), bs  # Nh * Tq pairs
+        assert _first(led)[0] == "masked_scores"
+
+
+def test_float64_reference_on_a_sample_of_blocks_is_noted(monkeypatch):
+    monkeypatch.setattr(L, "F64_BUDGET", 2 * 2 * 10 * 190)  # two blocks' worth
+    q, k, v = _qkv((1, 2, 190, 8))
+    led = ledger_on_qkv(q, k, v, mask="causal", block_size=10)
+    assert led.first_divergence is None
+    note = next(n for n in led.notes if n.startswith("float64 reference on a sample"))
+    assert note.startswith("float64 reference on a sample of 2 of 19 query blocks: 0, 18; SDPA on all")
+    assert led.check("context", "matches_reference").ok is True
+
+
+def test_sdpa_still_covers_every_block_when_float64_is_sampled(monkeypatch):
+    """A wrong output in a block the float64 reference skips is still caught against SDPA."""
+    import attn_ledger.pipeline as P
+
+    monkeypatch.setattr(L, "F64_BUDGET", 2 * 2 * 10 * 190)
+
+    def mix_wrong_in_block_5(w, v):
+        out = P.mix_values(w, v)
+        return out * 1.01 if w.shape[-1] == 60 else out  # block 5 (rows 50..59) has a 60-key hull
+
+    monkeypatch.setattr(P, "ops_for", lambda fault: P.Ops(mix=mix_wrong_in_block_5))
+    led = run_ledger(load_config(overrides={**BASE, "block_size": 10}), keep_going=True)
+    assert led.check("context", "matches_sdpa").ok is False
+    assert led.check("context", "matches_reference").ok is True  # block 5 is not in the float64 sample
+
+
+def test_sampled_blocks_include_first_and_last():
+    blocks = [(i, i + 1) for i in range(100)]
+    assert L._sampled(blocks, 1, 1, 10) == list(range(100))
+    budget = L.F64_BUDGET
+    big = [(i * 10, i * 10 + 10) for i in range(100)]
+    picked = L._sampled(big, 1, 1, budget // 30)
+    assert picked[0] == 0 and picked[-1] == 99 and 2 <= len(picked) < 100
+
+
+# --- the faster measurements equal the plain ones -------------------------------------
+
+def test_excess_equals_checks_excess_error():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(3, 4, 50, 60, generator=g)
+    e = a.double() + 1e-3 * torch.randn(3, 4, 50, 60, generator=g, dtype=torch.float64)
+    assert L._excess(a, e, 2e-5, 3e-5) == C.excess_error(a, e, 2e-5, 3e-5)
+    e[0, 0, 0, 0] = math.nan
+    got, want = L._excess(a, e, 2e-5, 3e-5), C.excess_error(a, e, 2e-5, 3e-5)
+    assert all(math.isnan(x) for x in got + want)
+    e64 = e.clone()
+    L._excess(e64, e64 * 2, 0.0, 0.0)
+    assert torch.equal(e64.nan_to_num(), e.nan_to_num())  # inputs are not changed in place
+
+
+def test_group_sdpa_comparison_equals_block_by_block():
+    g = torch.Generator().manual_seed(2)
+    ctx = torch.randn(2, 3, 40, 8, generator=g)
+    sd = ctx + 1e-5 * torch.randn(2, 3, 40, 8, generator=g)
+    sd[:, :, 10:20] *= 5  # one block with a larger scale for atol
+    blocks = [(0, 10), (10, 20), (20, 30), (30, 40)]
+    grouped, single = L._Stage(), L._Stage()
+    L._compare_sdpa(grouped, ctx, sd, blocks, 2e-5, 2e-5)
+    for blk in blocks:
+        L._compare_sdpa(single, ctx, sd, [blk], 2e-5, 2e-5)
+    assert grouped.maxes["sdpa_diff"] == single.maxes["sdpa_diff"]
+    assert grouped.maxes["sdpa_excess"] == pytest.approx(single.maxes["sdpa_excess"], rel=1e-12, abs=1e-15)
+
+
+def test_value_span_from_chunks_equals_direct_min_max():
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(1, 2, 1000, 5, generator=g)
+    chunks = L._value_chunks(v)
+    for lo, hi in [(0, 1000), (3, 997), (64, 128), (100, 101), (0, 200), (650, 999)]:
+        got = L._value_span(v, chunks, lo, hi)
+        assert torch.equal(got[0], v[:, :, lo:hi].amin(dim=-2, keepdim=True))
+        assert torch.equal(got[1], v[:, :, lo:hi].amax(dim=-2, keepdim=True))
+
+
+def test_single_row_blocks_keep_a_forbidden_key():
+    """Blocks of one query row still see a key the relation forbids, so an unapplied mask is caught."""
+    led = run_ledger(load_config(overrides={**BASE, "fault": "mask-after-softmax", "block_size": 1}))
+    d = led.first_divergence
+    assert (d.stage, d.check) == ("masked_scores", "forbidden_excluded")
+    assert led.check("masked_scores", "forbidden_excluded").value == 2 * 189  # one forbidden key per row but the last
+
+
+def test_band_is_where_the_relation_varies():
+    causal = torch.ones(4, 10, dtype=torch.bool).tril(6)[None, None]  # rows 0..3 allow keys 0..6+i
+    assert L._band(causal, 10) == (7, 10)
+    assert L._band(None, 10) == (0, 0)
+    assert L._band(torch.ones(1, 1, 4, 10, dtype=torch.bool), 10) == (0, 0)
