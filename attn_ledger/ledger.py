@@ -400,6 +400,8 @@ def _attend_blocks(
             d, ex = _excess(s, ref_blk["scores"], rtol, atol * max(1.0, _max_abs(ref_blk["scores"])))
             s_st.max("ref_diff", d)
             s_st.max("ref_excess", ex)
+            if plain_blk is not None:
+                s_st.max("plain_diff", _excess(plain_blk["scores"], ref_blk["scores"], 0, 0)[0])
         if "scores" in user:
             us = user["scores"][:, :, q0:q1]
             st["user_scores"] = st.get("user_scores") or _Stage()
@@ -426,6 +428,8 @@ def _attend_blocks(
             d, ex = _excess(w, ref_blk["weights"], rtol, atol)
             w_st.max("ref_diff", d)
             w_st.max("ref_excess", ex)
+            if plain_blk is not None:
+                w_st.max("plain_diff", _excess(plain_blk["weights"], ref_blk["weights"], 0, 0)[0])
         if "weights" in user:
             uw = user["weights"][:, :, q0:q1]
             ust = st.setdefault("user_weights", _Stage())
@@ -695,6 +699,18 @@ def _cmp(st: _Stage, name: str, key: str, against: str, rtol: float, atol: float
     return C.compare_check(name, st.maxes[f"{key}_diff"], st.maxes[f"{key}_excess"], rtol, atol, against)
 
 
+def _half_floor(dtype: "torch.dtype") -> float:
+    """Smallest plain same-dtype error the factor rule divides by (float16 or bfloat16)."""
+    return 1e-3 if C.dtype_name(dtype) == "float16" else 8e-3
+
+
+def _half_cmp(st: _Stage, dtype: "torch.dtype") -> Check | None:
+    """Half precision: the error against float64 within a factor of the plain same-dtype computation's."""
+    if "ref_diff" not in st.maxes or "plain_diff" not in st.maxes:
+        return None
+    return C.factor_check("matches_reference", st.maxes["ref_diff"], st.maxes["plain_diff"], _half_floor(dtype), "float64 reference")
+
+
 def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[str, list[Check]]:
     st = run.stages
     rtol, atol = C.tolerance(run.dtype)
@@ -709,7 +725,7 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
     if "nonfinite" in s.counts:
         out["scores"].append(C.finite_check(s.counts["nonfinite"], "scores"))
         out["scores"].append(_headroom(s.maxes.get("max_abs", 0.0), run.dtype))
-        c = _cmp(s, "matches_reference", "ref", "float64 reference", rtol, atol)
+        c = _half_cmp(s, run.dtype) if half else _cmp(s, "matches_reference", "ref", "float64 reference", rtol, atol)
         if c:
             out["scores"].append(c)
     if "user_scores" in st:
@@ -743,7 +759,7 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
         ]
         if "empty_row_max" in w.maxes:
             out["weights"].append(C.bound_check(3, "empty_rows_zero", w.maxes["empty_row_max"], 0.0, "largest weight in a declared-empty row"))
-        c = _cmp(w, "matches_reference", "ref", "float64 reference", rtol, atol)
+        c = _half_cmp(w, run.dtype) if half else _cmp(w, "matches_reference", "ref", "float64 reference", rtol, atol)
         if c:
             out["weights"].append(c)
     if "user_weights" in st:

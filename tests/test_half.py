@@ -1,0 +1,122 @@
+"""float16 and bfloat16: the factor rule against a plain same-dtype computation, and the exp headroom warning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from attn_ledger.cli import app
+from attn_ledger.config import load_config
+from attn_ledger.ledger import ledger_on_qkv, run_ledger
+
+HALF = ["float16", "bfloat16"]
+DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _qkv(shape=(1, 2, 64, 16), seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+    return q * scale, k * scale, v
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("overrides", [{}, {"seq_len": 200, "embed_dim": 32, "num_heads": 4, "block_size": 7}],
+                         ids=["default", "streamed"])
+def test_healthy_config_passes_in_half(dtype, overrides):
+    led = run_ledger(load_config(overrides={"dtype": dtype, **overrides}))
+    assert led.first_divergence is None, led.first_divergence
+    assert led.meta["dtype"] == dtype
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_healthy_tensors_pass_in_half(dtype, mask, tmp_path):
+    q, k, v = (t.to(DT[dtype]) for t in _qkv())
+    led = ledger_on_qkv(q, k, v, mask=mask)
+    assert led.first_divergence is None, led.first_divergence
+    from safetensors.torch import save_file
+
+    path = tmp_path / "qkv.safetensors"
+    save_file({"q": q.float(), "k": k.float(), "v": v.float()}, str(path))
+    res = CliRunner().invoke(app, ["run", "--tensors", str(path), "--mask", mask, "--dtype", dtype, "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["verdict"] == "pass"
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_context_row_shows_both_errors_and_the_factor(dtype):
+    led = run_ledger(load_config(overrides={"dtype": dtype}))
+    for name in ("matches_reference", "matches_sdpa"):
+        c = led.check("context", name)
+        assert c.ok is True
+        assert "max err vs float64 reference" in c.detail
+        assert "plain same-dtype err" in c.detail and "factor" in c.detail and "limit 4" in c.detail
+    for stage in ("scores", "weights"):  # the grid stages follow the same rule in half precision
+        assert "plain same-dtype err" in led.check(stage, "matches_reference").detail
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_worse_than_plain_output_fails_the_factor_check(dtype):
+    """A given out computed with a softmax scale 5% off: close in absolute terms, far beyond plain rounding."""
+    q, k, v = (t.to(DT[dtype]) for t in _qkv())
+    scale = 1.05 / 4.0  # Dh = 16
+    bad = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=scale).to(DT[dtype])
+    good = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(DT[dtype])
+    c_bad = ledger_on_qkv(q, k, v, mask="causal", out=bad).check("context", "user_out_matches_reference")
+    c_good = ledger_on_qkv(q, k, v, mask="causal", out=good).check("context", "user_out_matches_reference")
+    assert c_good.ok is True and c_bad.ok is False
+    assert "factor" in c_bad.detail and c_bad.value > 4 * 1e-3
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_missing_scale_is_still_caught_at_scores_in_half(dtype):
+    d = run_ledger(load_config(overrides={"dtype": dtype, "fault": "no-scale"})).first_divergence
+    assert (d.stage, d.level, d.check) == ("scores", 4, "matches_reference")
+
+
+def test_peaky_bfloat16_softmax_passes_under_the_factor_rule():
+    """Scores near 40 make bfloat16 weights err by ~0.02 even when computed plainly; that is not a divergence."""
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(scale=3.0))
+    led = ledger_on_qkv(q, k, v, mask="causal")
+    assert led.first_divergence is None
+    assert led.check("weights", "matches_reference").value > 1e-2
+
+
+def test_headroom_warning_fires_without_a_divergence():
+    """float16: exp overflows above log(65504) = 11.09; scores near 40 are fine with max-subtraction."""
+    q, k, v = (t.to(torch.float16) for t in _qkv(scale=3.0))
+    led = ledger_on_qkv(q, k, v, mask="causal")
+    c = led.check("scores", "exp_headroom")
+    assert c.ok is False and c.severity == "warning" and c.value > 11.1
+    assert led.first_divergence is None and led.verdict == "pass" and led.exit_code == 0
+    assert ("scores", c) in led.warnings()
+    row = next(r for r in led.to_json()["rows"] if r["stage"] == "scores")
+    (j,) = [x for x in row["checks"] if x["name"] == "exp_headroom"]
+    assert j["severity"] == "warning" and j["ok"] is False
+    assert row["status"] == "ok"
+
+
+def test_headroom_passes_on_ordinary_scores():
+    q, k, v = (t.to(torch.float16) for t in _qkv())
+    c = ledger_on_qkv(q, k, v, mask="causal").check("scores", "exp_headroom")
+    assert c.ok is True and c.value < 11.1
+    q, k, v = _qkv(scale=3.0)  # the same scores in float32 have headroom up to 88.7
+    assert ledger_on_qkv(q, k, v, mask="causal").check("scores", "exp_headroom").ok is True
+
+
+def test_headroom_warning_in_cli_json(tmp_path):
+    from safetensors.torch import save_file
+
+    q, k, v = _qkv(scale=3.0)
+    path = tmp_path / "hot.safetensors"
+    save_file({"q": q, "k": k, "v": v}, str(path))
+    res = CliRunner().invoke(app, ["run", "--tensors", str(path), "--mask", "causal", "--dtype", "float16", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["verdict"] == "pass" and data["first_divergence"] is None
+    checks = [c for r in data["rows"] for c in r["checks"] if c["name"] == "exp_headroom"]
+    assert checks[0]["severity"] == "warning" and checks[0]["ok"] is False
