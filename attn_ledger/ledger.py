@@ -315,7 +315,7 @@ def _attend_blocks(
     import torch
     import torch.nn.functional as F
 
-    from attn_ledger.reference import reference_stages
+    from attn_ledger.reference import reference_stages, repeat_kv
 
     st = run.stages
     b, nh, tq, dh = q.shape
@@ -475,7 +475,8 @@ def _attend_blocks(
                 if half and plain_blk is not None:
                     ust.max("plain_diff", _excess(plain_blk["out"], ref_blk["out"], 0, 0)[0])
         if backends:
-            _backend_compare(c_st, backends, qb, kb, vb, ai, ref_scale, ref_blk, rtol, atol)
+            ref_in = None if ref_blk is None else (q_ref[:, :, q0:q1], repeat_kv(k_ref[:, :, lo:hi], nh), repeat_kv(v_ref[:, :, lo:hi], nh))
+            _backend_compare(c_st, backends, c, (qb, kb, vb), ref_in, ai, ref_scale, ref_blk, run.dtype)
 
         if keep:
             for name, t in (("scores", s), ("masked_scores", m), ("weights", w)):
@@ -691,6 +692,144 @@ def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, a
     return math.nan if math.isnan(float(below)) or math.isnan(float(above)) else excess
 
 
+# --- SDPA backends -------------------------------------------------------------------
+
+SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")  # names for torch.nn.attention.SDPBackend members
+_BACKEND_MEMBERS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+BACKEND_GRID = SMALL_GRID  # grids up to this size also get the other half/float dtypes in the backend matrix
+
+
+def _sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor | None", scale: float) -> "Tensor":
+    """F.scaled_dot_product_attention with one backend pinned through ``torch.nn.attention.sdpa_kernel``."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([getattr(SDPBackend, _BACKEND_MEMBERS[name])]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale)
+
+
+def resolve_backends(
+    requested: "str | list[str] | tuple[str, ...] | None", device: "torch.device", run_dtype: "torch.dtype",
+    masked: bool, grid: int,
+) -> tuple[tuple[tuple[str, "torch.dtype"], ...], dict[str, str]]:
+    """The (backend, dtype) pairs of the backend matrix that this device can run, and why the others cannot.
+
+    Args:
+        requested: ``"all"``, a comma-separated string, or a list of names from :data:`SDPA_BACKENDS`.
+        masked: whether the run has a relation (the probe then passes a boolean mask, as the ledger will).
+        grid: B*Nh*Tq*Tk; small grids also get float32, float16 and bfloat16 next to the run's dtype.
+
+    Returns:
+        ``(pairs, unavailable)``: pairs in matrix order; ``unavailable`` maps ``"name,dtype"`` to the reason.
+    """
+    import torch
+
+    from attn_ledger.errors import InputError
+
+    if requested is None:
+        return (), {}
+    names = list(requested) if not isinstance(requested, str) else [p.strip() for p in requested.split(",") if p.strip()]
+    if names == ["all"]:
+        names = list(SDPA_BACKENDS)
+    bad = [n for n in names if n not in SDPA_BACKENDS]
+    if bad or not names:
+        raise InputError(f"backends: got {requested!r}, expected 'all' or names from {', '.join(SDPA_BACKENDS)} joined by ','")
+    dtypes = [run_dtype]
+    if grid <= BACKEND_GRID:
+        dtypes += [d for d in (torch.float32, torch.float16, torch.bfloat16) if d != run_dtype]
+    pairs: list[tuple[str, torch.dtype]] = []
+    unavailable: dict[str, str] = {}
+    for name in names:
+        for dt in dtypes:
+            q = torch.randn(1, 2, 4, 8, device=device).to(dt)  # [B, Nh, Tq, Dh]
+            mask = torch.ones(4, 4, dtype=torch.bool, device=device).tril()[None, None] if masked else None
+            try:
+                out = _sdpa_pinned(name, q, q, q, mask, 0.35)
+                if not bool(torch.isfinite(out).all()):
+                    raise RuntimeError("non-finite output on the probe")
+            except Exception as exc:  # a backend this device, dtype or mask cannot run is not available
+                text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+                unavailable[f"{name},{C.dtype_name(dt)}"] = text
+                continue
+            pairs.append((name, dt))
+    return tuple(pairs), unavailable
+
+
+def _backend_compare(st: _Stage, backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor",
+                     pipe_in: tuple["Tensor", "Tensor", "Tensor"], ref_in: "tuple[Tensor, Tensor, Tensor] | None",
+                     ai: "Tensor | None", scale: float, ref_blk: "dict[str, Tensor] | None", run_dtype: "torch.dtype") -> None:
+    """The L4 context comparison once per (backend, dtype), folded like the others.
+
+    In the run's dtype: float32/float64 compare the pipeline's context with the pinned backend
+    (tolerance as ``matches_sdpa``); half precision compares the backend's error against the
+    float64 reference with the plain same-dtype error (factor rule). In another dtype (small
+    grids), the backend runs on the reference's inputs cast to that dtype and its output is
+    judged against the float64 reference by that dtype's rule (sampled blocks only).
+    """
+    from attn_ledger.reference import reference_stages
+
+    for name, dt in backends:
+        key = f"sdpa[{name},{C.dtype_name(dt)}]"
+        if dt != run_dtype and ref_in is None:
+            continue  # other dtypes are measured on the float64-sampled blocks only
+        qb, kb, vb = (t.to(dt) for t in (pipe_in if dt == run_dtype else ref_in))
+        try:
+            out = _sdpa_pinned(name, qb, kb, vb, ai, scale)  # [B, Nh, rows, Dv]
+        except Exception:  # passed the probe but not this block (e.g. a mask shape): count it as failing
+            st.max(f"{key}|diff", math.nan)
+            st.max(f"{key}|excess", math.nan)
+            continue
+        half = C.dtype_name(dt) in C.HALF_DTYPES
+        if dt == run_dtype and not half:
+            rtol, atol = C.tolerance(dt)
+            d, ex = _excess(c, out, rtol, atol * max(1.0, _max_abs(out)))
+            st.max(f"{key}|diff", d)
+            st.max(f"{key}|excess", ex)
+        elif ref_blk is not None:
+            err = _excess(out, ref_blk["out"], 0, 0)[0]
+            st.max(f"{key}|diff", err)
+            if half:
+                if dt == run_dtype and "plain_diff" in st.maxes:
+                    continue  # judged against the run's own plain error, folded into plain_diff
+                plain = reference_stages(qb, kb, vb, allow_mask=ai, scale=scale,
+                                         empty_rows="zeros" if ai is not None else "nan", dtype=dt)["out"]
+                st.max(f"{key}|plain", _excess(plain, ref_blk["out"], 0, 0)[0])
+            else:
+                rtol, atol = C.tolerance(dt)
+                st.max(f"{key}|excess", _excess(out, ref_blk["out"], rtol, atol * max(1.0, _max_abs(ref_blk["out"])))[1])
+
+
+def _backend_checks(st: _Stage, run_dtype: "torch.dtype") -> list[Check]:
+    """One L4 check per (backend, dtype) measured, named ``sdpa[backend,dtype]``, in the order measured."""
+    found: list[Check] = []
+    seen = list(dict.fromkeys(k.split("|")[0] for k in st.maxes if k.startswith("sdpa[")))
+    for key in seen:
+        dt_name = key[:-1].split(",")[1]
+        diff = st.maxes.get(f"{key}|diff", math.nan)
+        if dt_name in C.HALF_DTYPES:
+            plain = st.maxes.get(f"{key}|plain", st.maxes.get("plain_diff", math.nan) if dt_name == C.dtype_name(run_dtype) else math.nan)
+            floor = 1e-3 if dt_name == "float16" else 8e-3
+            found.append(C.factor_check(key, diff, plain, floor, "float64 reference"))
+        else:
+            rtol, atol = C.tolerance(dt_name)
+            against = "the pipeline's context" if dt_name == C.dtype_name(run_dtype) else "float64 reference"
+            found.append(C.compare_check(key, diff, st.maxes.get(f"{key}|excess", math.nan), rtol, atol, against))
+    return found
+
+
+def backend_matrix(found: "list[Check] | tuple[Check, ...]", unavailable: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """``{backend: {dtype: True | False | "unavailable: reason"}}`` from the ``sdpa[backend,dtype]`` checks."""
+    matrix: dict[str, dict[str, Any]] = {}
+    for c in found:
+        if c.name.startswith("sdpa["):
+            name, dt = c.name[5:-1].split(",")
+            matrix.setdefault(name, {})[dt] = c.ok
+    for key, why in unavailable.items():
+        name, dt = key.split(",")
+        matrix.setdefault(name, {})[dt] = f"unavailable: {why}"
+    return matrix
+
+
 # --- judging the folded measurements ----------------------------------------------------
 
 def _cmp(st: _Stage, name: str, key: str, against: str, rtol: float, atol: float) -> Check | None:
@@ -783,6 +922,8 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
                        _cmp(c_st, "matches_sdpa", "sdpa", "F.scaled_dot_product_attention", rtol, atol)):
                 if ch:
                     out["context"].append(ch)
+    if "nonfinite" in c_st.counts:
+        out["context"] += _backend_checks(c_st, run.dtype)
     if "user_out" in st:
         u = st["user_out"]
         out["context"] += [
@@ -907,7 +1048,8 @@ def _ref_dtype(device: "torch.device") -> "torch.dtype":
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: ProgressFn | None = None) -> Ledger:
+def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: ProgressFn | None = None,
+               backends: "str | list[str] | None" = None) -> Ledger:
     """Run the built-in multi-head attention as named stages and check each.
 
     Args:
@@ -915,6 +1057,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
         keep_going: evaluate every row after the first divergence (marked ``downstream``)
             instead of stopping there (later rows ``not_reached``).
         progress: optional ``callback(done, total)`` over query blocks.
+        backends: ``"all"`` or SDPA backend names: the context comparison per backend (see :func:`ledger_on_qkv`).
 
     Returns:
         The :class:`~attn_ledger.report.Ledger`; ``ledger.first_divergence`` is the diagnosis.
@@ -1022,9 +1165,17 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
         raised["scores"] = exc
         return done()
     ref = (q64, R.repeat_kv(k64, nh), R.repeat_kv(v64, nh))
+    pairs, unavailable = resolve_backends(backends, device, dtype, bool(relation.parts), b * nh * tq * tk)
+    if unavailable:
+        run.notes.append("SDPA backends not available here: " + ", ".join(f"{k} ({why})" for k, why in unavailable.items()))
+    if backends is not None:
+        meta["sdpa_backends"] = {}  # filled in from the context row's checks below
     context, sdpa_ctx, ref_ctx = _attend_blocks(
         run, ops, q, k_exp, v_exp, ref, relation, scale=ops.scale_for(dh), ref_scale=1.0 / math.sqrt(dh),
-        empty_zero=empty_zero, user={}, block_size=cfg.block_size, keep_grids=cfg.keep_grids, progress=progress)
+        empty_zero=empty_zero, user={}, block_size=cfg.block_size, keep_grids=cfg.keep_grids, progress=progress,
+        backends=pairs)
+    if backends is not None:
+        meta["sdpa_backends"].update(backend_matrix(_backend_checks(stages["context"], dtype), unavailable))
     grid_checks = _judge_grid_stages(run, relation, empty_zero)
     for stage in ("scores", "masked_scores", "weights", "context"):
         if stages[stage].raised is not None:
@@ -1176,6 +1327,7 @@ def ledger_on_qkv(
     keep_going: bool = False,
     progress: ProgressFn | None = None,
     source: str = "tensors",
+    backends: "str | list[str] | None" = None,
 ) -> Ledger:
     """Run the ledger on given Q, K, V (and optionally the user's own intermediates).
 
@@ -1191,6 +1343,8 @@ def ledger_on_qkv(
             shaped like the derived grid / context; each is compared with the reference.
         empty_rows: ``"error"`` (a query with every key blocked is a divergence) or
             ``"zeros"`` (such rows are declared and must come out as zeros).
+        backends: ``"all"`` or SDPA backend names (math, flash, efficient, cudnn): repeat the
+            context comparison per backend the device offers, as ``sdpa[backend,dtype]`` checks.
 
     Returns:
         The :class:`~attn_ledger.report.Ledger` for stages input, scores, masked_scores, weights, context.
@@ -1273,9 +1427,13 @@ def ledger_on_qkv(
     ]
     k_exp, v_exp = HEALTHY.expand(k, nh), HEALTHY.expand(v, nh)
     ref = (q, k, v)  # cast to ref_dtype and kv heads repeated by the reference, one sampled block at a time
+    pairs, unavailable = resolve_backends(backends, q.device, dtype, bool(relation.parts), b * nh * tq * tk)
+    if unavailable:
+        run.notes.append("SDPA backends not available here: " + ", ".join(f"{k} ({why})" for k, why in unavailable.items()))
     context, _, _ = _attend_blocks(
         run, HEALTHY, q, k_exp, v_exp, ref, relation, scale=1.0 / math.sqrt(dh), ref_scale=1.0 / math.sqrt(dh),
-        empty_zero=empty_rows == "zeros", user=user, block_size=block_size, keep_grids=keep_grids, progress=progress)
+        empty_zero=empty_rows == "zeros", user=user, block_size=block_size, keep_grids=keep_grids, progress=progress,
+        backends=pairs)
     grid_checks = _judge_grid_stages(run, relation, empty_rows == "zeros")
     for stage in ("scores", "masked_scores", "weights", "context"):
         if stages[stage].raised is not None:
@@ -1297,7 +1455,10 @@ def ledger_on_qkv(
     meta = {"B": b, "Tq": tq, "Tk": tk, "Nh": nh, "Nkv": nkv, "Dh": dh, "Dv": dv, "mask": relation.name,
             "dtype": C.dtype_name(dtype), "device": str(q.device), "given": sorted(["q", "k", "v", *user])}
     axes = {**AXES, "input": "[B,Nh,Tq,Dh]"}
-    return _finish("run", title, TENSOR_STAGES, checks, shapes, raised, keep_going, run.notes, meta, tensors, row_notes, axes)
+    led = _finish("run", title, TENSOR_STAGES, checks, shapes, raised, keep_going, run.notes, meta, tensors, row_notes, axes)
+    if backends is not None:
+        meta["sdpa_backends"] = backend_matrix(led.row("context").checks, unavailable)
+    return led
 
 
 def _alignment_of(allow_mask: "Tensor", b: int, nh: int, tq: int, tk: int) -> str:
@@ -1327,6 +1488,7 @@ def run_ledger_tensors(
     keep_grids: bool = False,
     keep_going: bool = False,
     progress: ProgressFn | None = None,
+    backends: "str | list[str] | None" = None,
 ) -> Ledger:
     """Load a ``.pt``/``.safetensors``/``.npz`` file of q, k, v (and optional masks and intermediates) and run the ledger."""
     from attn_ledger.errors import TensorFileError
@@ -1350,4 +1512,4 @@ def run_ledger_tensors(
         t["q"], t["k"], t["v"], allow_mask=t.get("allow_mask"), key_valid=t.get("key_valid"), mask=mask,
         window=window, prefix_len=prefix_len, scores=t.get("scores"), weights=t.get("weights"), out=t.get("out"),
         empty_rows=empty_rows, block_size=block_size, keep_grids=keep_grids, keep_going=keep_going,
-        progress=progress, source=str(path))
+        progress=progress, source=str(path), backends=backends)

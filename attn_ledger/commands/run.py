@@ -64,6 +64,7 @@ def run(
     block_size: Annotated[Optional[int], typer.Option("--block-size", help="Query rows per block for the score-grid stages.")] = None,
     keep_grids: Annotated[bool, typer.Option("--keep-grids", help="Keep whole score grids in memory even when large.")] = False,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Evaluate every row after the first divergence (marked downstream).")] = False,
+    backends: Annotated[Optional[str], typer.Option("--backends", help="Repeat the context comparison per SDPA backend: 'all' or names from math, flash, efficient, cudnn joined by ','.")] = None,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file instead of stdout.")] = None,
 ) -> None:
@@ -88,7 +89,7 @@ def run(
                     str(tensors), mask=mask or "none", window=window, prefix_len=prefix_len,
                     empty_rows=(empty_rows.value if empty_rows else "error"), dtype=dtype.value if dtype else None,
                     device=device or "cpu", block_size=block_size, keep_grids=keep_grids, keep_going=keep_going,
-                    progress=progress)
+                    progress=progress, backends=backends)
         from attn_ledger.config import load_config
         from attn_ledger.ledger import run_ledger
 
@@ -102,6 +103,6 @@ def run(
             "block_size": block_size, "keep_grids": keep_grids or None,
         }
         with progress:
-            return run_ledger(load_config(config, overrides), keep_going=keep_going, progress=progress)
+            return run_ledger(load_config(config, overrides), keep_going=keep_going, progress=progress, backends=backends)
 
     execute(build, output_format, output)
