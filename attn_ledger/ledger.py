@@ -544,8 +544,9 @@ def _compare_sdpa(c_st: _Stage, context: "Tensor", sdpa_ctx: "Tensor", done: lis
     sizes = {q1 - q0 for q0, q1 in done}
     if len(sizes) == 1 and cg.numel():
         r = sizes.pop()
-        e = sdpa_ctx[:, :, g0:g1].to(torch.float64, copy=True)  # changed in place below
-        d = cg.to(torch.float64, copy=True)
+        wide = _ref_dtype(cg.device)
+        e = sdpa_ctx[:, :, g0:g1].to(wide, copy=True)  # changed in place below
+        d = cg.to(wide, copy=True)
         d.sub_(e).abs_()  # [B, Nh, rows, Dv]
         diff = float(d.amax())
         if math.isfinite(diff):
@@ -584,6 +585,8 @@ def _excess(actual: "Tensor", expected: "Tensor", rtol: float, atol: float) -> t
 
     if actual.numel() == 0 or actual.shape != expected.shape:
         return C.excess_error(actual, expected, rtol, atol)
+    if actual.device.type == "mps":  # no float64 there: compare on the CPU, as checks.excess_error does
+        return C.excess_error(actual.cpu(), expected.cpu(), rtol, atol)
     e = expected.to(torch.float64)
     d = actual.to(torch.float64, copy=True)
     d.sub_(e).abs_()  # |actual - expected|
@@ -671,9 +674,10 @@ def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, a
     kw = vb.shape[-2]
     if kw == 0 or c.numel() == 0:
         return 0.0
-    cf = c.to(torch.float64)
+    wide = _ref_dtype(c.device)  # float64, or float32 where the device has none
+    cf = c.to(wide)
     if ai is not None and b * nh * rows * kw * dv <= EXACT_RANGE_BUDGET:
-        vf = vb.to(torch.float64)
+        vf = vb.to(wide)
         tol = atol + rtol * float(vf.abs().amax())
         allow = ai.expand(b, nh, rows, kw)[..., None]  # [B, Nh, rows, kw, 1]
         vv = vf[:, :, None, :, :]  # [B, Nh, 1, kw, Dv]
@@ -684,7 +688,7 @@ def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, a
         hi = torch.where(has, hi, torch.zeros_like(hi))
     else:
         vlo, vhi = span if span is not None else (vb.amin(dim=-2, keepdim=True), vb.amax(dim=-2, keepdim=True))
-        lo, hi = vlo.to(torch.float64), vhi.to(torch.float64)  # [B, Nh, 1, Dv]; min and max are exact in any dtype
+        lo, hi = vlo.to(wide), vhi.to(wide)  # [B, Nh, 1, Dv]; min and max are exact in any dtype
         tol = atol + rtol * float(torch.maximum(lo.abs(), hi.abs()).amax())
     below = (lo - cf).amax()
     above = (cf - hi).amax()
