@@ -347,12 +347,17 @@ def _attend_blocks(
     allowed_counts: list[int] | None = None
     sdpa_done, sdpa_rows = 0, _sdpa_group_rows(relation, blocks, b, nh, tk)
     pending: list[tuple[int, int]] = []  # blocks of the current SDPA group not yet compared
+    if tq == tk and _plain_causal(relation, blocks, tk):
+        # the intended relation is exactly causal: SDPA gets it as is_causal on the whole input, once
+        sdpa_ctx = F.scaled_dot_product_attention(q, k_exp, v_exp, dropout_p=0.0, is_causal=True, scale=ref_scale)
+        sdpa_done = tq
 
     for n_done, (q0, q1) in enumerate(blocks):
         rows = q1 - q0
         allow_i = relation.block(q0, q1)  # intended, [B|1, Nh|1, rows, Tk]
         allow_p = ops.polarity(allow_i)  # what the pipeline applies
-        lo, hi = (0, tk) if full_keys else _key_hull(allow_i, allow_p, tk=tk)
+        same = allow_p is allow_i
+        lo, hi = (0, tk) if full_keys else (_key_hull(allow_i, tk=tk) if same else _key_hull(allow_i, allow_p, tk=tk))
         if allow_i is not None and (lo > 0 or hi < tk) and bool(allow_i[..., lo:hi].all()):
             # keep one key every query of the block must not use, so a mask never applied still shows
             lo, hi = (lo, hi + 1) if hi < tk else (lo - 1, hi)
@@ -454,7 +459,7 @@ def _attend_blocks(
             sdpa_done = _sdpa_rows(sdpa_ctx, q, k_exp, v_exp, relation, q0, blocks, sdpa_rows, ref_scale)
         sd = sdpa_ctx[:, :, q0:q1]  # [B, Nh, rows, Dv]
         pending.append((q0, q1))
-        if q1 == sdpa_done:  # the group is complete: compare its blocks with SDPA in one go
+        if q1 - pending[0][0] >= sdpa_rows or q1 == tq:  # compare a group of blocks with SDPA in one go
             _compare_sdpa(c_st, context, sdpa_ctx, pending, rtol, atol)
             pending = []
         if ref_blk is not None:
@@ -511,6 +516,21 @@ def _sdpa_group_rows(relation: Relation, blocks: list[tuple[int, int]], b: int, 
     allow = relation.block(0, min(rows, blocks[-1][1]))
     mask_per_row = tk * (1 if allow is None else allow.shape[0] * allow.shape[1])  # bool mask entries per query row
     return max(rows, min(SDPA_ROWS, BLOCK_TARGET // max(1, mask_per_row)) // rows * rows)
+
+
+def _plain_causal(relation: Relation, blocks: list[tuple[int, int]], tk: int) -> bool:
+    """Whether the relation is exactly "key j <= query i" for every batch, head and query (Tq == Tk)."""
+    from attn_ledger import masks
+
+    if not relation.parts:
+        return False
+    for q0, q1 in blocks:
+        allow = relation.block(q0, q1)  # [B|1, Nh|1, rows, Tk]
+        if allow is None or allow.shape[0] != 1 or allow.shape[1] != 1:
+            return False
+        if not bool((allow[0, 0] == masks.causal(tk, tk, "top-left", q0, q1, allow.device)).all()):
+            return False
+    return True
 
 
 def _sdpa_rows(out: "Tensor", q: "Tensor", k: "Tensor", v: "Tensor", relation: Relation, q0: int,
@@ -1427,7 +1447,7 @@ def ledger_on_qkv(
         Check(1, "qk_widths_match", q.shape[-1] == k.shape[-1], float(dh), f"Q and K widths {q.shape[-1]} and {k.shape[-1]}"),
         Check(1, "kv_tokens_match", k.shape[-2] == v.shape[-2], float(tk), f"K and V token counts {k.shape[-2]} and {v.shape[-2]}"),
         C.kv_pairing_check(HEALTHY.expand, nh, nkv),
-        C.finite_check(C.nonfinite_count(q) + C.nonfinite_count(k) + C.nonfinite_count(v), "input values"),
+        C.finite_check(sum(0 if C.all_finite(t) else C.nonfinite_count(t) for t in (q, k, v)), "input values"),
     ]
     k_exp, v_exp = HEALTHY.expand(k, nh), HEALTHY.expand(v, nh)
     ref = (q, k, v)  # cast to ref_dtype and kv heads repeated by the reference, one sampled block at a time
