@@ -127,6 +127,11 @@ def no_scale(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
     return _attend(q, k, v, allow_mask, is_causal, scale=1.0)
 
 
+def scale_ignored(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Accepts ``scale=`` and always uses 1/sqrt(Dh) instead."""
+    return _attend(q, k, v, allow_mask, is_causal, scale=None)
+
+
 def mask_polarity(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
     """Treats the allow relation as a block relation (``masked_fill(allow, -inf)``), as nn.MultiheadAttention would."""
     import torch
@@ -281,6 +286,7 @@ CATALOGUE: tuple[Fault, ...] = (
           causal_top_left),
     Fault("float-mask-bias", "kernel", "0/1 float allow mask added to the scores as a bias", float_mask_bias),
     Fault("softmax-overflow", "kernel", "hand-written softmax without subtracting the row max", softmax_overflow),
+    Fault("scale-ignored", "kernel", "an explicit scale= argument silently replaced by 1/sqrt(Dh)", scale_ignored),
 )
 
 

@@ -69,7 +69,8 @@ LEVEL_OF = {name: level for level, name in CHECK_ORDER}
 _ID_RE = re.compile(
     r"^b(?P<b>\d+)-h(?P<nh>\d+)kv(?P<nkv>\d+)-tq(?P<tq>\d+)tk(?P<tk>\d+)-dh(?P<dh>\d+)dv(?P<dv>\d+)"
     r"-(?P<mask>" + "|".join(sorted(MASKS, key=len, reverse=True)) + r")"
-    r"-(?P<inputs>" + "|".join(INPUTS) + r")-(?P<dtype>" + "|".join(DTYPES) + r")$"
+    r"-(?P<inputs>" + "|".join(INPUTS) + r")-(?P<dtype>" + "|".join(DTYPES) + r")"
+    r"(?:-s(?P<scale>\d+(?:\.\d+)?))?$"
 )
 
 
@@ -89,6 +90,7 @@ class Case:
         inputs: ``rand`` (standard normal), ``index`` (each value encodes its own
             coordinates), ``large`` (q and k scaled so that scores reach |s| > 100).
         dtype: ``f32``, ``f64``, ``f16`` or ``bf16``.
+        scale: an explicit ``scale=`` argument (id suffix ``-s0.25``), or None for the default 1/sqrt(Dh).
     """
 
     b: int
@@ -101,12 +103,13 @@ class Case:
     mask: str = "none"
     inputs: str = "rand"
     dtype: str = "f32"
+    scale: float | None = None
 
     @property
     def id(self) -> str:
         return (
             f"b{self.b}-h{self.nh}kv{self.nkv}-tq{self.tq}tk{self.tk}-dh{self.dh}dv{self.dv}"
-            f"-{self.mask}-{self.inputs}-{self.dtype}"
+            f"-{self.mask}-{self.inputs}-{self.dtype}" + ("" if self.scale is None else f"-s{self.scale:g}")
         )
 
     @property
@@ -138,13 +141,15 @@ class Case:
             args.append(f"allow_mask=key_padding(lengths={self.lengths()})[B, 1, 1, Tk]")
         if self.mask in ("causal-flag", "pad-causal"):
             args.append("is_causal=True")
+        if self.scale is not None:
+            args.append(f"scale={self.scale:g}")
         return f"{name}(q, k, v{''.join(', ' + a for a in args)})"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id, "B": self.b, "Nh": self.nh, "Nkv": self.nkv, "Tq": self.tq, "Tk": self.tk,
             "Dh": self.dh, "Dv": self.dv, "mask": self.mask, "inputs": self.inputs,
-            "dtype": self.dtype_name, "elements": self.size,
+            "dtype": self.dtype_name, "scale": self.scale, "elements": self.size,
         }
 
 
@@ -162,7 +167,10 @@ def parse_case(case_id: str) -> Case:
         )
     g = m.groupdict()
     case = Case(*(int(g[key]) for key in ("b", "nh", "nkv", "tq", "tk", "dh", "dv")),
-                mask=g["mask"], inputs=g["inputs"], dtype=g["dtype"])
+                mask=g["mask"], inputs=g["inputs"], dtype=g["dtype"],
+                scale=None if g["scale"] is None else float(g["scale"]))
+    if case.scale is not None and not 0 < case.scale <= 16:
+        raise InputError(f"case {case_id!r}: scale={case.scale:g}, expected a value in (0, 16]")
     sizes = {"B": case.b, "Nh": case.nh, "Nkv": case.nkv, "Tq": case.tq, "Tk": case.tk, "Dh": case.dh, "Dv": case.dv}
     for name, value in sizes.items():
         if not 1 <= value <= 64:
@@ -198,6 +206,9 @@ def _grid() -> tuple[Case, ...]:
         cases.append(Case(*S[key], mask=mask, inputs="large"))
     for key, mask in (("cross", "causal-flag"), ("cross", "pad-causal"), ("square", "none"), ("decode", "causal-mask")):
         cases.append(Case(*S[key], mask=mask, dtype="f64"))
+    # An explicit scale= argument, which a kernel may silently ignore.
+    cases.append(Case(*S["gqa"], mask="causal-flag", scale=0.125))
+    cases.append(Case(*S["cross"], mask="pad-causal", scale=1.0))
     for dt in ("f16", "bf16"):
         for key, mask in (("cross", "causal-flag"), ("gqa", "pad-causal"), ("t1", "none")):
             cases.append(Case(*S[key], mask=mask, dtype=dt))
@@ -283,6 +294,8 @@ def case_inputs(case: Case | str, seed: int = 0) -> tuple["Tensor", "Tensor", "T
     if index:
         q = q * 0.5  # keep q and k distinguishable (both are index-encoded) while scores stay small
     kwargs = {"allow_mask": _allow(case), "is_causal": case.mask in ("causal-flag", "pad-causal")}
+    if case.scale is not None:
+        kwargs["scale"] = case.scale
     return q, k, v, kwargs
 
 
@@ -522,6 +535,36 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else "(no message)"
 
 
+def _index_source(case: Case, out: "Tensor", allow_full: "Tensor", rows: "Tensor") -> str:
+    """For index-encoded inputs: say where the worst output row's values came from.
+
+    Each value of v is its own flat index (b, kv head, t, d) spread over [-1, 1), and each
+    (b, kv head) owns a contiguous range, so coordinate 0 of an output row, a convex
+    combination of value rows, decodes to the batch element and kv head it was mixed from
+    and to a (weighted) key position.
+    """
+    import torch
+
+    if case.inputs != "index" or not bool(rows.any()):
+        return ""
+    b, h, i = (int(x) for x in torch.nonzero(rows)[0][:3])
+    n_total = case.b * case.nkv * case.tk * case.dv
+    x = float(out[b, h, i, 0])
+    if not math.isfinite(x):
+        return ""
+    n0 = (x + 1.0) * n_total / 2.0  # fractional flat index of coordinate 0
+    group = case.nh // case.nkv
+    allowed = torch.nonzero(allow_full[b, h, i]).flatten().tolist()
+    own = (f"batch {b}, kv head {h // group}, keys "
+           + (f"{allowed[0]}..{allowed[-1]}" if allowed else "none"))
+    if not -0.5 <= n0 < n_total:
+        return f"; out[b={b}, h={h}, i={i}] lies outside every value row's range (it may mix {own})"
+    block = int(n0 // (case.tk * case.dv))
+    pos = (n0 - block * case.tk * case.dv) / case.dv
+    return (f"; index decode: read as a mix of value rows, out[b={b}, h={h}, i={i}] comes from batch {block // case.nkv}, "
+            f"kv head {block % case.nkv}, near key {pos:.1f} (it may mix only {own})")
+
+
 def _not_run(name: str, why: str) -> Check:
     return Check(LEVEL_OF[name], name, None, None, why)
 
@@ -623,7 +666,8 @@ def check_case(fn: Callable[..., Any], case: Case, *, empty_rows: str = "zeros",
     checks.append(Check(3, "convex_range", worst <= tol, worst,
                         f"largest distance of an output row outside the range of the value rows it may mix: "
                         f"{_fmt(worst)} (tolerance {_fmt(tol)})"
-                        + (f", at {_where_first(outside > tol)}" if worst > tol else "")))
+                        + (f", at {_where_first(outside > tol)}" + _index_source(case, out, allow_full, outside > tol)
+                           if worst > tol else "")))
     checks.append(_forbidden_probe(kernel, case, q, k, v, out, allow_full, fresh, qk_scale, tol))
     if empty.any():
         rows = out[empty]  # [n_empty, Dv]
@@ -648,10 +692,11 @@ def check_case(fn: Callable[..., Any], case: Case, *, empty_rows: str = "zeros",
 
     # L4: behaviour.
     err = _maxdiff(out, ref64, live[..., None])
+    wrong_rows = _row_diff(out, ref64).masked_fill(empty, 0) > tol  # [B, Nh, Tq]
     checks.append(Check(4, "reference", err <= tol, err,
                         f"max |out - float64 reference| {_fmt(err)}; tolerance {_fmt(tol)} = {FACTOR:g} x "
                         f"plain {case.dtype_name} reference error {_fmt(plain_err)} + floor"
-                        + (f"; worst row {_where_first(_row_diff(out, ref64).masked_fill(empty, 0) > tol)}"
+                        + (f"; first wrong row {_where_first(wrong_rows)}" + _index_source(case, out, allow_full, wrong_rows)
                            if err > tol else "")))
     checks.append(_causal_probe(kernel, case, q, k, v, out, live, fresh, qk_scale, tol))
     return CaseResult(case, tuple(checks), tol)

@@ -325,3 +325,29 @@ def test_cli_output_file_holds_the_json(tmp_path):
     assert data["cases"][0]["checks"][0] == {"level": 1, "name": "call", "ok": True, "value": None,
                                              "detail": "attention(q, k, v, allow_mask=key_padding(lengths=[8, 0])"
                                                        "[B, 1, 1, Tk]) returned", "severity": "error"}
+
+
+def test_explicit_scale_cases_catch_a_kernel_that_ignores_scale():
+    from attn_ledger import catalogue
+    from attn_ledger.kernelcheck import DEFAULT_GRID, check_kernel, parse_case
+
+    scaled = [c for c in DEFAULT_GRID if c.scale is not None]
+    assert scaled, "the default grid must pass an explicit scale somewhere"
+    case = parse_case("b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32-s0.125")
+    assert case.scale == 0.125 and case.id.endswith("-s0.125") and "scale=0.125" in case.call_text()
+    bad = check_kernel(catalogue.scale_ignored, [case])
+    first = bad.results[0].first_failure
+    assert (first.level, first.name) == (4, "reference")
+    good = check_kernel(catalogue.scale_ignored, [parse_case("b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32")])
+    assert good.exit_code == 0  # without an explicit scale the fault is invisible, which is why the grid has one
+
+
+def test_index_inputs_say_where_a_wrong_value_came_from():
+    from attn_ledger import catalogue
+    from attn_ledger.kernelcheck import check_kernel, parse_case
+
+    r = check_kernel(catalogue.causal_top_left, [parse_case("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-index-f32")])
+    detail = r.results[0].check("reference").detail
+    assert "index decode" in detail and "batch 0, kv head 0" in detail and "keys 0..4" in detail
+    r = check_kernel(catalogue.causal_top_left, [parse_case("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-f32")])
+    assert "index decode" not in r.results[0].check("reference").detail
