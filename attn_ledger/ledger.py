@@ -53,6 +53,7 @@ MIN_BLOCK_ROWS = 16  # fewer query rows per block make the matrix products ineff
 F64_BUDGET = 1 << 22  # grid entries the float64 reference covers before sampling blocks
 EXACT_RANGE_BUDGET = 1 << 22  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
 SDPA_ROWS = 512  # query rows per SDPA reference call, when its mask stays within BLOCK_TARGET entries
+REF_CHUNK_BYTES = 1 << 26  # reference-dtype K and V held at once for one sampled block
 VALUE_CHUNK = 64  # key positions per precomputed (min, max) of the value rows
 
 ProgressFn = Callable[[int, int], None]
@@ -376,8 +377,8 @@ def _attend_blocks(
         # float64 reference (sampled blocks), and the plain same-dtype one for half precision
         ref_blk = plain_blk = None
         if n_done in sampled:
-            ref_blk = reference_stages(q_ref[:, :, q0:q1], k_ref[:, :, lo:hi], v_ref[:, :, lo:hi], allow_mask=ai,
-                                       scale=ref_scale, empty_rows=empty, dtype=ref_dtype)
+            ref_blk = _reference_block(q_ref[:, :, q0:q1], k_ref[:, :, lo:hi], v_ref[:, :, lo:hi], ai,
+                                       ref_scale, empty, ref_dtype)
             ref_ctx[(q0, q1)] = ref_blk["out"]
             if half:
                 plain_blk = reference_stages(qb, kb, vb, allow_mask=ai, scale=ref_scale, empty_rows=empty, dtype=run.dtype)
@@ -516,6 +517,33 @@ def _sdpa_group_rows(relation: Relation, blocks: list[tuple[int, int]], b: int, 
     allow = relation.block(0, min(rows, blocks[-1][1]))
     mask_per_row = tk * (1 if allow is None else allow.shape[0] * allow.shape[1])  # bool mask entries per query row
     return max(rows, min(SDPA_ROWS, BLOCK_TARGET // max(1, mask_per_row)) // rows * rows)
+
+
+def _reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
+                     dtype: "torch.dtype") -> dict[str, "Tensor"]:
+    """The reference's stages for one block, a few query heads at a time when K and V are long.
+
+    Heads are independent, so chunking over them changes nothing but the size of the
+    reference-dtype copies of K and V that exist at once (at most about REF_CHUNK_BYTES).
+    """
+    import torch
+
+    from attn_ledger.reference import reference_stages
+
+    nh, nkv = q.shape[1], k.shape[1]
+    group = nh // nkv  # query heads per kv head
+    per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * torch.finfo(dtype).bits // 8
+    kv_step = max(1, REF_CHUNK_BYTES // max(1, per_kv_head))
+    if kv_step >= nkv:
+        return reference_stages(q, k, v, allow_mask=allow, scale=scale, empty_rows=empty, dtype=dtype)
+    parts: list[dict[str, Tensor]] = []
+    for j0 in range(0, nkv, kv_step):
+        j1 = min(j0 + kv_step, nkv)
+        h0, h1 = j0 * group, j1 * group
+        a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
+        parts.append(reference_stages(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], allow_mask=a, scale=scale,
+                                      empty_rows=empty, dtype=dtype))
+    return {key: torch.cat([p[key] for p in parts], dim=1) for key in ("scores", "masked_scores", "weights", "out")}
 
 
 def _plain_causal(relation: Relation, blocks: list[tuple[int, int]], tk: int) -> bool:

@@ -189,3 +189,18 @@ def test_band_is_where_the_relation_varies():
     assert L._band(causal, 10) == (7, 10)
     assert L._band(None, 10) == (0, 0)
     assert L._band(torch.ones(1, 1, 4, 10, dtype=torch.bool), 10) == (0, 0)
+
+
+@pytest.mark.parametrize("nkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_reference_in_head_chunks_equals_whole(monkeypatch, nkv):
+    from attn_ledger.reference import reference_stages
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k, v = torch.randn(2, nkv, 9, 8, generator=g), torch.randn(2, nkv, 9, 5, generator=g)
+    allow = torch.rand(2, 4, 6, 9, generator=g) < 0.8
+    whole = reference_stages(q, k, v, allow_mask=allow, scale=0.3, empty_rows="zeros")
+    monkeypatch.setattr(L, "REF_CHUNK_BYTES", 1)  # one kv head at a time
+    chunked = L._reference_block(q, k, v, allow, 0.3, "zeros", torch.float64)
+    for key in ("scores", "masked_scores", "weights", "out"):
+        assert torch.equal(chunked[key], whole[key]), key
