@@ -49,6 +49,7 @@ AXES = {
 
 SMALL_GRID = 1 << 16  # grids up to this many entries are kept whole for inspection
 BLOCK_TARGET = 1 << 21  # entries of one block's score grid when streaming (a few MiB: stays in cache)
+MIN_BLOCKS = 4  # grids above SMALL_GRID run in at least this many query blocks
 MIN_BLOCK_ROWS = 16  # fewer query rows per block make the matrix products inefficient
 F64_BUDGET = 1 << 22  # grid entries the float64 reference covers before sampling blocks
 EXACT_RANGE_BUDGET = 1 << 22  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
@@ -187,10 +188,11 @@ def _choose_blocks(b: int, nh: int, tq: int, tk: int, block_size: int | None) ->
     """
     if block_size is None:
         per_row = max(1, b * nh * tk)
-        if b * nh * tq * tk <= BLOCK_TARGET:
+        if b * nh * tq * tk <= SMALL_GRID:
             block_size = tq
         else:
-            block_size = max(MIN_BLOCK_ROWS, BLOCK_TARGET // per_row)
+            # at least MIN_BLOCKS blocks, so keys a causal or windowed relation forbids are skipped
+            block_size = max(MIN_BLOCK_ROWS, min(BLOCK_TARGET // per_row, -(-tq // MIN_BLOCKS)))
             n = -(-tq // block_size)
             block_size = -(-tq // n)  # even blocks, no short tail
     block_size = max(1, min(block_size, tq))

@@ -61,11 +61,14 @@ def test_block_size_does_not_change_the_diagnosis(name, extra):
         assert counts[1] == counts[3] == counts[None]  # pair counts are exact, whatever the blocking
 
 
-def test_whole_grid_is_one_block_and_streaming_is_noted():
+def test_block_choice_and_streaming_note():
     led = run_ledger(load_config(overrides={**BASE, "block_size": 3}))
     assert any(n.startswith("score-grid stages ran in 64 query blocks of 3 rows") for n in led.notes)
-    led = run_ledger(load_config(overrides=BASE))
+    led = run_ledger(load_config(overrides=BASE))  # above SMALL_GRID: at least MIN_BLOCKS even blocks
+    assert any(n.startswith("score-grid stages ran in 4 query blocks of 48 rows") for n in led.notes)
+    led = run_ledger(load_config(overrides={**BASE, "seq_len": 100}))  # 20000 entries: one block, kept whole
     assert not any("query blocks" in n for n in led.notes)
+    assert L._choose_blocks(1, 32, 8192, 8192, None)[:2] == [(0, 16), (16, 32)]  # MIN_BLOCK_ROWS
 
 
 def _qkv(shape, seed=0):
