@@ -754,12 +754,23 @@ BACKEND_GRID = SMALL_GRID  # grids up to this size also get the other half/float
 
 
 def _sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor | None", scale: float) -> "Tensor":
-    """F.scaled_dot_product_attention with one backend pinned through ``torch.nn.attention.sdpa_kernel``."""
+    """F.scaled_dot_product_attention with one backend pinned through ``torch.nn.attention.sdpa_kernel``.
+
+    torch explains why a pinned backend cannot run in warnings; they are collected and, if the
+    call fails, become its error message (the ledger reports them, so they are not printed).
+    """
+    import warnings
+
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([getattr(SDPBackend, _BACKEND_MEMBERS[name])]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale)
+    with warnings.catch_warnings(record=True) as said, sdpa_kernel([getattr(SDPBackend, _BACKEND_MEMBERS[name])]):
+        warnings.simplefilter("always")
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale)
+        except RuntimeError as exc:
+            why = "; ".join(dict.fromkeys(str(w.message).strip().splitlines()[0] for w in said if str(w.message).strip()))
+            raise RuntimeError(why or str(exc)) from exc
 
 
 def resolve_backends(
