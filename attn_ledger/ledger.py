@@ -48,12 +48,13 @@ AXES = {
 }
 
 SMALL_GRID = 1 << 16  # grids up to this many entries are kept whole for inspection
-BLOCK_TARGET = 1 << 21  # entries of one block's score grid when streaming (a few MiB: stays in cache)
+BLOCK_TARGET = 1 << 23  # entries of one block's score grid when streaming (a few MiB: stays in cache)
 MIN_BLOCKS = 4  # grids above SMALL_GRID run in at least this many query blocks
 MIN_BLOCK_ROWS = 16  # fewer query rows per block make the matrix products inefficient
-F64_BUDGET = 1 << 22  # grid entries the float64 reference covers before sampling blocks
+F64_BUDGET = 1 << 18  # grid entries the float64 reference covers before sampling blocks
 EXACT_RANGE_BUDGET = 1 << 22  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
 SDPA_ROWS = 512  # query rows per SDPA reference call, when its mask stays within BLOCK_TARGET entries
+F64_SAMPLES = 4  # query blocks the float64 reference samples when the grid is over budget
 REF_CHUNK_BYTES = 1 << 26  # reference-dtype K and V held at once for one sampled block
 VALUE_CHUNK = 64  # key positions per precomputed (min, max) of the value rows
 
@@ -199,17 +200,27 @@ def _choose_blocks(b: int, nh: int, tq: int, tk: int, block_size: int | None) ->
     return [(q0, min(q0 + block_size, tq)) for q0 in range(0, tq, block_size)]
 
 
-def _sampled(blocks: list[tuple[int, int]], b: int, nh: int, tk: int) -> list[int]:
-    """Indices of blocks the float64 reference covers: all, or an even sample with the first and last."""
+def _sampled(blocks: list[tuple[int, int]], b: int, nh: int, tk: int) -> dict[int, tuple[int, int]]:
+    """Which query rows the float64 reference covers: ``{block index: (first, end) row offsets in the block}``.
+
+    Every row of every block when the whole grid fits F64_BUDGET; otherwise up to
+    F64_SAMPLES blocks spread evenly (the first and last among them), and in each a run of
+    rows sized to the budget: the first rows of the first block (the queries with the
+    fewest keys), the last rows of the others (the most keys).
+    """
     n = len(blocks)
-    per_block = [b * nh * (q1 - q0) * tk for q0, q1 in blocks]
-    if sum(per_block) <= F64_BUDGET:
-        return list(range(n))
-    k = max(2, F64_BUDGET // max(per_block))
-    if k >= n:
-        return list(range(n))
-    step = (n - 1) / (k - 1)
-    return sorted({min(n - 1, round(i * step)) for i in range(k)})
+    per_row = max(1, b * nh * tk)
+    if sum(q1 - q0 for q0, q1 in blocks) * per_row <= F64_BUDGET:
+        return {i: (0, q1 - q0) for i, (q0, q1) in enumerate(blocks)}
+    k = min(n, F64_SAMPLES)
+    picks = sorted({min(n - 1, round(i * (n - 1) / max(1, k - 1))) for i in range(k)})
+    rows = max(1, F64_BUDGET // (len(picks) * per_row))
+    out: dict[int, tuple[int, int]] = {}
+    for i in picks:
+        size = blocks[i][1] - blocks[i][0]
+        r = min(rows, size)
+        out[i] = (0, r) if i == 0 else (size - r, size)
+    return out
 
 
 def _key_hull(*allows: "Tensor | None", tk: int) -> tuple[int, int]:
@@ -334,13 +345,15 @@ def _attend_blocks(
     small = b * nh * tq * tk <= SMALL_GRID
     keep = keep_grids or small
     full_keys = keep or bool(user)
-    sampled = set(_sampled(blocks, b, nh, tk))
+    sampled = _sampled(blocks, b, nh, tk)
     chunks = _value_chunks(v_exp) if b * nh * tq * tk > SMALL_GRID else None
     if len(blocks) > 1:
         run.notes.append(f"score-grid stages ran in {len(blocks)} query blocks of {blocks[0][1] - blocks[0][0]} rows")
-    if len(sampled) < len(blocks):
-        shown = ", ".join(str(i) for i in sorted(sampled))
-        run.notes.append(f"float64 reference on a sample of {len(sampled)} of {len(blocks)} query blocks: {shown}; SDPA on all")
+    covered = sum(z - a for a, z in sampled.values())
+    if covered < tq:
+        shown = ", ".join(f"{blocks[i][0] + a}..{blocks[i][0] + z - 1}" for i, (a, z) in sorted(sampled.items()))
+        run.notes.append(f"{C.dtype_name(_ref_dtype(q.device))} reference on a sample of {covered} of {tq} query rows "
+                         f"(rows {shown}); SDPA on all rows")
     context = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
     sdpa_ctx = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
     ref_ctx: dict[tuple[int, int], Tensor] = {}
@@ -378,12 +391,16 @@ def _attend_blocks(
 
         # float64 reference (sampled blocks), and the plain same-dtype one for half precision
         ref_blk = plain_blk = None
-        if n_done in sampled:
-            ref_blk = _reference_block(q_ref[:, :, q0:q1], k_ref[:, :, lo:hi], v_ref[:, :, lo:hi], ai,
+        ra, rz = sampled.get(n_done, (0, 0))  # rows of this block the reference covers
+        r_ = slice(ra, rz)
+        ai_r = None if ai is None else (ai[:, :, r_] if ai.shape[2] > 1 else ai)
+        if rz > ra:
+            ref_blk = _reference_block(q_ref[:, :, q0 + ra:q0 + rz], k_ref[:, :, lo:hi], v_ref[:, :, lo:hi], ai_r,
                                        ref_scale, empty, ref_dtype)
-            ref_ctx[(q0, q1)] = ref_blk["out"]
+            ref_ctx[(q0 + ra, q0 + rz)] = ref_blk["out"]
             if half:
-                plain_blk = reference_stages(qb, kb, vb, allow_mask=ai, scale=ref_scale, empty_rows=empty, dtype=run.dtype)
+                plain_blk = reference_stages(qb[:, :, r_], kb, vb, allow_mask=ai_r, scale=ref_scale,
+                                             empty_rows=empty, dtype=run.dtype)
 
         # scores
         s_st = st["scores"]
@@ -405,24 +422,31 @@ def _attend_blocks(
             s_st.add("nonfinite", 0 if math.isfinite(s_lo) and math.isfinite(s_hi) else C.nonfinite_count(s))
             s_st.max("max_abs", max(abs(s_lo), abs(s_hi)))
         if ref_blk is not None:
-            d, ex = _excess(s, ref_blk["scores"], rtol, atol * max(1.0, _max_abs(ref_blk["scores"])))
+            d, ex = _excess(s[:, :, r_], ref_blk["scores"], rtol, atol * max(1.0, _max_abs(ref_blk["scores"])))
             s_st.max("ref_diff", d)
             s_st.max("ref_excess", ex)
             if plain_blk is not None:
                 s_st.max("plain_diff", _excess(plain_blk["scores"], ref_blk["scores"], 0, 0)[0])
         if "scores" in user:
-            us = user["scores"][:, :, q0:q1]
+            us = user["scores"][:, :, q0 + ra:q0 + rz]
             st["user_scores"] = st.get("user_scores") or _Stage()
             _user_compare(st["user_scores"], us, ref_blk["scores"] if ref_blk is not None else None, rtol, atol)
 
-        # masked scores
+        # masked scores: the mask function runs on the key columns where the pipeline's relation
+        # is not all-allowed; on the others masking is the identity, so those columns of the
+        # scores are kept as they are (and were screened finite at the scores stage).
         m_st = st["masked_scores"]
+        p0, p1 = (0, 0) if ap is None else ((v0, v1) if same else _band(ap, kw))
+        scores_clean = math.isfinite(s_lo) and math.isfinite(s_hi)
         try:
-            m = ops.mask(s, ap)  # [B, Nh, rows, kw]
+            m = s.clone() if keep else s  # [B, Nh, rows, kw]; s itself is not used again
+            if p1 > p0:
+                m[..., p0:p1] = ops.mask(s[..., p0:p1], ap[..., p0:p1])
         except Exception as exc:
             m_st.raised = exc
             return None, sdpa_ctx, ref_ctx
-        _mask_counts(m_st, m, ai, live, empty_zero, v0, v1, b, nh, rows, tk)
+        u0, u1 = (v0, v1) if p1 <= p0 else ((p0, p1) if v1 <= v0 else (min(v0, p0), max(v1, p1)))
+        _mask_counts(m_st, m, ai, live, empty_zero, u0, u1, b, nh, rows, tk, outside_clean=scores_clean)
 
         # weights
         w_st = st["weights"]
@@ -433,7 +457,7 @@ def _attend_blocks(
             return None, sdpa_ctx, ref_ctx
         _weight_invariants(w_st, w, ai, live, empty_zero, band=(v0, v1), count_nonfinite=True)
         if ref_blk is not None:
-            d, ex = _excess(w, ref_blk["weights"], rtol, atol)
+            d, ex = _excess(w[:, :, r_], ref_blk["weights"], rtol, atol)
             w_st.max("ref_diff", d)
             w_st.max("ref_excess", ex)
             if plain_blk is not None:
@@ -443,7 +467,7 @@ def _attend_blocks(
             ust = st.setdefault("user_weights", _Stage())
             ust.add("nonfinite", C.nonfinite_count(uw))
             _weight_invariants(ust, uw, ai, live, empty_zero)
-            _user_compare(ust, uw, ref_blk["weights"] if ref_blk is not None else None, rtol, atol)
+            _user_compare(ust, uw[:, :, r_], ref_blk["weights"] if ref_blk is not None else None, rtol, atol)
 
         # context
         c_st = st["context"]
@@ -467,24 +491,30 @@ def _attend_blocks(
             pending = []
         if ref_blk is not None:
             scale_ref = max(1.0, _max_abs(ref_blk["out"]))
-            d, ex = _excess(c, ref_blk["out"], rtol, atol * scale_ref)
+            d, ex = _excess(c[:, :, r_], ref_blk["out"], rtol, atol * scale_ref)
             c_st.max("ref_diff", d)
             c_st.max("ref_excess", ex)
             if half and plain_blk is not None:
                 c_st.max("plain_diff", _excess(plain_blk["out"], ref_blk["out"], 0, 0)[0])
-                c_st.max("sdpa_ref_diff", _excess(sd, ref_blk["out"], 0, 0)[0])
+                c_st.max("sdpa_ref_diff", _excess(sd[:, :, r_], ref_blk["out"], 0, 0)[0])
         if "out" in user:
             uo = user["out"][:, :, q0:q1]
             ust = st.setdefault("user_out", _Stage())
             ust.add("nonfinite", C.nonfinite_count(uo))
             ust.max("range_excess", _range_excess(uo, vb, ai, rtol, atol, span=span))
+            if not half:  # SDPA covers every row, also those the float64 sample leaves out
+                d, ex = _excess(uo, sd, rtol, atol * max(1.0, _max_abs(sd)))
+                ust.max("sdpa_diff", d)
+                ust.max("sdpa_excess", ex)
             if ref_blk is not None:
-                _user_compare(ust, uo, ref_blk["out"], rtol, atol * max(1.0, _max_abs(ref_blk["out"])))
+                _user_compare(ust, uo[:, :, r_], ref_blk["out"], rtol, atol * max(1.0, _max_abs(ref_blk["out"])))
                 if half and plain_blk is not None:
                     ust.max("plain_diff", _excess(plain_blk["out"], ref_blk["out"], 0, 0)[0])
         if backends:
-            ref_in = None if ref_blk is None else (q_ref[:, :, q0:q1], repeat_kv(k_ref[:, :, lo:hi], nh), repeat_kv(v_ref[:, :, lo:hi], nh))
-            _backend_compare(c_st, backends, c, (qb, kb, vb), ref_in, ai, ref_scale, ref_blk, run.dtype)
+            _backend_compare(c_st, backends, c, (qb, kb, vb), None, ai, ref_scale, None, run.dtype)
+            if ref_blk is not None:
+                ref_in = (q_ref[:, :, q0 + ra:q0 + rz], repeat_kv(k_ref[:, :, lo:hi], nh), repeat_kv(v_ref[:, :, lo:hi], nh))
+                _backend_compare(c_st, backends, c[:, :, r_], (qb[:, :, r_], kb, vb), ref_in, ai_r, ref_scale, ref_blk, run.dtype)
 
         if keep:
             for name, t in (("scores", s), ("masked_scores", m), ("weights", w)):
@@ -648,7 +678,7 @@ def _excess(actual: "Tensor", expected: "Tensor", rtol: float, atol: float) -> t
 
 
 def _mask_counts(st: _Stage, m: "Tensor", ai: "Tensor | None", live: "Tensor | None", empty_zero: bool,
-                 v0: int, v1: int, b: int, nh: int, rows: int, tk: int) -> None:
+                 v0: int, v1: int, b: int, nh: int, rows: int, tk: int, outside_clean: bool = False) -> None:
     """Masked-score counts for one block: NaN/+inf, rows with every key excluded, forbidden kept, allowed dropped.
 
     Outside the band ``[v0, v1)`` every pair is allowed, so there the counts are all zero
@@ -658,7 +688,7 @@ def _mask_counts(st: _Stage, m: "Tensor", ai: "Tensor | None", live: "Tensor | N
     import torch
 
     kw = m.shape[-1]
-    if _clean_allowed(m[..., :v0]) and _clean_allowed(m[..., v1:]):
+    if outside_clean or (_clean_allowed(m[..., :v0]) and _clean_allowed(m[..., v1:])):
         a, z = v0, v1
     else:
         a, z = 0, kw
@@ -991,11 +1021,8 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
         out["context"] += _backend_checks(c_st, run.dtype)
     if "user_out" in st:
         u = st["user_out"]
-        out["context"] += [
-            C.finite_check(u.counts.get("nonfinite", 0), "values in the given out").__class__(
-                3, "user_out_finite", u.counts.get("nonfinite", 0) == 0, float(u.counts.get("nonfinite", 0)),
-                f"{u.counts.get('nonfinite', 0)} non-finite values in the given out"),
-        ]
+        n_bad = u.counts.get("nonfinite", 0)
+        out["context"].append(Check(3, "user_out_finite", n_bad == 0, float(n_bad), f"{n_bad} non-finite values in the given out"))
         excess = u.maxes.get("range_excess", 0.0)
         out["context"].append(C.bound_check(3, "user_out_in_value_range", math.nan if math.isnan(excess) else max(0.0, excess), 0.0,
                                             "given out: largest excursion outside the mixed value rows' range"))
@@ -1003,9 +1030,10 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
             floor = 1e-3 if C.dtype_name(run.dtype) == "float16" else 8e-3
             out["context"].append(C.factor_check("user_out_matches_reference", u.maxes["ref_diff"], u.maxes["plain_diff"], floor, "float64 reference"))
         else:
-            ch = _cmp(u, "user_out_matches_reference", "ref", "float64 reference", rtol, atol)
-            if ch:
-                out["context"].append(ch)
+            for ch in (_cmp(u, "user_out_matches_reference", "ref", "float64 reference", rtol, atol),
+                       _cmp(u, "user_out_matches_sdpa", "sdpa", "F.scaled_dot_product_attention (every row)", rtol, atol)):
+                if ch:
+                    out["context"].append(ch)
     return out
 
 

@@ -40,8 +40,12 @@ def expand_kv(x: "Tensor", n_heads: int) -> "Tensor":
 
 
 def qk_scores(q: "Tensor", k: "Tensor", scale: float) -> "Tensor":
-    """``[B, Nh, Tq, Dh] @ [B, Nh, Dh, Tk] -> [B, Nh, Tq, Tk]``, scaled."""
-    return (q @ k.transpose(-2, -1)) * scale  # [B, Nh, Tq, Tk]
+    """``[B, Nh, Tq, Dh] @ [B, Nh, Dh, Tk] -> [B, Nh, Tq, Tk]``, scaled.
+
+    The scale is applied to q before the product, which is the same scores without a
+    second pass over the whole grid.
+    """
+    return (q * scale) @ k.transpose(-2, -1)  # [B, Nh, Tq, Tk]
 
 
 def apply_mask(scores: "Tensor", allow: "Tensor | None") -> "Tensor":
@@ -83,7 +87,7 @@ def _merge_by_reshape(x: "Tensor") -> "Tensor":
 
 
 def _scores_wrong_transpose(q: "Tensor", k: "Tensor", scale: float) -> "Tensor":
-    return (q @ k.transpose(1, 2)) * scale  # swaps heads with key positions
+    return (q * scale) @ k.transpose(1, 2)  # swaps heads with key positions
 
 
 def _softmax_over_queries(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool) -> "Tensor":

@@ -68,7 +68,8 @@ def test_block_choice_and_streaming_note():
     assert any(n.startswith("score-grid stages ran in 4 query blocks of 48 rows") for n in led.notes)
     led = run_ledger(load_config(overrides={**BASE, "seq_len": 100}))  # 20000 entries: one block, kept whole
     assert not any("query blocks" in n for n in led.notes)
-    assert L._choose_blocks(1, 32, 8192, 8192, None)[:2] == [(0, 16), (16, 32)]  # MIN_BLOCK_ROWS
+    assert L._choose_blocks(1, 32, 8192, 8192, None)[:2] == [(0, 32), (32, 64)]  # BLOCK_TARGET entries a block
+    assert L._choose_blocks(1, 64, 8192, 8192, None)[:2] == [(0, 16), (16, 32)]  # MIN_BLOCK_ROWS
 
 
 def _qkv(shape, seed=0):
@@ -88,21 +89,27 @@ def test_random_allow_mask_takes_the_exact_path_and_matches_whole_grid():
     assert len(set(pairs.values())) == 1
 
 
-def test_dropped_allowed_key_outside_the_band_is_counted_exactly(monkeypatch):
-    """A pipeline that excludes an always-allowed key: the band screen fails and the whole block is counted."""
+def test_off_by_one_causal_relation_is_caught_at_any_block_size(monkeypatch):
+    """The pipeline blocks the diagonal too (``triu(diagonal=0)`` for ``triu(diagonal=1)``).
+
+    The pipeline's own relation then differs from the intended one in the key columns the
+    mask runs on, so the dropped allowed pairs are counted exactly whatever the blocking.
+    """
     import attn_ledger.pipeline as P
 
-    def drop_key0(scores, allow):
-        out = P.apply_mask(scores, allow)
-        return out.index_fill(-1, torch.tensor([0]), float("-inf"))  # key 0 is allowed for every causal query
+    def drop_diagonal(allow):
+        if allow is None:
+            return None
+        shifted = torch.zeros_like(allow)
+        shifted[..., :-1] = allow[..., 1:]  # query i may use key j iff j + 1 <= i
+        return shifted
 
-    broken = P.Ops(mask=drop_key0)
-    monkeypatch.setattr(P, "ops_for", lambda fault: broken)
+    monkeypatch.setattr(P, "ops_for", lambda fault: P.Ops(polarity=drop_diagonal))
     for bs in BLOCKS:
-        led = run_ledger(load_config(overrides={**BASE, "block_size": bs}))
+        led = run_ledger(load_config(overrides={**BASE, "block_size": bs}), keep_going=True)
         c = led.check("masked_scores", "allowed_kept")
-        assert (c.ok, c.value) == (False, 2 * 190), bs  # Nh * Tq pairs
-        assert _first(led)[0] == "masked_scores"
+        assert (c.ok, c.value) == (False, 2 * 190), bs  # Nh * Tq diagonal pairs
+        assert _first(led)[:2] == ("masked_scores", 3)
 
 
 def test_float64_reference_on_a_sample_of_blocks_is_noted(monkeypatch):
@@ -111,7 +118,8 @@ def test_float64_reference_on_a_sample_of_blocks_is_noted(monkeypatch):
     led = ledger_on_qkv(q, k, v, mask="causal", block_size=10)
     assert led.first_divergence is None
     note = next(n for n in led.notes if n.startswith("float64 reference on a sample"))
-    assert note.startswith("float64 reference on a sample of 2 of 19 query blocks: 0, 18; SDPA on all")
+    assert note.startswith("float64 reference on a sample of 20 of 190 query rows (rows 0..4, 65..69, 125..129, 185..189)")
+    assert note.endswith("SDPA on all rows")
     assert led.check("context", "matches_reference").ok is True
 
 
@@ -128,16 +136,17 @@ def test_sdpa_still_covers_every_block_when_float64_is_sampled(monkeypatch):
     monkeypatch.setattr(P, "ops_for", lambda fault: P.Ops(mix=mix_wrong_in_block_5))
     led = run_ledger(load_config(overrides={**BASE, "block_size": 10}), keep_going=True)
     assert led.check("context", "matches_sdpa").ok is False
-    assert led.check("context", "matches_reference").ok is True  # block 5 is not in the float64 sample
+    assert led.check("context", "matches_reference").ok is True  # rows 50..59 are not in the float64 sample
 
 
 def test_sampled_blocks_include_first_and_last():
     blocks = [(i, i + 1) for i in range(100)]
-    assert L._sampled(blocks, 1, 1, 10) == list(range(100))
+    assert L._sampled(blocks, 1, 1, 10) == {i: (0, 1) for i in range(100)}
     budget = L.F64_BUDGET
     big = [(i * 10, i * 10 + 10) for i in range(100)]
     picked = L._sampled(big, 1, 1, budget // 30)
-    assert picked[0] == 0 and picked[-1] == 99 and 2 <= len(picked) < 100
+    assert min(picked) == 0 and max(picked) == 99 and 2 <= len(picked) <= L.F64_SAMPLES
+    assert picked[0][0] == 0 and picked[99][1] == 10  # first rows of the first block, last rows of the last
 
 
 # --- the faster measurements equal the plain ones -------------------------------------
