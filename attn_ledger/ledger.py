@@ -340,6 +340,8 @@ def _attend_blocks(
     rtol, atol = C.tolerance(run.dtype)
     q_ref, k_ref, v_ref = ref
     ref_dtype = _ref_dtype(q.device)
+    if k_ref.dtype != ref_dtype and (k_ref.numel() + v_ref.numel()) * 8 <= REF_CHUNK_BYTES:
+        k_ref, v_ref = k_ref.to(ref_dtype), v_ref.to(ref_dtype)  # small enough: cast once, not per sampled block
     empty = "zeros" if empty_zero else "nan"
     blocks = _choose_blocks(b, nh, tq, tk, block_size)
     small = b * nh * tq * tk <= SMALL_GRID
