@@ -54,7 +54,8 @@ MIN_BLOCK_ROWS = 16  # fewer query rows per block make the matrix products ineff
 F64_BUDGET = 1 << 18  # grid entries the float64 reference covers before sampling blocks
 EXACT_RANGE_BUDGET = 1 << 22  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
 SDPA_ROWS = 512  # query rows per SDPA reference call, when its mask stays within BLOCK_TARGET entries
-F64_SAMPLES = 4  # query blocks the float64 reference samples when the grid is over budget
+F64_SAMPLES = 3  # query blocks the float64 reference samples when the grid is over budget
+REF_CAST_ONCE_BYTES = 1 << 28  # K and V up to this size in the reference dtype are cast once for all samples
 REF_CHUNK_BYTES = 1 << 26  # reference-dtype K and V held at once for one sampled block
 VALUE_CHUNK = 64  # key positions per precomputed (min, max) of the value rows
 
@@ -340,7 +341,7 @@ def _attend_blocks(
     rtol, atol = C.tolerance(run.dtype)
     q_ref, k_ref, v_ref = ref
     ref_dtype = _ref_dtype(q.device)
-    if k_ref.dtype != ref_dtype and (k_ref.numel() + v_ref.numel()) * 8 <= REF_CHUNK_BYTES:
+    if k_ref.dtype != ref_dtype and (k_ref.numel() + v_ref.numel()) * 8 <= REF_CAST_ONCE_BYTES:
         k_ref, v_ref = k_ref.to(ref_dtype), v_ref.to(ref_dtype)  # small enough: cast once, not per sampled block
     empty = "zeros" if empty_zero else "nan"
     blocks = _choose_blocks(b, nh, tq, tk, block_size)
