@@ -273,3 +273,12 @@ def test_help_does_not_import_torch():
         code2 = code.replace("'--help']", f"'{sub}', '--help']")
         r = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True)
         assert r.returncode == 0, (sub, r.stderr)
+
+
+@pytest.mark.parametrize("command", ["run", "sweep-scale", "polarity", "intervene", "check", "faults"])
+def test_every_command_has_help_and_a_readme_section(command):
+    r = invoke(command, "--help")
+    assert r.exit_code == 0 and "Usage" in r.output
+    readme = (ROOT / "README.md").read_text()
+    assert f"## `attn-ledger {command}`" in readme
+    assert f"$ COLUMNS=100 attn-ledger {command}" in readme or f"$ attn-ledger {command}" in readme

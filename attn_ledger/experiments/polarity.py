@@ -601,7 +601,7 @@ class Advice:
 
 
 @dataclass(frozen=True)
-class MaskReport:
+class MaskReport(CheckedReport):
     """``attn-ledger polarity --mask``: what the file holds, measured against the expected relation.
 
     Attributes:
@@ -630,14 +630,6 @@ class MaskReport:
     @property
     def ok(self) -> bool:
         return self.polarity is not None and not self.trap
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if self.ok else "fail"
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
 
     def to_json(self) -> dict[str, Any]:
         return envelope(

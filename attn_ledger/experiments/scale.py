@@ -178,7 +178,7 @@ class SweepReport(CheckedReport):
 
 
 @dataclass(frozen=True)
-class TensorScaleReport:
+class TensorScaleReport(CheckedReport):
     """``sweep-scale --tensors``: the same statistics on saved q and k, with flags.
 
     Attributes:
@@ -211,14 +211,6 @@ class TensorScaleReport:
     @property
     def ok(self) -> bool:
         return not any(c.failed for c in self.flags)
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if self.ok else "fail"
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
 
     def facts(self) -> tuple[str, ...]:
         lines = [
