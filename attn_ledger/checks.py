@@ -128,8 +128,6 @@ def bound_check(level: int, name: str, value: float, limit: float, what: str) ->
 
 def roundtrip_check(original: "Tensor", roundtrip: "Tensor") -> Check:
     """L2: merge(split(x)) == x, compared by value on a deterministic tensor."""
-    import torch
-
     if tuple(original.shape) != tuple(roundtrip.shape):
         return Check(2, "roundtrip_exact", False, None, f"shape {list(roundtrip.shape)} != {list(original.shape)}")
     wrong = int((original != roundtrip).sum())

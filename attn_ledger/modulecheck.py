@@ -355,13 +355,13 @@ def _shape_checks(fwd: Callable, x: "torch.Tensor") -> tuple[list[Check], "torch
 def _batch_independence(fwd: Callable, x: "torch.Tensor", y: "torch.Tensor", hint: str) -> Check:
     import torch
 
-    worst, worst_b, tol_used = 0.0, 0, 0.0
+    worst, tol_used = 0.0, 0.0
     with torch.no_grad():
         for b in range(x.shape[0]):
             alone = call_forward(fwd, x[b : b + 1].clone())  # [1, T, E]
             ok, delta, tol = _close(y[b : b + 1], alone, y.dtype)
             if delta > worst or b == 0:
-                worst, worst_b, tol_used = max(worst, delta), b, tol
+                worst, tol_used = max(worst, delta), tol
             if not ok:
                 detail = (
                     f"example {b}'s output in the batch differs from its output alone: max |delta| {delta:.3g} > "

@@ -33,7 +33,7 @@ def test_default_is_healthy_and_every_check_holds():
     assert [r.stage for r in led.rows] == list(CONFIG_STAGES)
     for row in led.rows:
         assert row.status == "ok"
-        assert row.checks, row.stage
+        assert row.checks or row.stage == "input", row.stage  # the input row states what was validated
         assert all(c.ok is True for c in row.checks), row.stage
 
 
@@ -322,3 +322,22 @@ def test_masked_scores_finite_check_fails_on_nan_scores():
     bad = torch.tensor([[[float("nan"), 0.0], [0.0, 0.0]]], dtype=torch.float64)
     led = ledger_on_qkv(q, k, v, scores=bad, keep_going=True)
     assert led.check("scores", "user_scores_matches_reference").ok is False
+
+
+@pytest.mark.parametrize("stage,field", [("masked_scores", "mask"), ("weights", "softmax"), ("context", "mix")])
+def test_streamed_stage_with_a_wrong_shape_fails_its_shape_check(monkeypatch, stage, field):
+    """A stage function that returns a tensor of another shape (which could broadcast) is an L1 divergence there."""
+    import dataclasses
+
+    import attn_ledger.pipeline as P
+
+    wrong = {
+        "mask": lambda scores, allow: P.apply_mask(scores, allow)[:, :1],  # drops all heads but one
+        "softmax": lambda masked, allow, zero: P.softmax_keys(masked, allow, zero)[..., :1, :],  # one query row
+        "mix": lambda w, v: P.mix_values(w, v)[..., :1],  # one value coordinate
+    }[field]
+    broken = dataclasses.replace(P.HEALTHY, **{field: wrong})
+    monkeypatch.setattr(P, "ops_for", lambda fault: broken)
+    d = ledger().first_divergence
+    assert (d.stage, d.level, d.check) == (stage, 1, "shape")
+    assert ledger().row(stage).status == "diverged"
