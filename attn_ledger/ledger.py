@@ -1198,8 +1198,11 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     def stop_here() -> bool:
         return not keep_going and any(c.failed for cs in checks.values() for c in cs)
 
+    row_notes: dict[str, str] = {}
+
     def done(tensors: dict[str, Any] | None = None) -> Ledger:
-        return _finish("run", title, CONFIG_STAGES, checks, shapes, raised, keep_going, run.notes, meta, tensors or {})
+        return _finish("run", title, CONFIG_STAGES, checks, shapes, raised, keep_going, run.notes, meta,
+                       tensors or {}, row_notes)
 
     # input
     x = make_input(b, tq, e, cfg.input, cfg.seed, dtype, device)  # [B, Tq, E]
@@ -1209,8 +1212,8 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     # The input is built from the validated config, so nothing about it can fail here; the row
     # states what was validated instead of carrying checks that could not fail.
     checks["input"] = []
-    row_notes = {"input": f"E == Nh*Dh: {e} == {nh}*{dh} (validated with the config)"
-                 + (f"; keys/values from x_kv [B,Tk,E] {list(x_kv.shape)}" if cross else "")}
+    row_notes["input"] = (f"E == Nh*Dh: {e} == {nh}*{dh} (validated with the config)"
+                          + (f"; keys/values from x_kv [B,Tk,E] {list(x_kv.shape)}" if cross else ""))
 
     # head_roundtrip: split then merge an arange tensor, compared by value
     probe = torch.arange(max(1, min(b, 2)) * tq * e, dtype=torch.float64).reshape(-1, tq, e)  # [B', Tq, E]
@@ -1298,8 +1301,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
         row_notes["masked_scores"] = "intended relation (b=0, h=0), queries as rows, keys as columns:\n" + picture
     row_notes.update(run.row_values)
     if stop_here():
-        ledger = done(tensors)
-        return _with_row_notes(ledger, row_notes)
+        return done(tensors)
 
     # merged and output
     try:
@@ -1318,9 +1320,9 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
             checks["merged"].append(C.compare_check("matches_reference", d, ex, rtol, atol, "float64 reference"))
     except Exception as exc:
         raised["merged"] = exc
-        return _with_row_notes(done(tensors), row_notes)
+        return done(tensors)
     if stop_here():
-        return _with_row_notes(done(tensors), row_notes)
+        return done(tensors)
     try:
         out = project(merged, w.wo)  # [B, Tq, E]
         shapes["output"] = tuple(out.shape)
@@ -1340,14 +1342,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
             checks["output"].append(C.compare_check("matches_sdpa", d, ex, rtol, atol, "SDPA-based forward"))
     except Exception as exc:
         raised["output"] = exc
-    return _with_row_notes(done(tensors), row_notes)
-
-
-def _with_row_notes(ledger: Ledger, notes: dict[str, str]) -> Ledger:
-    from dataclasses import replace
-
-    rows = tuple(replace(r, note=notes.get(r.stage, r.note)) if notes.get(r.stage) else r for r in ledger.rows)
-    return replace(ledger, rows=rows)
+    return done(tensors)
 
 
 def _picture(relation: Relation, tq: int, tk: int, b: int, nh: int) -> str | None:
