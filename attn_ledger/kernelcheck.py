@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from attn_ledger.errors import InputError
-from attn_ledger.report import LEVEL_NAMES, Check, envelope, json_number
+from attn_ledger.report import LEVEL_NAMES, Check, envelope, find_check, json_number
 
 if TYPE_CHECKING:
     import torch
@@ -320,10 +320,7 @@ class CaseResult:
         return self.first_failure is None
 
     def check(self, name: str) -> Check:
-        for c in self.checks:
-            if c.name == name:
-                return c
-        raise KeyError(name)
+        return find_check(self.checks, name)
 
     def to_json(self) -> dict[str, Any]:
         first = self.first_failure
@@ -685,7 +682,7 @@ def check_case(fn: Callable[..., Any], case: Case, *, empty_rows: str = "zeros",
             checks.append(Check(3, "empty_rows", n_nan == n, float(n - n_nan),
                                 f"{n} rows have every key blocked; contract 'nan': {n - n_nan} of them are not all NaN"))
         else:
-            checks.append(Check(3, "empty_rows", True, None,
+            checks.append(Check(3, "empty_rows", None, None,
                                 f"{n} rows have every key blocked; contract 'any': not judged"))
     else:
         checks.append(_not_run("empty_rows", "not applicable: every query has an allowed key"))

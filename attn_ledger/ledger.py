@@ -967,9 +967,7 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
     if "nonfinite" in s.counts:
         out["scores"].append(C.finite_check(s.counts["nonfinite"], "scores"))
         out["scores"].append(_headroom(s.maxes.get("max_abs", 0.0), run.dtype))
-        c = _half_cmp(s, run.dtype) if half else _cmp(s, "matches_reference", "ref", "float64 reference", rtol, atol)
-        if c:
-            out["scores"].append(c)
+        out["scores"] += _reference_check(s, run.dtype, half, rtol, atol)
     if "user_scores" in st:
         out["scores"] += _user_checks(st["user_scores"], "scores", rtol, atol, tol_sum)
 
@@ -988,7 +986,7 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
                 C.count_check(3, "allowed_kept", m.counts["allowed_dropped"], "allowed (query, key) scores excluded"),
             ]
         else:
-            out["masked_scores"].append(Check(3, "forbidden_excluded", True, 0.0, "no relation: every key allowed"))
+            out["masked_scores"].append(Check(3, "forbidden_excluded", None, None, "not applicable: no relation, every key allowed"))
 
     w = st["weights"]
     out["weights"] = [*w.extra]
@@ -1001,9 +999,7 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
         ]
         if "empty_row_max" in w.maxes:
             out["weights"].append(C.bound_check(3, "empty_rows_zero", w.maxes["empty_row_max"], 0.0, "largest weight in a declared-empty row"))
-        c = _half_cmp(w, run.dtype) if half else _cmp(w, "matches_reference", "ref", "float64 reference", rtol, atol)
-        if c:
-            out["weights"].append(c)
+        out["weights"] += _reference_check(w, run.dtype, half, rtol, atol)
     if "user_weights" in st:
         out["weights"] += _user_checks(st["user_weights"], "weights", rtol, atol, tol_sum)
 
@@ -1013,7 +1009,7 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
         out["context"] += [
             _blocks_shape_check(c_st.shape, AXES["context"]),
             C.finite_check(c_st.counts["nonfinite"], "context values"),
-            C.bound_check(3, "in_value_range", max(0.0, c_st.maxes.get("range_excess", 0.0)) if not math.isnan(c_st.maxes.get("range_excess", 0.0)) else math.nan,
+            C.bound_check(3, "in_value_range", _nonneg(c_st.maxes.get("range_excess", 0.0)),
                           0.0, "largest excursion outside the mixed value rows' range"),
         ]
         if half and "plain_diff" in c_st.maxes:
@@ -1032,7 +1028,7 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
         n_bad = u.counts.get("nonfinite", 0)
         out["context"].append(Check(3, "user_out_finite", n_bad == 0, float(n_bad), f"{n_bad} non-finite values in the given out"))
         excess = u.maxes.get("range_excess", 0.0)
-        out["context"].append(C.bound_check(3, "user_out_in_value_range", math.nan if math.isnan(excess) else max(0.0, excess), 0.0,
+        out["context"].append(C.bound_check(3, "user_out_in_value_range", _nonneg(excess), 0.0,
                                             "given out: largest excursion outside the mixed value rows' range"))
         if half and "plain_diff" in u.maxes:
             floor = 1e-3 if C.dtype_name(run.dtype) == "float16" else 8e-3
@@ -1043,6 +1039,17 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
                 if ch:
                     out["context"].append(ch)
     return out
+
+
+def _reference_check(st: _Stage, dtype: "torch.dtype", half: bool, rtol: float, atol: float) -> list[Check]:
+    """L4 against the float64 reference: the factor rule in half precision, tolerances otherwise."""
+    c = _half_cmp(st, dtype) if half else _cmp(st, "matches_reference", "ref", "float64 reference", rtol, atol)
+    return [c] if c else []
+
+
+def _nonneg(value: float) -> float:
+    """An excess clipped at zero for display, NaN kept (it fails the bound)."""
+    return value if math.isnan(value) else max(0.0, value)
 
 
 def _blocks_shape_check(derived: tuple[int, ...] | None, axes: str) -> Check:

@@ -39,7 +39,7 @@ from attn_ledger.experiments.intervene import (
     output_scale,
     relative_tolerance,
 )
-from attn_ledger.report import LEVEL_NAMES, Check, envelope
+from attn_ledger.report import LEVEL_NAMES, Check, envelope, find_check
 
 if TYPE_CHECKING:
     import torch
@@ -90,10 +90,7 @@ class ModuleCheckReport:
         return 0 if not self.findings else 1
 
     def check(self, name: str) -> Check:
-        for c in self.checks:
-            if c.name == name:
-                return c
-        raise KeyError(name)
+        return find_check(self.checks, name)
 
     def to_json(self) -> dict[str, Any]:
         first = self.first_finding
@@ -451,7 +448,7 @@ def _gradient_checks(module: "nn.Module", x: "torch.Tensor") -> list[Check]:
             checks.append(Check(3, "parameter_gradients", False, float(len(missing) + len(nonfinite)),
                                 f"{len(missing) + len(nonfinite)} of {count} parameters: " + "; ".join(parts)))
         elif count == 0:
-            checks.append(Check(3, "parameter_gradients", True, 0.0, "the module has no trainable parameters"))
+            checks.append(Check(3, "parameter_gradients", None, 0.0, "not applicable: the module has no trainable parameters"))
         else:
             checks.append(Check(3, "parameter_gradients", True, float(count),
                                 f"finite gradients reach all {count} trainable parameters after one backward pass"))

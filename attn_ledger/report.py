@@ -111,6 +111,14 @@ class StageRow:
         }
 
 
+def find_check(checks: "tuple[Check, ...] | list[Check]", name: str) -> Check:
+    """The check called ``name`` (KeyError if there is none)."""
+    for c in checks:
+        if c.name == name:
+            return c
+    raise KeyError(name)
+
+
 def first_divergence_of(rows: list[StageRow] | tuple[StageRow, ...]) -> Divergence | None:
     """The first stage (in order) with a failing check; within it, the lowest failing level."""
     for row in rows:
@@ -158,10 +166,10 @@ class Ledger:
         raise KeyError(stage)
 
     def check(self, stage: str, name: str) -> Check:
-        for c in self.row(stage).checks:
-            if c.name == name:
-                return c
-        raise KeyError(f"{stage}.{name}")
+        try:
+            return find_check(self.row(stage).checks, name)
+        except KeyError:
+            raise KeyError(f"{stage}.{name}") from None
 
     def warnings(self) -> list[tuple[str, Check]]:
         return [(r.stage, c) for r in self.rows for c in r.checks if c.severity == "warning" and c.ok is False]
@@ -206,10 +214,7 @@ class CheckedReport:
         return 0 if self.ok else 1
 
     def check(self, name: str) -> Check:
-        for c in self.checks:
-            if c.name == name:
-                return c
-        raise KeyError(name)
+        return find_check(self.checks, name)
 
 
 class Report(Protocol):

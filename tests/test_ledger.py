@@ -341,3 +341,9 @@ def test_streamed_stage_with_a_wrong_shape_fails_its_shape_check(monkeypatch, st
     d = ledger().first_divergence
     assert (d.stage, d.level, d.check) == (stage, 1, "shape")
     assert ledger().row(stage).status == "diverged"
+
+
+def test_without_a_relation_the_exclusion_check_is_not_applicable_rather_than_passing():
+    c = ledger(mask="none").check("masked_scores", "forbidden_excluded")
+    assert c.ok is None and "not applicable" in c.detail
+    assert ledger(mask="none").first_divergence is None
