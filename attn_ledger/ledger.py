@@ -52,7 +52,8 @@ BLOCK_TARGET = 1 << 23  # entries of one block's score grid when streaming (a fe
 MIN_BLOCKS = 4  # grids above SMALL_GRID run in at least this many query blocks
 MIN_BLOCK_ROWS = 16  # fewer query rows per block make the matrix products inefficient
 F64_BUDGET = 1 << 18  # grid entries the float64 reference covers before sampling blocks
-EXACT_RANGE_BUDGET = 1 << 22  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
+F64_SAMPLE = 1 << 16  # grid entries of the float64 sample once the grid is over F64_BUDGET
+EXACT_RANGE_BUDGET = 1 << 18  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
 SDPA_ROWS = 512  # query rows per SDPA reference call, when its mask stays within BLOCK_TARGET entries
 F64_SAMPLES = 3  # query blocks the float64 reference samples when the grid is over budget
 REF_CAST_ONCE_BYTES = 1 << 28  # K and V up to this size in the reference dtype are cast once for all samples
@@ -69,10 +70,13 @@ class Relation:
     """The intended allow relation, produced one block of query rows at a time.
 
     ``parts`` are functions ``(q0, q1) -> bool [B|1, Nh|1, q1-q0, Tk]`` combined by AND.
+    ``top_left_causal``: known by construction to be exactly "key j <= query i" for every
+    batch and head (one causal part, top-left, or bottom-right with Tq == Tk).
     """
 
     name: str
     parts: tuple[Callable[[int, int], "Tensor"], ...] = ()
+    top_left_causal: bool = False
 
     def block(self, q0: int, q1: int) -> "Tensor | None":
         allow = None
@@ -120,7 +124,8 @@ def relation_from_config(cfg: "RunConfig", device: Any = None) -> Relation:
             seg = masks.segments(ids, ids)  # [1, 1, Tq, Tk]
             parts.append(lambda q0, q1, s=seg: s[:, :, q0:q1])
             names.append(f"segments {cfg.segment_lengths}")
-    return Relation(" + ".join(names) or "none", tuple(parts))
+    exact_causal = [r for r in cfg.relations if r != "none"] in (["causal-top-left"], ["causal"] if tq == tk else [])
+    return Relation(" + ".join(names) or "none", tuple(parts), top_left_causal=exact_causal)
 
 
 def relation_from_tensors(
@@ -206,7 +211,7 @@ def _sampled(blocks: list[tuple[int, int]], b: int, nh: int, tk: int) -> dict[in
 
     Every row of every block when the whole grid fits F64_BUDGET; otherwise up to
     F64_SAMPLES blocks spread evenly (the first and last among them), and in each a run of
-    rows sized to the budget: the first rows of the first block (the queries with the
+    rows sized so that all of them hold about F64_SAMPLE grid entries: the first rows of the first block (the queries with the
     fewest keys), the last rows of the others (the most keys).
     """
     n = len(blocks)
@@ -215,7 +220,7 @@ def _sampled(blocks: list[tuple[int, int]], b: int, nh: int, tk: int) -> dict[in
         return {i: (0, q1 - q0) for i, (q0, q1) in enumerate(blocks)}
     k = min(n, F64_SAMPLES)
     picks = sorted({min(n - 1, round(i * (n - 1) / max(1, k - 1))) for i in range(k)})
-    rows = max(1, F64_BUDGET // (len(picks) * per_row))
+    rows = max(1, F64_SAMPLE // (len(picks) * per_row))
     out: dict[int, tuple[int, int]] = {}
     for i in picks:
         size = blocks[i][1] - blocks[i][0]
@@ -355,6 +360,7 @@ def _attend_blocks(
         shown = ", ".join(f"{blocks[i][0] + a}..{blocks[i][0] + z - 1}" for i, (a, z) in sorted(sampled.items()))
         run.notes.append(f"{C.dtype_name(_ref_dtype(q.device))} reference on a sample of {covered} of {tq} query rows "
                          f"(rows {shown}); SDPA on all rows")
+    ref_rows = _sampled_reference(q_ref, k_ref, v_ref, relation, blocks, sampled, ref_scale, empty, ref_dtype)
     context = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
     sdpa_ctx = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
     ref_ctx: dict[tuple[int, int], Tensor] = {}
@@ -387,7 +393,10 @@ def _attend_blocks(
         qb = q[:, :, q0:q1]  # [B, Nh, rows, Dh]
         kb, vb = k_exp[:, :, lo:hi], v_exp[:, :, lo:hi]  # [B, Nh, kw, Dh], [B, Nh, kw, Dv]
         grid = (b, nh, rows, kw)
-        live = None if ai is None else ai.any(dim=-1).expand(b, nh, rows)  # [B, Nh, rows]: has an allowed key
+        live = None  # [B, Nh, rows]: which queries have an allowed key; None when all of them do
+        if ai is not None:
+            has_key = ai.any(dim=-1)  # [B|1, Nh|1, rows]
+            live = None if bool(has_key.all()) else has_key.expand(b, nh, rows)
         v0, v1 = _band(ai, kw)  # outside [v0, v1) every pair of the block is allowed
 
         # float64 reference (sampled blocks), and the plain same-dtype one for half precision
@@ -396,8 +405,9 @@ def _attend_blocks(
         r_ = slice(ra, rz)
         ai_r = None if ai is None else (ai[:, :, r_] if ai.shape[2] > 1 else ai)
         if rz > ra:
-            ref_blk = _reference_block(q_ref[:, :, q0 + ra:q0 + rz], k_ref[:, :, lo:hi], v_ref[:, :, lo:hi], ai_r,
-                                       ref_scale, empty, ref_dtype)
+            full = ref_rows[n_done]  # every key; the block's key range is cut out of it
+            ref_blk = {key: full[key][..., lo:hi] for key in ("scores", "masked_scores", "weights")}
+            ref_blk["out"] = full["out"]
             ref_ctx[(q0 + ra, q0 + rz)] = ref_blk["out"]
             if half:
                 plain_blk = reference_stages(qb[:, :, r_], kb, vb, allow_mask=ai_r, scale=ref_scale,
@@ -561,6 +571,39 @@ def _sdpa_group_rows(relation: Relation, blocks: list[tuple[int, int]], b: int, 
     return max(rows, min(SDPA_ROWS, BLOCK_TARGET // max(1, mask_per_row)) // rows * rows)
 
 
+def _sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: Relation, blocks: list[tuple[int, int]],
+                       sampled: dict[int, tuple[int, int]], scale: float, empty: str,
+                       dtype: "torch.dtype") -> dict[int, dict[str, "Tensor"]]:
+    """The reference's stages for every sampled row, over every key, in one call.
+
+    Returns ``{block index: {"scores", "masked_scores", "weights": [B, Nh, rows, Tk], "out": [B, Nh, rows, Dv]}}``
+    for the rows :func:`_sampled` picked in that block. One call on all of them at once keeps
+    the per-call cost of the reference (casts, kernel launches) from recurring per block.
+    """
+    import torch
+
+    if not sampled:
+        return {}
+    tk = k.shape[-2]
+    spans = [(blocks[i][0] + a, blocks[i][0] + z) for i, (a, z) in sorted(sampled.items())]  # absolute query rows
+    contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
+    qs = q[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([q[:, :, r0:r1] for r0, r1 in spans], dim=2)
+    allow = None
+    if relation.parts:
+        parts = []
+        for r0, r1 in spans:
+            a = relation.block(r0, r1)  # [B|1, Nh|1, rows|1, Tk]
+            parts.append(a.expand(a.shape[0], a.shape[1], r1 - r0, tk))
+        allow = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    ref = _reference_block(qs, k, v, allow, scale, empty, dtype)
+    out: dict[int, dict[str, Tensor]] = {}
+    at = 0
+    for i, (a, z) in sorted(sampled.items()):
+        out[i] = {key: t[:, :, at:at + z - a] for key, t in ref.items() if key != "allow"}
+        at += z - a
+    return out
+
+
 def _reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
                      dtype: "torch.dtype") -> dict[str, "Tensor"]:
     """The reference's stages for one block, a few query heads at a time when K and V are long.
@@ -592,6 +635,8 @@ def _plain_causal(relation: Relation, blocks: list[tuple[int, int]], tk: int) ->
     """Whether the relation is exactly "key j <= query i" for every batch, head and query (Tq == Tk)."""
     from attn_ledger import masks
 
+    if relation.top_left_causal:
+        return True
     if not relation.parts:
         return False
     for q0, q1 in blocks:
@@ -625,21 +670,25 @@ def _compare_sdpa(c_st: _Stage, context: "Tensor", sdpa_ctx: "Tensor", done: lis
     """Context against SDPA for consecutive blocks: non-finite count, max |diff|, and each block's excess.
 
     Each block's atol is scaled by that block's largest |SDPA value|, as if compared one by one.
+    The arithmetic is in float32 (float64 for float64 runs): the difference of two values
+    within a factor of two of each other is exact there, and the tolerance terms carry
+    rounding of about 1e-7 of their size, far below any tolerance in use.
     """
+    import torch
+
     g0, g1 = done[0][0], done[-1][1]
     cg = context[:, :, g0:g1]  # [B, Nh, rows, Dv]
     c_st.add("nonfinite", 0 if C.all_finite(cg) else C.nonfinite_count(cg))
     sizes = {q1 - q0 for q0, q1 in done}
     if len(sizes) == 1 and cg.numel():
         r = sizes.pop()
-        wide = _ref_dtype(cg.device)
-        e = sdpa_ctx[:, :, g0:g1].to(wide, copy=True)  # changed in place below
-        d = cg.to(wide, copy=True)
-        d.sub_(e).abs_()  # [B, Nh, rows, Dv]
+        wide = torch.float64 if cg.dtype == torch.float64 else torch.float32
+        sd = sdpa_ctx[:, :, g0:g1].to(wide)
+        d = torch.sub(cg.to(wide), sd).abs_()  # [B, Nh, rows, Dv]
         diff = float(d.amax())
         if math.isfinite(diff):
-            b, nh, _, dv = e.shape
-            e.abs_()
+            b, nh, _, dv = sd.shape
+            e = sd.abs()  # [B, Nh, rows, Dv], changed in place below
             per = (b, nh, len(done), r, dv)
             scale = e.view(per).amax(dim=(0, 1, 3, 4)).clamp_(min=1.0)  # [blocks]: max(1, max |SDPA|)
             excess = d.sub_(e.mul_(rtol)).view(per).amax(dim=(0, 1, 3, 4)) - atol * scale  # [blocks]
@@ -713,9 +762,13 @@ def _mask_counts(st: _Stage, m: "Tensor", ai: "Tensor | None", live: "Tensor | N
         blocked = int(dead.sum())
     st.add("fully_blocked", blocked)
     if ai is not None:
-        ab = ai[..., a:z]
-        st.add("forbidden_kept", int((~ab & ~neg).sum()))
-        st.add("allowed_dropped", int((ab & neg).sum()))
+        ab = ai[..., a:z]  # [B|1, Nh|1, rows, z - a]
+        if torch.equal(neg, (~ab).expand_as(neg)):  # exactly the forbidden pairs are excluded
+            kept = dropped = 0
+        else:
+            kept, dropped = int((~ab & ~neg).sum()), int((ab & neg).sum())
+        st.add("forbidden_kept", kept)
+        st.add("allowed_dropped", dropped)
         st.add("allowed_pairs", int(ai.sum()) * (b // ai.shape[0]) * (nh // ai.shape[1]))
     st.add("pairs", b * nh * rows * tk)
 
@@ -731,8 +784,9 @@ def _weight_invariants(stage: _Stage, w: "Tensor", ai: "Tensor | None", live: "T
     import torch
 
     sums = w.sum(dim=-1)  # [B, Nh, rows]
+    sums_finite = C.all_finite(sums)
     if count_nonfinite:
-        stage.add("nonfinite", 0 if C.all_finite(sums) else C.nonfinite_count(w))
+        stage.add("nonfinite", 0 if sums_finite else C.nonfinite_count(w))
     err = (sums - 1).abs()
     if live is not None:
         err = torch.where(live, err, torch.zeros_like(err))
@@ -742,8 +796,17 @@ def _weight_invariants(stage: _Stage, w: "Tensor", ai: "Tensor | None", live: "T
     stage.max("row_sum_err", float(err.amax()) if err.numel() else 0.0)
     v0, v1 = band if band is not None else (0, w.shape[-1])
     if ai is not None and v1 > v0 and not bool(ai[..., v0:v1].all()):
-        forb = w[..., v0:v1].abs().masked_fill(ai[..., v0:v1], 0.0)  # [B, Nh, rows, v1 - v0]
-        stage.max("forbidden_max", float(forb.amax()) if forb.numel() else 0.0)
+        ab = ai[..., v0:v1]  # [B|1, Nh|1, rows, v1 - v0]
+        wb = w[..., v0:v1]
+        if sums_finite:
+            # every weight is finite (a NaN or infinite weight makes its row sum so): a weight
+            # times 0 on allowed keys, times 1 on forbidden ones, is exact and leaves only the forbidden
+            forb = wb * (~ab).to(w.dtype)
+        else:
+            forb = torch.where(ab, torch.zeros((), dtype=w.dtype, device=w.device), wb)
+        lo, hi = torch.aminmax(forb) if forb.numel() else (torch.zeros(()), torch.zeros(()))
+        lo, hi = float(lo), float(hi)
+        stage.max("forbidden_max", math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi))
     else:
         stage.max("forbidden_max", 0.0)
 
@@ -1503,7 +1566,8 @@ def ledger_on_qkv(
             raise InputError(f"mask: got {mask!r}, expected none, causal, causal-top-left, sliding-window or prefix-lm joined by '+'")
     if extra_parts:
         names = [n for n in (relation.name if relation.parts else "", *extra_names) if n]
-        relation = Relation(" + ".join(names), relation.parts + tuple(extra_parts))
+        exact_causal = not relation.parts and extra_names in (["causal (top-left)"], ["causal"])
+        relation = Relation(" + ".join(names), relation.parts + tuple(extra_parts), top_left_causal=exact_causal)
     if empty_rows not in ("error", "zeros"):
         raise InputError(f"empty_rows: got {empty_rows!r}, expected 'error' or 'zeros'")
 

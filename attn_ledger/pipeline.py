@@ -50,9 +50,11 @@ def qk_scores(q: "Tensor", k: "Tensor", scale: float) -> "Tensor":
 
 def apply_mask(scores: "Tensor", allow: "Tensor | None") -> "Tensor":
     """Forbidden (query, key) pairs become -inf before normalisation."""
+    import torch
+
     if allow is None:
         return scores
-    return scores.masked_fill(~allow, float("-inf"))  # [B, Nh, Tq, Tk]
+    return torch.where(allow, scores, float("-inf"))  # [B, Nh, Tq, Tk]
 
 
 def softmax_keys(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool) -> "Tensor":
@@ -61,7 +63,9 @@ def softmax_keys(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool
 
     weights = torch.softmax(masked, dim=-1)  # [B, Nh, Tq, Tk]
     if empty_rows_zero and allow is not None:
-        weights = weights.masked_fill(~allow.any(dim=-1, keepdim=True), 0.0)
+        dead = ~allow.any(dim=-1, keepdim=True)  # [.., Tq, 1]: queries with no allowed key
+        if bool(dead.any()):
+            weights = weights.masked_fill(dead, 0.0)
     return weights
 
 

@@ -73,17 +73,18 @@ def reference_stages(
     q64 = q.to(dtype)
     k64 = repeat_kv(k.to(dtype), nh)  # [B, Nh, Tk, Dh]
     v64 = repeat_kv(v.to(dtype), nh)  # [B, Nh, Tk, Dv]
-    scores = torch.matmul(q64, k64.transpose(-2, -1)) * scale  # [B, Nh, Tq, Tk]
+    scores = torch.matmul(q64, k64.transpose(-2, -1)).mul_(scale)  # [B, Nh, Tq, Tk]
     allow = combined_allow(b, nh, tq, tk, allow_mask, is_causal, device=q.device)
     if allow is None:
         masked = scores
         weights = torch.softmax(masked, dim=-1)
     else:
-        masked = scores.masked_fill(~allow, float("-inf"))
+        masked = torch.where(allow, scores, float("-inf"))  # forbidden pairs -> -inf
         weights = torch.softmax(masked, dim=-1)
         if empty_rows == "zeros":
             dead = ~allow.any(dim=-1, keepdim=True)  # [.., Tq, 1]
-            weights = weights.masked_fill(dead, 0.0)
+            if bool(dead.any()):
+                weights = weights.masked_fill(dead, 0.0)
     out = torch.matmul(weights, v64)  # [B, Nh, Tq, Dv]
     return {"scores": scores, "masked_scores": masked, "weights": weights, "out": out, "allow": allow}
 

@@ -114,6 +114,7 @@ def test_off_by_one_causal_relation_is_caught_at_any_block_size(monkeypatch):
 
 def test_float64_reference_on_a_sample_of_blocks_is_noted(monkeypatch):
     monkeypatch.setattr(L, "F64_BUDGET", 2 * 2 * 10 * 190)  # two blocks' worth
+    monkeypatch.setattr(L, "F64_SAMPLE", 2 * 2 * 10 * 190)
     q, k, v = _qkv((1, 2, 190, 8))
     led = ledger_on_qkv(q, k, v, mask="causal", block_size=10)
     assert led.first_divergence is None
@@ -128,6 +129,7 @@ def test_sdpa_still_covers_every_block_when_float64_is_sampled(monkeypatch):
     import attn_ledger.pipeline as P
 
     monkeypatch.setattr(L, "F64_BUDGET", 2 * 2 * 10 * 190)
+    monkeypatch.setattr(L, "F64_SAMPLE", 2 * 2 * 10 * 190)
 
     def mix_wrong_in_block_5(w, v):
         out = P.mix_values(w, v)
@@ -142,7 +144,7 @@ def test_sdpa_still_covers_every_block_when_float64_is_sampled(monkeypatch):
 def test_sampled_blocks_include_first_and_last():
     blocks = [(i, i + 1) for i in range(100)]
     assert L._sampled(blocks, 1, 1, 10) == {i: (0, 1) for i in range(100)}
-    budget = L.F64_BUDGET
+    budget = L.F64_SAMPLE
     big = [(i * 10, i * 10 + 10) for i in range(100)]
     picked = L._sampled(big, 1, 1, budget // 30)
     assert min(picked) == 0 and max(picked) == 99 and 2 <= len(picked) <= L.F64_SAMPLES
