@@ -244,21 +244,41 @@ def _key_hull(*allows: "Tensor | None", tk: int) -> tuple[int, int]:
     return (0, tk) if hi <= lo else (lo, hi)
 
 
-def _band(ai: "Tensor | None", kw: int) -> tuple[int, int]:
-    """The key columns ``[v0, v1)`` where the relation is not "allowed" for every (batch, head, query) of the block.
+def _column_counts(allow: "Tensor") -> tuple[Any, int]:
+    """For each key column, how many (batch, head, query) rows of ``allow`` allow it (a numpy
+    ``[Tk]`` array), and how many such rows there are. One reduction gives the block's key
+    hull and its band."""
+    flat = allow.reshape(-1, allow.shape[-1])  # [rows', Tk]
+    return flat.sum(dim=0).cpu().numpy(), flat.shape[0]
+
+
+def _hull(*cols: tuple[Any, int] | None, tk: int) -> tuple[int, int]:
+    """The smallest key range holding every key any of the relations allows (all keys if one is None)."""
+    import numpy as np
+
+    lo, hi = tk, 0
+    for c in cols:
+        if c is None:
+            return 0, tk
+        idx = np.flatnonzero(c[0])
+        if idx.size:
+            lo, hi = min(lo, int(idx[0])), max(hi, int(idx[-1]) + 1)
+    return (0, tk) if hi <= lo else (lo, hi)
+
+
+def _band(cols: tuple[Any, int] | None, lo: int, hi: int) -> tuple[int, int]:
+    """The key columns ``[v0, v1)`` (from ``lo``) where the relation is not "allowed" for every
+    (batch, head, query) of the block.
 
     Outside the band every pair is allowed, so the mask checks there reduce to "no -inf,
     no NaN, no +inf", which one ``aminmax`` screens; the band gets the exact per-pair counts.
     """
-    import torch
+    import numpy as np
 
-    if ai is None:
+    if cols is None:
         return 0, 0
-    not_all = ~ai.reshape(-1, kw).all(dim=0)  # [kw]
-    idx = torch.nonzero(not_all).flatten()
-    if not idx.numel():
-        return 0, 0
-    return int(idx[0]), int(idx[-1]) + 1
+    idx = np.flatnonzero(cols[0][lo:hi] != cols[1])
+    return (int(idx[0]), int(idx[-1]) + 1) if idx.size else (0, 0)
 
 
 def _clean_allowed(m: "Tensor") -> bool:
@@ -380,8 +400,10 @@ def _attend_blocks(
         allow_i = relation.block(q0, q1)  # intended, [B|1, Nh|1, rows, Tk]
         allow_p = ops.polarity(allow_i)  # what the pipeline applies
         same = allow_p is allow_i
-        lo, hi = (0, tk) if full_keys else (_key_hull(allow_i, tk=tk) if same else _key_hull(allow_i, allow_p, tk=tk))
-        if allow_i is not None and (lo > 0 or hi < tk) and bool(allow_i[..., lo:hi].all()):
+        cols_i = None if allow_i is None else _column_counts(allow_i)
+        cols_p = cols_i if same else (None if allow_p is None else _column_counts(allow_p))
+        lo, hi = (0, tk) if full_keys else _hull(cols_i, cols_p, tk=tk)
+        if cols_i is not None and (lo > 0 or hi < tk) and _band(cols_i, lo, hi) == (0, 0):
             # keep one key every query of the block must not use, so a mask never applied still shows
             lo, hi = (lo, hi + 1) if hi < tk else (lo - 1, hi)
         kw = hi - lo
@@ -397,7 +419,7 @@ def _attend_blocks(
         if ai is not None:
             has_key = ai.any(dim=-1)  # [B|1, Nh|1, rows]
             live = None if bool(has_key.all()) else has_key.expand(b, nh, rows)
-        v0, v1 = _band(ai, kw)  # outside [v0, v1) every pair of the block is allowed
+        v0, v1 = _band(cols_i, lo, hi)  # outside [v0, v1) every pair of the block is allowed
 
         # float64 reference (sampled blocks), and the plain same-dtype one for half precision
         ref_blk = plain_blk = None
@@ -447,7 +469,7 @@ def _attend_blocks(
         # is not all-allowed; on the others masking is the identity, so those columns of the
         # scores are kept as they are (and were screened finite at the scores stage).
         m_st = st["masked_scores"]
-        p0, p1 = (0, 0) if ap is None else ((v0, v1) if same else _band(ap, kw))
+        p0, p1 = (0, 0) if ap is None else ((v0, v1) if same else _band(cols_p, lo, hi))
         scores_clean = math.isfinite(s_lo) and math.isfinite(s_hi)
         try:
             m = s.clone() if keep else s  # [B, Nh, rows, kw]; s itself is not used again
@@ -763,13 +785,12 @@ def _mask_counts(st: _Stage, m: "Tensor", ai: "Tensor | None", live: "Tensor | N
     st.add("fully_blocked", blocked)
     if ai is not None:
         ab = ai[..., a:z]  # [B|1, Nh|1, rows, z - a]
-        if torch.equal(neg, (~ab).expand_as(neg)):  # exactly the forbidden pairs are excluded
-            kept = dropped = 0
-        else:
-            kept, dropped = int((~ab & ~neg).sum()), int((ab & neg).sum())
+        copies = neg.numel() // max(1, ab.numel())  # ab broadcasts: each of its pairs stands for this many
+        forbidden = neg.numel() - int(ab.sum()) * copies
+        dropped = int(torch.count_nonzero(neg & ab))  # allowed pairs excluded
+        kept = forbidden - (int(torch.count_nonzero(neg)) - dropped)  # forbidden pairs not excluded
         st.add("forbidden_kept", kept)
         st.add("allowed_dropped", dropped)
-        st.add("allowed_pairs", int(ai.sum()) * (b // ai.shape[0]) * (nh // ai.shape[1]))
     st.add("pairs", b * nh * rows * tk)
 
 
@@ -784,18 +805,22 @@ def _weight_invariants(stage: _Stage, w: "Tensor", ai: "Tensor | None", live: "T
     import torch
 
     sums = w.sum(dim=-1)  # [B, Nh, rows]
-    sums_finite = C.all_finite(sums)
+    s_lo, s_hi = (float(x) for x in torch.aminmax(sums)) if sums.numel() else (1.0, 1.0)
+    sums_finite = math.isfinite(s_lo) and math.isfinite(s_hi)
     if count_nonfinite:
         stage.add("nonfinite", 0 if sums_finite else C.nonfinite_count(w))
-    err = (sums - 1).abs()
-    if live is not None:
-        err = torch.where(live, err, torch.zeros_like(err))
+    if live is None:  # every row has an allowed key: the extreme row sums give the largest |sum - 1|
+        err = math.nan if math.isnan(s_lo) or math.isnan(s_hi) else max(1.0 - s_lo, s_hi - 1.0, 0.0)
+    else:
+        errs = torch.where(live, (sums - 1).abs(), torch.zeros_like(sums))
+        err = float(errs.amax()) if errs.numel() else 0.0
         if empty_zero and bool((~live).any()):
             empty = w.abs().amax(dim=-1)  # [B, Nh, rows]
             stage.max("empty_row_max", float(torch.where(~live, empty, torch.zeros_like(empty)).amax()))
-    stage.max("row_sum_err", float(err.amax()) if err.numel() else 0.0)
+    stage.max("row_sum_err", err)
     v0, v1 = band if band is not None else (0, w.shape[-1])
-    if ai is not None and v1 > v0 and not bool(ai[..., v0:v1].all()):
+    # a band (from _band) holds a forbidden pair by construction; without one, look
+    if ai is not None and v1 > v0 and (band is not None or not bool(ai[..., v0:v1].all())):
         ab = ai[..., v0:v1]  # [B|1, Nh|1, rows, v1 - v0]
         wb = w[..., v0:v1]
         if sums_finite:
@@ -825,9 +850,9 @@ def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, a
     kw = vb.shape[-2]
     if kw == 0 or c.numel() == 0:
         return 0.0
-    wide = _ref_dtype(c.device)  # float64, or float32 where the device has none
-    cf = c.to(wide)
     if ai is not None and b * nh * rows * kw * dv <= EXACT_RANGE_BUDGET:
+        wide = _ref_dtype(c.device)  # float64, or float32 where the device has none
+        cf = c.to(wide)
         vf = vb.to(wide)
         tol = atol + rtol * float(vf.abs().amax())
         allow = ai.expand(b, nh, rows, kw)[..., None]  # [B, Nh, rows, kw, 1]
@@ -838,9 +863,13 @@ def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, a
         lo = torch.where(has, lo, torch.zeros_like(lo))  # an empty row must be zeros
         hi = torch.where(has, hi, torch.zeros_like(hi))
     else:
+        # float32 is enough here: a difference of two nearby floats is exact, and rounding
+        # elsewhere is about 1e-7 of the values, far below the tolerance
+        wide = torch.float64 if c.dtype == torch.float64 else torch.float32
+        cf = c.to(wide)
         vlo, vhi = span if span is not None else (vb.amin(dim=-2, keepdim=True), vb.amax(dim=-2, keepdim=True))
         lo, hi = vlo.to(wide), vhi.to(wide)  # [B, Nh, 1, Dv]; min and max are exact in any dtype
-        tol = atol + rtol * float(torch.maximum(lo.abs(), hi.abs()).amax())
+        tol = atol + rtol * max(float(hi.amax()), -float(lo.amin()))  # largest |value| lies at an extreme
     below = (lo - cf).amax()
     above = (cf - hi).amax()
     excess = max(float(below), float(above)) - tol

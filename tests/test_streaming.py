@@ -200,9 +200,17 @@ def test_single_row_blocks_keep_a_forbidden_key():
 
 def test_band_is_where_the_relation_varies():
     causal = torch.ones(4, 10, dtype=torch.bool).tril(6)[None, None]  # rows 0..3 allow keys 0..6+i
-    assert L._band(causal, 10) == (7, 10)
-    assert L._band(None, 10) == (0, 0)
-    assert L._band(torch.ones(1, 1, 4, 10, dtype=torch.bool), 10) == (0, 0)
+    cols = L._column_counts(causal)
+    assert cols[1] == 4 and cols[0].tolist() == [4] * 7 + [3, 2, 1]
+    assert L._band(cols, 0, 10) == (7, 10)
+    assert L._band(cols, 2, 10) == (5, 8)  # offsets from the start of the key range
+    assert L._band(None, 0, 10) == (0, 0)
+    assert L._band(L._column_counts(torch.ones(1, 1, 4, 10, dtype=torch.bool)), 0, 10) == (0, 0)
+    assert L._hull(cols, tk=10) == (0, 10)
+    late = torch.zeros(1, 1, 4, 10, dtype=torch.bool)
+    late[..., 3:6] = True
+    assert L._hull(L._column_counts(late), tk=10) == (3, 6)
+    assert L._hull(L._column_counts(late), None, tk=10) == (0, 10)  # a relation without a mask allows every key
 
 
 @pytest.mark.parametrize("nkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
