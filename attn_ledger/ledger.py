@@ -281,6 +281,38 @@ def _band(cols: tuple[Any, int] | None, lo: int, hi: int) -> tuple[int, int]:
     return (int(idx[0]), int(idx[-1]) + 1) if idx.size else (0, 0)
 
 
+def _block_layout(relation: Relation, allow_i: "Tensor | None", allow_p: "Tensor | None", q0: int, q1: int,
+                  tk: int, full_keys: bool) -> tuple[int, int, int, int, int, int, bool]:
+    """Where one block's work lies: ``(lo, hi, v0, v1, p0, p1, all_live)``.
+
+    ``[lo, hi)``: the keys the block computes (every key either relation allows, plus one
+    key every query of the block must not use, so a mask never applied still shows; all keys
+    with ``full_keys``). ``[v0, v1)`` and ``[p0, p1)``: the bands, from ``lo``, outside which
+    the intended and the pipeline's relation allow every pair. ``all_live``: every query
+    has an allowed key (or there is no relation).
+
+    A relation known to be exactly top-left causal gets these by arithmetic; any other is
+    measured from its column counts. Both give the same numbers (tested).
+    """
+    if allow_i is not None and allow_p is allow_i and relation.top_left_causal and q0 < min(q1, tk):
+        # query i allows keys 0..i: rows q0..q1-1 use keys 0..q1-1; columns q0+1.. are the band
+        lo, hi = 0, (tk if full_keys else min(q1, tk))
+        if q1 - q0 == 1 and hi < tk and not full_keys:
+            hi += 1  # a one-row block allows all of 0..q0: keep key q0+1, which it must not use
+        v0, v1 = (q0 + 1, hi) if q0 + 1 < hi else (0, 0)
+        return lo, hi, v0, v1, v0, v1, True
+    cols_i = None if allow_i is None else _column_counts(allow_i)
+    cols_p = cols_i if allow_p is allow_i else (None if allow_p is None else _column_counts(allow_p))
+    lo, hi = (0, tk) if full_keys else _hull(cols_i, cols_p, tk=tk)
+    if cols_i is not None and (lo > 0 or hi < tk) and _band(cols_i, lo, hi) == (0, 0):
+        # keep one key every query of the block must not use, so a mask never applied still shows
+        lo, hi = (lo, hi + 1) if hi < tk else (lo - 1, hi)
+    v0, v1 = _band(cols_i, lo, hi)
+    p0, p1 = (0, 0) if allow_p is None else ((v0, v1) if allow_p is allow_i else _band(cols_p, lo, hi))
+    all_live = cols_i is None or bool(allow_i[..., lo:hi].any(dim=-1).all())
+    return lo, hi, v0, v1, p0, p1, all_live
+
+
 def _clean_allowed(m: "Tensor") -> bool:
     """Screen a region where every pair is allowed: no -inf (nothing excluded), no NaN, no +inf."""
     import torch
@@ -350,17 +382,9 @@ def _attend_blocks(
     Returns the pipeline context (or None if a stage raised), the SDPA context, and the
     reference context of every sampled block.
     """
-    import torch
-    import torch.nn.functional as F
-
-    from attn_ledger.reference import reference_stages, repeat_kv
-
     st = run.stages
-    b, nh, tq, dh = q.shape
+    b, nh, tq, _ = q.shape
     tk = k_exp.shape[-2]
-    dv = v_exp.shape[-1]
-    dtype_name = C.dtype_name(run.dtype)
-    half = dtype_name in C.HALF_DTYPES
     rtol, atol = C.tolerance(run.dtype)
     q_ref, k_ref, v_ref = ref
     ref_dtype = _ref_dtype(q.device)
@@ -380,7 +404,39 @@ def _attend_blocks(
         shown = ", ".join(f"{blocks[i][0] + a}..{blocks[i][0] + z - 1}" for i, (a, z) in sorted(sampled.items()))
         run.notes.append(f"{C.dtype_name(_ref_dtype(q.device))} reference on a sample of {covered} of {tq} query rows "
                          f"(rows {shown}); SDPA on all rows")
-    ref_rows = _sampled_reference(q_ref, k_ref, v_ref, relation, blocks, sampled, ref_scale, empty, ref_dtype)
+    ref_all = _sampled_reference(q_ref, k_ref, v_ref, relation, blocks, sampled, ref_scale, empty, ref_dtype)
+    sample = _Sample(ref_all)
+    sample_at, at = {}, 0  # block index -> first row of its sample in ref_all
+    for i, (a, z) in sorted(sampled.items()):
+        sample_at[i], at = at, at + z - a
+    try:
+        return _block_loop(run, ops, q, k_exp, v_exp, ref_all, sample, sample_at, relation, blocks, sampled, chunks,
+                           scale=scale, ref_scale=ref_scale, empty_zero=empty_zero, user=user, keep=keep,
+                           full_keys=full_keys, progress=progress, backends=backends, q_ref=q_ref, k_ref=k_ref,
+                           v_ref=v_ref)
+    finally:
+        sample.judge(st, rtol, atol)
+
+
+def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", ref_all: dict[str, "Tensor"],
+                sample: _Sample, sample_at: dict[int, int], relation: Relation, blocks: list[tuple[int, int]],
+                sampled: dict[int, tuple[int, int]], chunks: Any, *, scale: float, ref_scale: float, empty_zero: bool,
+                user: dict[str, "Tensor"], keep: bool, full_keys: bool, progress: ProgressFn | None,
+                backends: tuple[tuple[str, "torch.dtype"], ...], q_ref: "Tensor", k_ref: "Tensor", v_ref: "Tensor",
+                ) -> tuple["Tensor | None", "Tensor", dict[tuple[int, int], "Tensor"]]:
+    """The body of :func:`_attend_blocks`: every block through every stage, checks folded as it goes."""
+    import torch
+    import torch.nn.functional as F
+
+    from attn_ledger.reference import reference_stages, repeat_kv
+
+    st = run.stages
+    b, nh, tq, dh = q.shape
+    tk = k_exp.shape[-2]
+    dv = v_exp.shape[-1]
+    half = C.dtype_name(run.dtype) in C.HALF_DTYPES
+    rtol, atol = C.tolerance(run.dtype)
+    empty = "zeros" if empty_zero else "nan"
     context = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
     sdpa_ctx = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
     ref_ctx: dict[tuple[int, int], Tensor] = {}
@@ -399,13 +455,7 @@ def _attend_blocks(
         rows = q1 - q0
         allow_i = relation.block(q0, q1)  # intended, [B|1, Nh|1, rows, Tk]
         allow_p = ops.polarity(allow_i)  # what the pipeline applies
-        same = allow_p is allow_i
-        cols_i = None if allow_i is None else _column_counts(allow_i)
-        cols_p = cols_i if same else (None if allow_p is None else _column_counts(allow_p))
-        lo, hi = (0, tk) if full_keys else _hull(cols_i, cols_p, tk=tk)
-        if cols_i is not None and (lo > 0 or hi < tk) and _band(cols_i, lo, hi) == (0, 0):
-            # keep one key every query of the block must not use, so a mask never applied still shows
-            lo, hi = (lo, hi + 1) if hi < tk else (lo - 1, hi)
+        lo, hi, v0, v1, p0, p1, all_live = _block_layout(relation, allow_i, allow_p, q0, q1, tk, full_keys)
         kw = hi - lo
         ai = None if allow_i is None else allow_i[..., lo:hi]
         ap = None if allow_p is None else allow_p[..., lo:hi]
@@ -415,11 +465,8 @@ def _attend_blocks(
         qb = q[:, :, q0:q1]  # [B, Nh, rows, Dh]
         kb, vb = k_exp[:, :, lo:hi], v_exp[:, :, lo:hi]  # [B, Nh, kw, Dh], [B, Nh, kw, Dv]
         grid = (b, nh, rows, kw)
-        live = None  # [B, Nh, rows]: which queries have an allowed key; None when all of them do
-        if ai is not None:
-            has_key = ai.any(dim=-1)  # [B|1, Nh|1, rows]
-            live = None if bool(has_key.all()) else has_key.expand(b, nh, rows)
-        v0, v1 = _band(cols_i, lo, hi)  # outside [v0, v1) every pair of the block is allowed
+        # [B, Nh, rows]: which queries have an allowed key; None when all of them do
+        live = None if all_live else ai.any(dim=-1).expand(b, nh, rows)
 
         # float64 reference (sampled blocks), and the plain same-dtype one for half precision
         ref_blk = plain_blk = None
@@ -427,7 +474,8 @@ def _attend_blocks(
         r_ = slice(ra, rz)
         ai_r = None if ai is None else (ai[:, :, r_] if ai.shape[2] > 1 else ai)
         if rz > ra:
-            full = ref_rows[n_done]  # every key; the block's key range is cut out of it
+            at = sample_at[n_done]
+            full = {key: t[:, :, at:at + rz - ra] for key, t in ref_all.items()}  # every key of the sampled rows
             ref_blk = {key: full[key][..., lo:hi] for key in ("scores", "masked_scores", "weights")}
             ref_blk["out"] = full["out"]
             ref_ctx[(q0 + ra, q0 + rz)] = ref_blk["out"]
@@ -455,9 +503,7 @@ def _attend_blocks(
             s_st.add("nonfinite", 0 if math.isfinite(s_lo) and math.isfinite(s_hi) else C.nonfinite_count(s))
             s_st.max("max_abs", max(abs(s_lo), abs(s_hi)))
         if ref_blk is not None:
-            d, ex = _excess(s[:, :, r_], ref_blk["scores"], rtol, atol * max(1.0, _max_abs(ref_blk["scores"])))
-            s_st.max("ref_diff", d)
-            s_st.max("ref_excess", ex)
+            sample.put("scores", at, s[:, :, r_], lo, hi)
             if plain_blk is not None:
                 s_st.max("plain_diff", _excess(plain_blk["scores"], ref_blk["scores"], 0, 0)[0])
         if "scores" in user:
@@ -469,7 +515,6 @@ def _attend_blocks(
         # is not all-allowed; on the others masking is the identity, so those columns of the
         # scores are kept as they are (and were screened finite at the scores stage).
         m_st = st["masked_scores"]
-        p0, p1 = (0, 0) if ap is None else ((v0, v1) if same else _band(cols_p, lo, hi))
         scores_clean = math.isfinite(s_lo) and math.isfinite(s_hi)
         try:
             m = s.clone() if keep else s  # [B, Nh, rows, kw]; s itself is not used again
@@ -499,9 +544,7 @@ def _attend_blocks(
             return None, sdpa_ctx, ref_ctx
         _weight_invariants(w_st, w, ai, live, empty_zero, band=(v0, v1), count_nonfinite=True)
         if ref_blk is not None:
-            d, ex = _excess(w[:, :, r_], ref_blk["weights"], rtol, atol)
-            w_st.max("ref_diff", d)
-            w_st.max("ref_excess", ex)
+            sample.put("weights", at, w[:, :, r_], lo, hi)
             if plain_blk is not None:
                 w_st.max("plain_diff", _excess(plain_blk["weights"], ref_blk["weights"], 0, 0)[0])
         if "weights" in user:
@@ -532,10 +575,7 @@ def _attend_blocks(
             _compare_sdpa(c_st, context, sdpa_ctx, pending, rtol, atol)
             pending = []
         if ref_blk is not None:
-            scale_ref = max(1.0, _max_abs(ref_blk["out"]))
-            d, ex = _excess(c[:, :, r_], ref_blk["out"], rtol, atol * scale_ref)
-            c_st.max("ref_diff", d)
-            c_st.max("ref_excess", ex)
+            sample.put("out", at, c[:, :, r_])
             if half and plain_blk is not None:
                 c_st.max("plain_diff", _excess(plain_blk["out"], ref_blk["out"], 0, 0)[0])
                 c_st.max("sdpa_ref_diff", _excess(sd[:, :, r_], ref_blk["out"], 0, 0)[0])
@@ -595,17 +635,15 @@ def _sdpa_group_rows(relation: Relation, blocks: list[tuple[int, int]], b: int, 
 
 def _sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: Relation, blocks: list[tuple[int, int]],
                        sampled: dict[int, tuple[int, int]], scale: float, empty: str,
-                       dtype: "torch.dtype") -> dict[int, dict[str, "Tensor"]]:
+                       dtype: "torch.dtype") -> dict[str, "Tensor"]:
     """The reference's stages for every sampled row, over every key, in one call.
 
-    Returns ``{block index: {"scores", "masked_scores", "weights": [B, Nh, rows, Tk], "out": [B, Nh, rows, Dv]}}``
-    for the rows :func:`_sampled` picked in that block. One call on all of them at once keeps
-    the per-call cost of the reference (casts, kernel launches) from recurring per block.
+    Returns ``{"scores", "masked_scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``
+    for the R rows :func:`_sampled` picked, block after block. One call on all of them at once
+    keeps the per-call cost of the reference (casts, kernel launches) from recurring per block.
     """
     import torch
 
-    if not sampled:
-        return {}
     tk = k.shape[-2]
     spans = [(blocks[i][0] + a, blocks[i][0] + z) for i, (a, z) in sorted(sampled.items())]  # absolute query rows
     contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
@@ -618,12 +656,40 @@ def _sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: Relation
             parts.append(a.expand(a.shape[0], a.shape[1], r1 - r0, tk))
         allow = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     ref = _reference_block(qs, k, v, allow, scale, empty, dtype)
-    out: dict[int, dict[str, Tensor]] = {}
-    at = 0
-    for i, (a, z) in sorted(sampled.items()):
-        out[i] = {key: t[:, :, at:at + z - a] for key, t in ref.items() if key != "allow"}
-        at += z - a
-    return out
+    return {key: t for key, t in ref.items() if key != "allow"}
+
+
+class _Sample:
+    """The pipeline's scores, weights and context on the reference-sampled rows, gathered over
+    blocks and compared with the reference once per stage.
+
+    ``got`` starts as a copy of the reference, so key columns a block did not compute (outside
+    its key range, where every sampled query is forbidden) compare equal; each block writes
+    its own columns over it. The tolerance follows the whole-grid rule: atol scaled by the
+    largest |reference value| of the sampled rows.
+    """
+
+    KEYS = (("scores", "scores"), ("weights", "weights"), ("out", "context"))
+
+    def __init__(self, ref: dict[str, "Tensor"]) -> None:
+        self.ref = ref
+        self.got = {key: ref[key].clone() for key, _ in self.KEYS}
+        self.filled = {key: 0 for key, _ in self.KEYS}  # rows written so far, block after block
+
+    def put(self, key: str, at: int, t: "Tensor", lo: int = 0, hi: int | None = None) -> None:
+        dst = self.got[key][:, :, at:at + t.shape[2]]
+        (dst if key == "out" else dst[..., lo:hi]).copy_(t)
+        self.filled[key] = at + t.shape[2]
+
+    def judge(self, stages: dict[str, _Stage], rtol: float, atol: float) -> None:
+        for key, stage in self.KEYS:
+            n = self.filled[key]
+            if not n:
+                continue
+            got, ref = self.got[key][:, :, :n], self.ref[key][:, :, :n]
+            d, ex = _excess(got, ref, rtol, atol if key == "weights" else atol * max(1.0, _max_abs(ref)))
+            stages[stage].max("ref_diff", d)
+            stages[stage].max("ref_excess", ex)
 
 
 def _reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,

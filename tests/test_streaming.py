@@ -213,6 +213,24 @@ def test_band_is_where_the_relation_varies():
     assert L._hull(L._column_counts(late), None, tk=10) == (0, 10)  # a relation without a mask allows every key
 
 
+@pytest.mark.parametrize("tq,tk", [(12, 12), (5, 12), (12, 5), (1, 1), (1, 7), (7, 1)])
+@pytest.mark.parametrize("full_keys", [False, True])
+def test_causal_layout_by_arithmetic_equals_the_measured_one(tq, tk, full_keys):
+    """The shortcut for a relation known to be top-left causal gives the generic layout exactly."""
+    from attn_ledger import masks
+
+    part = (lambda q0, q1: masks.causal(tq, tk, "top-left", q0, q1)[None, None],)
+    known = L.Relation("causal (top-left)", part, top_left_causal=True)
+    unknown = L.Relation("causal (top-left)", part)
+    for size in range(1, tq + 1):
+        for q0 in range(0, tq, size):
+            q1 = min(q0 + size, tq)
+            a = known.block(q0, q1)
+            got = L._block_layout(known, a, a, q0, q1, tk, full_keys)
+            want = L._block_layout(unknown, a, a, q0, q1, tk, full_keys)
+            assert got == want, (size, q0, q1)
+
+
 @pytest.mark.parametrize("nkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_reference_in_head_chunks_equals_whole(monkeypatch, nkv):
     from attn_ledger.reference import reference_stages

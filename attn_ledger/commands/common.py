@@ -87,8 +87,12 @@ def execute(build: Callable[[], Any], fmt: Format, output: Path | None) -> None:
     """Run a command body: build the report, render it, exit with its status.
 
     Bad input (any :class:`AttnLedgerError`) becomes one line on stderr and exit 2,
-    with nothing written to ``output``.
+    with nothing written to ``output``. The process keeps freed memory for reuse
+    (see :mod:`attn_ledger.alloc`).
     """
+    from attn_ledger.alloc import retain_freed_memory
+
+    retain_freed_memory()  # this process is ours: keep freed grid blocks for the next block
     try:
         report = build()
         emit(report, fmt, output)
