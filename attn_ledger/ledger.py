@@ -628,7 +628,7 @@ def _user_compare(ust: _Stage, actual: "Tensor", expected: "Tensor | None", rtol
 def _sdpa_group_rows(relation: Relation, blocks: list[tuple[int, int]], b: int, nh: int, tk: int) -> int:
     """Query rows per SDPA call: at least one ledger block, up to SDPA_ROWS while its mask stays small."""
     rows = blocks[0][1] - blocks[0][0]
-    allow = relation.block(0, min(rows, blocks[-1][1]))
+    allow = None if relation.top_left_causal else relation.block(0, min(rows, blocks[-1][1]))  # [B|1, Nh|1, ..]
     mask_per_row = tk * (1 if allow is None else allow.shape[0] * allow.shape[1])  # bool mask entries per query row
     return max(rows, min(SDPA_ROWS, BLOCK_TARGET // max(1, mask_per_row)) // rows * rows)
 

@@ -20,13 +20,16 @@ if TYPE_CHECKING:
     import torch
 
 
-def _grid(tq: int, tk: int, q0: int = 0, q1: int | None = None, device: "torch.device | str | None" = None):
+def _ones(tq: int, tk: int, q0: int, q1: int | None, device) -> "torch.Tensor":
+    """All-True ``[q1 - q0, Tk]``: rows q0..q1 of a relation, cut down below by ``tril_``/``triu_``.
+
+    In ``tril_(d)`` on these rows, row r (query i = q0 + r) keeps keys j <= r + d, so a
+    bound ``j <= i + c`` is ``tril_(q0 + c)`` and ``j >= i + c`` is ``triu_(q0 + c)``.
+    """
     import torch
 
     q1 = tq if q1 is None else q1
-    i = torch.arange(q0, q1, device=device)[:, None]  # [Tq_blk, 1]
-    j = torch.arange(tk, device=device)[None, :]  # [1, Tk]
-    return i, j
+    return torch.ones(max(0, q1 - q0), tk, dtype=torch.bool, device=device)
 
 
 def causal(tq: int, tk: int, align: str = "bottom-right", q0: int = 0, q1: int | None = None, device=None) -> "torch.Tensor":
@@ -35,22 +38,21 @@ def causal(tq: int, tk: int, align: str = "bottom-right", q0: int = 0, q1: int |
     Args:
         align: ``"bottom-right"`` (j <= i + Tk - Tq) or ``"top-left"`` (j <= i).
     """
-    i, j = _grid(tq, tk, q0, q1, device)
     offset = tk - tq if align == "bottom-right" else 0
-    return j <= i + offset
+    return _ones(tq, tk, q0, q1, device).tril_(q0 + offset)  # j <= i + offset
 
 
 def sliding_window(tq: int, tk: int, window: int, q0: int = 0, q1: int | None = None, device=None) -> "torch.Tensor":
     """Causal sliding window ``[Tq, Tk]``, bottom-right aligned: the last ``window`` keys up to the query."""
-    i, j = _grid(tq, tk, q0, q1, device)
-    pos = i + (tk - tq)
-    return (j <= pos) & (j > pos - window)
+    offset = tk - tq  # query i sits at key position i + offset
+    return _ones(tq, tk, q0, q1, device).tril_(q0 + offset).triu_(q0 + offset - window + 1)  # pos - window < j <= pos
 
 
 def prefix_lm(tq: int, tk: int, prefix_len: int, q0: int = 0, q1: int | None = None, device=None) -> "torch.Tensor":
     """Prefix-LM ``[Tq, Tk]``: every query sees the first ``prefix_len`` keys, causal after that."""
-    i, j = _grid(tq, tk, q0, q1, device)
-    return (j < prefix_len) | (j <= i + (tk - tq))
+    allow = _ones(tq, tk, q0, q1, device).tril_(q0 + tk - tq)  # j <= i + (Tk - Tq)
+    allow[:, :max(0, prefix_len)] = True  # j < prefix_len
+    return allow
 
 
 def key_padding(key_valid: "torch.Tensor") -> "torch.Tensor":

@@ -2,8 +2,14 @@
 
 For each shape (B, Nh, T, Dh), causal, float32:
 
-* time: median of ``--repeats`` calls of ``attn_ledger.ledger.ledger_on_qkv(q, k, v, mask="causal")``
-  and of ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, after one warm-up call each;
+* time: ``attn_ledger.ledger.ledger_on_qkv(q, k, v, mask="causal")`` and
+  ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` called alternately, ``--repeats``
+  rounds (at least SHORT_REPEATS for shapes where SDPA takes under 50 ms) after one warm-up
+  round; each time is the median over rounds, and ledger / SDPA is the median of the
+  per-round ratios, so a slow spell on a shared machine hits both sides of a ratio alike;
+* allocator: by default the process keeps freed memory for reuse, as the ``attn-ledger``
+  command does for its own process (``attn_ledger.alloc.retain_freed_memory``);
+  ``--allocator default`` measures under the C library's own policy instead;
 * peak resident memory of each call: the high-water mark is reset before the call by writing
   ``5`` to ``/proc/self/clear_refs`` and read afterwards from ``VmHWM`` in ``/proc/self/status``
   (shown as the process peak and as the growth over the resident size just before the call).
@@ -39,6 +45,7 @@ from pathlib import Path
 RATIO_SHAPES = [(1, 8, 512, 64), (1, 32, 2048, 128), (1, 8, 4096, 128)]
 SCALE_TS = [512, 1024, 2048, 4096, 8192]
 CLI_SHAPE = (1, 32, 8192, 128)
+SHORT_REPEATS = 31  # rounds for shapes whose SDPA call takes under 50 ms
 
 
 def _status_kib(field: str) -> int:
@@ -55,22 +62,36 @@ def _reset_peak() -> bool:
         return False
 
 
-def _measure(fn, repeats: int, sync) -> tuple[float, float, float]:
-    """(median seconds, peak RSS MiB, peak growth over the RSS before the call MiB)."""
+def _call(fn, sync) -> tuple[float, float, float]:
+    """One call: (seconds, peak RSS MiB, peak growth over the RSS just before the call MiB)."""
+    can_reset = _reset_peak()
+    before = _status_kib("VmRSS")
+    t0 = time.perf_counter()
     fn()
     sync()
-    times, peak, grow = [], 0.0, 0.0
-    for _ in range(repeats):
-        can_reset = _reset_peak()
-        before = _status_kib("VmRSS")
-        t0 = time.perf_counter()
+    dt = time.perf_counter() - t0
+    hwm = _status_kib("VmHWM") if can_reset else 0
+    return dt, hwm / 1024, (hwm - before) / 1024
+
+
+def _paired(fns, repeats: int, sync) -> list[tuple[float, float, float, float]]:
+    """Call each of ``fns`` once per round, ``repeats`` rounds after one warm-up round.
+
+    Alternating the calls means a slow spell on a shared machine hits both sides alike.
+    Returns per function: (median seconds, median of the per-round time ratios to the first
+    function, peak RSS MiB, peak growth MiB).
+    """
+    for fn in fns:
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
-        hwm = _status_kib("VmHWM") if can_reset else 0
-        peak = max(peak, hwm / 1024)
-        grow = max(grow, (hwm - before) / 1024)
-    return statistics.median(times), peak, grow
+    rounds = [[_call(fn, sync) for fn in fns] for _ in range(repeats)]
+    out = []
+    for i in range(len(fns)):
+        times = [r[i][0] for r in rounds]
+        ratios = [r[i][0] / r[0][0] for r in rounds]
+        out.append((statistics.median(times), statistics.median(ratios),
+                    max(r[i][1] for r in rounds), max(r[i][2] for r in rounds)))
+    return out
 
 
 def machine(device: str) -> str:
@@ -115,11 +136,18 @@ def bench_shape(shape: tuple[int, int, int, int], repeats: int, device: str) -> 
         led = ledger_on_qkv(q, k, v, mask="causal")
         verdicts.append(led.first_divergence)
 
-    sd_t, sd_peak, sd_grow = _measure(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats, sync)
-    lg_t, lg_peak, lg_grow = _measure(ledger, repeats, sync)
+    def sdpa():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    t0 = time.perf_counter()
+    sdpa()
+    sync()
+    if time.perf_counter() - t0 < 0.05:  # short calls: more rounds, or the median is mostly noise
+        repeats = max(repeats, SHORT_REPEATS)
+    (sd_t, _, sd_peak, sd_grow), (lg_t, ratio, lg_peak, lg_grow) = _paired([sdpa, ledger], repeats, sync)
     if any(d is not None for d in verdicts):
         raise SystemExit(f"healthy ledger diverged at {shape}: {verdicts[-1]}")
-    return {"shape": shape, "sdpa_s": sd_t, "ledger_s": lg_t, "ratio": lg_t / sd_t,
+    return {"shape": shape, "sdpa_s": sd_t, "ledger_s": lg_t, "ratio": ratio, "repeats": repeats,
             "sdpa_peak": sd_peak, "sdpa_grow": sd_grow, "ledger_peak": lg_peak, "ledger_grow": lg_grow}
 
 
@@ -179,7 +207,11 @@ def _fmt_shape(shape) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help=f"timed rounds per shape (median); shapes whose SDPA takes under 50 ms get at least {SHORT_REPEATS}")
+    ap.add_argument("--allocator", choices=["retain", "default"], default="retain",
+                    help="retain: keep freed memory for reuse, as the attn-ledger command does for its process "
+                         "(attn_ledger.alloc.retain_freed_memory); default: the C library's own policy")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--skip-ratio", action="store_true", help="skip the three ratio shapes")
     ap.add_argument("--skip-scale", action="store_true", help="skip the T = 512..8192 table")
@@ -189,8 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cli", action="store_true", help=f"also run the CLI at {CLI_SHAPE} in a subprocess")
     args = ap.parse_args(argv)
 
-    print(f"Machine: {machine(args.device)}; device {args.device}; causal float32; "
-          f"median of {args.repeats} after one warm-up; peak RSS via /proc/self/clear_refs + VmHWM\n")
+    allocator = "C library default"
+    if args.allocator == "retain":
+        from attn_ledger.alloc import retain_freed_memory
+
+        allocator = "freed memory retained (as the CLI)" if retain_freed_memory() else "C library default (no glibc)"
+    print(f"Machine: {machine(args.device)}; device {args.device}; causal float32; allocator: {allocator}; "
+          f"SDPA and ledger calls alternate, {args.repeats} rounds (at least {SHORT_REPEATS} for short shapes) after "
+          f"one warm-up; ledger / SDPA is the median of the per-round ratios; peak RSS via /proc/self/clear_refs + VmHWM\n")
     if not args.skip_ratio:
         print("| (B, Nh, T, Dh) | SDPA ms | ledger ms | ledger / SDPA | SDPA peak RSS MiB (growth) | ledger peak RSS MiB (growth) |")
         print("|---|---:|---:|---:|---:|---:|")

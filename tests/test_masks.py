@@ -43,6 +43,25 @@ def test_blocks_of_rows_equal_slices_of_the_whole():
     assert torch.equal(masks.sliding_window(7, 9, 3, q0=4, q1=7), masks.sliding_window(7, 9, 3)[4:7])
 
 
+@pytest.mark.parametrize("tq,tk", [(1, 1), (3, 3), (3, 8), (8, 3), (6, 6)])
+def test_every_block_of_every_relation_matches_its_definition(tq, tk):
+    """Each row block (q0..q1) of each relation holds exactly the pairs its rule names."""
+    def want(rule, q0, q1):
+        return {(i - q0, j) for i in range(q0, q1) for j in range(tk) if rule(i, j)}
+
+    for q0 in range(tq):
+        for q1 in range(q0 + 1, tq + 1):
+            for align, off in (("bottom-right", tk - tq), ("top-left", 0)):
+                got = masks.causal(tq, tk, align, q0, q1)
+                assert allowed_set(got) == want(lambda i, j: j <= i + off, q0, q1), (align, q0, q1)
+            for w in (1, 2, 5):
+                got = masks.sliding_window(tq, tk, w, q0, q1)
+                assert allowed_set(got) == want(lambda i, j: i + tk - tq - w < j <= i + tk - tq, q0, q1), (w, q0, q1)
+            for p in (0, 2, 9):
+                got = masks.prefix_lm(tq, tk, p, q0, q1)
+                assert allowed_set(got) == want(lambda i, j: j < p or j <= i + tk - tq, q0, q1), (p, q0, q1)
+
+
 def test_sliding_window():
     w = masks.sliding_window(5, 5, 2)
     assert allowed_set(w) == {(i, j) for i in range(5) for j in range(5) if i - 2 < j <= i}
