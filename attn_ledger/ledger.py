@@ -52,7 +52,7 @@ BLOCK_TARGET = 1 << 23  # entries of one block's score grid when streaming (a fe
 MIN_BLOCKS = 4  # grids above SMALL_GRID run in at least this many query blocks
 MIN_BLOCK_ROWS = 16  # fewer query rows per block make the matrix products inefficient
 F64_BUDGET = 1 << 18  # grid entries the float64 reference covers before sampling blocks
-F64_SAMPLE = 1 << 16  # grid entries of the float64 sample once the grid is over F64_BUDGET
+F64_SAMPLE = 1 << 15  # grid entries of the float64 sample once the grid is over F64_BUDGET
 EXACT_RANGE_BUDGET = 1 << 18  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
 SDPA_ROWS = 512  # query rows per SDPA reference call, when its mask stays within BLOCK_TARGET entries
 F64_SAMPLES = 3  # query blocks the float64 reference samples when the grid is over budget
@@ -530,7 +530,9 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
             m_st.raised = exc
             return None, sdpa_ctx, ref_ctx
         u0, u1 = (v0, v1) if p1 <= p0 else ((p0, p1) if v1 <= v0 else (min(v0, p0), max(v1, p1)))
-        _mask_counts(m_st, m, ai, live, empty_zero, u0, u1, b, nh, rows, tk, outside_clean=scores_clean)
+        forbid = None if ai is None or v1 <= v0 else ~ai[..., v0:v1]  # [B|1, Nh|1, rows, v1 - v0]
+        _mask_counts(m_st, m, ai, live, empty_zero, u0, u1, b, nh, rows, tk, outside_clean=scores_clean,
+                     forbid=forbid if (u0, u1) == (v0, v1) else None)
 
         # weights
         w_st = st["weights"]
@@ -542,7 +544,7 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
         if tuple(w.shape) != grid:
             w_st.extra.append(C.shape_check(w.shape, grid, AXES["weights"], "shape"))
             return None, sdpa_ctx, ref_ctx
-        _weight_invariants(w_st, w, ai, live, empty_zero, band=(v0, v1), count_nonfinite=True)
+        _weight_invariants(w_st, w, ai, live, empty_zero, band=(v0, v1), count_nonfinite=True, forbid=forbid)
         if ref_blk is not None:
             sample.put("weights", at, w[:, :, r_], lo, hi)
             if plain_blk is not None:
@@ -823,12 +825,14 @@ def _excess(actual: "Tensor", expected: "Tensor", rtol: float, atol: float) -> t
 
 
 def _mask_counts(st: _Stage, m: "Tensor", ai: "Tensor | None", live: "Tensor | None", empty_zero: bool,
-                 v0: int, v1: int, b: int, nh: int, rows: int, tk: int, outside_clean: bool = False) -> None:
+                 v0: int, v1: int, b: int, nh: int, rows: int, tk: int, outside_clean: bool = False,
+                 forbid: "Tensor | None" = None) -> None:
     """Masked-score counts for one block: NaN/+inf, rows with every key excluded, forbidden kept, allowed dropped.
 
     Outside the band ``[v0, v1)`` every pair is allowed, so there the counts are all zero
     exactly when the region holds no -inf, NaN or +inf, which one ``aminmax`` screens. The
-    band (or the whole block, when a screen fails) is counted pair by pair.
+    band (or the whole block, when a screen fails) is counted pair by pair. ``forbid``:
+    ``~ai[..., v0:v1]`` when the caller already has it.
     """
     import torch
 
@@ -851,22 +855,24 @@ def _mask_counts(st: _Stage, m: "Tensor", ai: "Tensor | None", live: "Tensor | N
     st.add("fully_blocked", blocked)
     if ai is not None:
         ab = ai[..., a:z]  # [B|1, Nh|1, rows, z - a]
-        copies = neg.numel() // max(1, ab.numel())  # ab broadcasts: each of its pairs stands for this many
-        forbidden = neg.numel() - int(ab.sum()) * copies
-        dropped = int(torch.count_nonzero(neg & ab))  # allowed pairs excluded
-        kept = forbidden - (int(torch.count_nonzero(neg)) - dropped)  # forbidden pairs not excluded
+        nab = forbid if forbid is not None and forbid.shape[-1] == z - a and (a, z) == (v0, v1) else ~ab
+        wrong = int(torch.count_nonzero(neg ^ nab))  # allowed pairs excluded + forbidden pairs kept
+        dropped = int(torch.count_nonzero(neg & ab)) if wrong else 0
+        kept = wrong - dropped
         st.add("forbidden_kept", kept)
         st.add("allowed_dropped", dropped)
     st.add("pairs", b * nh * rows * tk)
 
 
 def _weight_invariants(stage: _Stage, w: "Tensor", ai: "Tensor | None", live: "Tensor | None", empty_zero: bool,
-                       band: tuple[int, int] | None = None, count_nonfinite: bool = False) -> None:
+                       band: tuple[int, int] | None = None, count_nonfinite: bool = False,
+                       forbid: "Tensor | None" = None) -> None:
     """Row sums over keys, weight on forbidden keys, and declared-empty rows, for one block.
 
     ``band``: key columns ``[v0, v1)`` outside which ``ai`` allows every pair; forbidden
     keys lie only inside it. ``count_nonfinite``: also count non-finite weights, cleared
     at once when every row sum is finite (a NaN or infinite weight makes its row sum so).
+    ``forbid``: ``~ai[..., v0:v1]`` when the caller already has it.
     """
     import torch
 
@@ -892,7 +898,7 @@ def _weight_invariants(stage: _Stage, w: "Tensor", ai: "Tensor | None", live: "T
         if sums_finite:
             # every weight is finite (a NaN or infinite weight makes its row sum so): a weight
             # times 0 on allowed keys, times 1 on forbidden ones, is exact and leaves only the forbidden
-            forb = wb * (~ab).to(w.dtype)
+            forb = wb * (~ab if forbid is None else forbid).to(w.dtype)
         else:
             forb = torch.where(ab, torch.zeros((), dtype=w.dtype, device=w.device), wb)
         lo, hi = torch.aminmax(forb) if forb.numel() else (torch.zeros(()), torch.zeros(()))
