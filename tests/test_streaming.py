@@ -244,3 +244,16 @@ def test_reference_in_head_chunks_equals_whole(monkeypatch, nkv):
     chunked = L._reference_block(q, k, v, allow, 0.3, "zeros", torch.float64)
     for key in ("scores", "masked_scores", "weights", "out"):
         assert torch.equal(chunked[key], whole[key]), key
+
+
+@pytest.mark.parametrize("seq_len,block_size", [(5, None), (300, 64)])
+def test_inverted_polarity_counts_both_wrong_kinds_exactly(seq_len, block_size):
+    """Every allowed pair excluded and every forbidden pair kept: both counts exact, whole or streamed."""
+    overrides = {"fault": "mask-polarity", "seq_len": seq_len}
+    if block_size:
+        overrides["block_size"] = block_size
+    led = run_ledger(load_config(overrides=overrides), keep_going=True)
+    pairs = 2 * 3  # batch x heads of the default config
+    allowed, forbidden = seq_len * (seq_len + 1) // 2, seq_len * (seq_len - 1) // 2
+    assert led.check("masked_scores", "allowed_kept").value == pairs * allowed
+    assert led.check("masked_scores", "forbidden_excluded").value == pairs * forbidden
