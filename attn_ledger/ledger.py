@@ -444,6 +444,7 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
         st[key].shape = (b, nh, tq, tk)
     st["context"].shape = (b, nh, tq, dv)
     allowed_counts: list[int] | None = None
+    loose_range = False  # some block's value-range check used the block's key range, not each query's
     sdpa_done, sdpa_rows = 0, _sdpa_group_rows(relation, blocks, b, nh, tk)
     pending: list[tuple[int, int]] = []  # blocks of the current SDPA group not yet compared
     if tq == tk and _plain_causal(relation, blocks, tk):
@@ -569,6 +570,7 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
         context[:, :, q0:q1] = c
         span = None if chunks is None else _value_span(v_exp, chunks, lo, hi)
         c_st.max("range_excess", _range_excess(c, vb, ai, rtol, atol, span=span))
+        loose_range = loose_range or (ai is not None and b * nh * rows * kw * dv > EXACT_RANGE_BUDGET)
         if q1 > sdpa_done:  # SDPA runs on a group of blocks at once: its kernel is faster on more rows
             sdpa_done = _sdpa_rows(sdpa_ctx, q, k_exp, v_exp, relation, q0, blocks, sdpa_rows, ref_scale)
         sd = sdpa_ctx[:, :, q0:q1]  # [B, Nh, rows, Dv]
@@ -606,6 +608,9 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
         if progress is not None:
             progress(n_done + 1, len(blocks))
 
+    if loose_range:
+        run.notes.append("context in_value_range: blocks over 2^18 (query, key, value-width) entries compare each row with "
+                         "the value range of all the block's keys, a looser bound than the keys that row may use")
     if allowed_counts is not None and len(allowed_counts) <= 32:
         run.notes.append(f"allowed keys per query (b=0, h=0): {allowed_counts}")
     if keep and b > 0 and b * nh * tq * tk <= 16 and b * nh * tq * dv <= 16:

@@ -257,3 +257,20 @@ def test_inverted_polarity_counts_both_wrong_kinds_exactly(seq_len, block_size):
     allowed, forbidden = seq_len * (seq_len + 1) // 2, seq_len * (seq_len - 1) // 2
     assert led.check("masked_scores", "allowed_kept").value == pairs * allowed
     assert led.check("masked_scores", "forbidden_excluded").value == pairs * forbidden
+
+
+def test_value_range_on_large_blocks_is_noted_and_still_fails_an_output_outside_it(monkeypatch):
+    import attn_ledger.pipeline as P
+
+    cfg = load_config(overrides={**BASE, "seq_len": 400, "block_size": 64})
+    healthy = run_ledger(cfg)
+    assert healthy.check("context", "in_value_range").ok is True
+    assert any(n.startswith("context in_value_range: blocks over 2^18") for n in healthy.notes)
+    def shifted_on_wide_blocks(w, v):  # only blocks whose check takes the looser, block-wide range
+        return P.mix_values(w, v) + (100.0 if w.shape[-1] > 320 else 0.0)
+
+    monkeypatch.setattr(P, "ops_for", lambda fault: P.Ops(mix=shifted_on_wide_blocks))
+    shifted = run_ledger(cfg, keep_going=True)
+    assert shifted.check("context", "in_value_range").ok is False
+    small = run_ledger(load_config(overrides={**BASE, "seq_len": 8}))
+    assert not any(n.startswith("context in_value_range") for n in small.notes)
