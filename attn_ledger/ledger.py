@@ -382,14 +382,14 @@ def _attend_blocks(
     Returns the pipeline context (or None if a stage raised), the SDPA context, and the
     reference context of every sampled block.
     """
+    import torch
+
     st = run.stages
     b, nh, tq, _ = q.shape
     tk = k_exp.shape[-2]
     rtol, atol = C.tolerance(run.dtype)
     q_ref, k_ref, v_ref = ref
     ref_dtype = _ref_dtype(q.device)
-    if k_ref.dtype != ref_dtype and (k_ref.numel() + v_ref.numel()) * 8 <= REF_CAST_ONCE_BYTES:
-        k_ref, v_ref = k_ref.to(ref_dtype), v_ref.to(ref_dtype)  # small enough: cast once, not per sampled block
     empty = "zeros" if empty_zero else "nan"
     blocks = _choose_blocks(b, nh, tq, tk, block_size)
     small = b * nh * tq * tk <= SMALL_GRID
@@ -404,23 +404,31 @@ def _attend_blocks(
         shown = ", ".join(f"{blocks[i][0] + a}..{blocks[i][0] + z - 1}" for i, (a, z) in sorted(sampled.items()))
         run.notes.append(f"{C.dtype_name(_ref_dtype(q.device))} reference on a sample of {covered} of {tq} query rows "
                          f"(rows {shown}); SDPA on all rows")
-    ref_all = _sampled_reference(q_ref, k_ref, v_ref, relation, blocks, sampled, ref_scale, empty, ref_dtype)
-    sample = _Sample(ref_all)
-    sample_at, at = {}, 0  # block index -> first row of its sample in ref_all
+    sample_at, at = {}, 0  # block index -> first row of its sample in the reference
     for i, (a, z) in sorted(sampled.items()):
         sample_at[i], at = at, at + z - a
-    try:
-        return _block_loop(run, ops, q, k_exp, v_exp, ref_all, sample, sample_at, relation, blocks, sampled, chunks,
-                           scale=scale, ref_scale=ref_scale, empty_zero=empty_zero, user=user, keep=keep,
-                           full_keys=full_keys, progress=progress, backends=backends, q_ref=q_ref, k_ref=k_ref,
-                           v_ref=v_ref)
-    finally:
-        sample.judge(st, rtol, atol)
+    # the context is returned to the caller as an ordinary tensor; everything else the engine
+    # makes stays inside inference mode, which spares each of its many small operations the
+    # autograd bookkeeping (outside it, later functional use of those tensors is allowed)
+    context = torch.empty(b, nh, tq, v_exp.shape[-1], dtype=run.dtype, device=q.device)
+    with torch.inference_mode():
+        if k_ref.dtype != ref_dtype and (k_ref.numel() + v_ref.numel()) * 8 <= REF_CAST_ONCE_BYTES:
+            k_ref, v_ref = k_ref.to(ref_dtype), v_ref.to(ref_dtype)  # small enough: cast once, not per sampled block
+        ref_all = _sampled_reference(q_ref, k_ref, v_ref, relation, blocks, sampled, ref_scale, empty, ref_dtype)
+        sample = _Sample(ref_all)
+        try:
+            return _block_loop(run, ops, q, k_exp, v_exp, ref_all, sample, sample_at, relation, blocks, sampled,
+                               chunks, context, scale=scale, ref_scale=ref_scale, empty_zero=empty_zero, user=user,
+                               keep=keep, full_keys=full_keys, progress=progress, backends=backends, q_ref=q_ref,
+                               k_ref=k_ref, v_ref=v_ref)
+        finally:
+            sample.judge(st, rtol, atol)
 
 
 def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", ref_all: dict[str, "Tensor"],
                 sample: _Sample, sample_at: dict[int, int], relation: Relation, blocks: list[tuple[int, int]],
-                sampled: dict[int, tuple[int, int]], chunks: Any, *, scale: float, ref_scale: float, empty_zero: bool,
+                sampled: dict[int, tuple[int, int]], chunks: Any, context: "Tensor", *, scale: float,
+                ref_scale: float, empty_zero: bool,
                 user: dict[str, "Tensor"], keep: bool, full_keys: bool, progress: ProgressFn | None,
                 backends: tuple[tuple[str, "torch.dtype"], ...], q_ref: "Tensor", k_ref: "Tensor", v_ref: "Tensor",
                 ) -> tuple["Tensor | None", "Tensor", dict[tuple[int, int], "Tensor"]]:
@@ -437,7 +445,6 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
     half = C.dtype_name(run.dtype) in C.HALF_DTYPES
     rtol, atol = C.tolerance(run.dtype)
     empty = "zeros" if empty_zero else "nan"
-    context = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
     sdpa_ctx = torch.empty(b, nh, tq, dv, dtype=run.dtype, device=q.device)
     ref_ctx: dict[tuple[int, int], Tensor] = {}
     for key in ("scores", "masked_scores", "weights"):

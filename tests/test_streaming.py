@@ -274,3 +274,13 @@ def test_value_range_on_large_blocks_is_noted_and_still_fails_an_output_outside_
     assert shifted.check("context", "in_value_range").ok is False
     small = run_ledger(load_config(overrides={**BASE, "seq_len": 8}))
     assert not any(n.startswith("context in_value_range") for n in small.notes)
+
+
+def test_returned_tensors_are_ordinary_tensors():
+    """The engine runs in inference mode; nothing it hands back is an inference tensor."""
+    q, k, v = _qkv((1, 2, 6, 4))
+    for led in (ledger_on_qkv(q, k, v, mask="causal"), run_ledger(load_config())):
+        assert led.tensors and not any(t.is_inference() for t in led.tensors.values())
+        w = torch.ones_like(led.tensors["context"], requires_grad=True)
+        (w * led.tensors["context"]).sum().backward()  # usable in autograd and in place afterwards
+        led.tensors["context"].add_(1.0)
