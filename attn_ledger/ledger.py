@@ -48,9 +48,9 @@ AXES = {
 }
 
 SMALL_GRID = 1 << 16  # grids up to this many entries are kept whole for inspection
-BLOCK_TARGET = 1 << 23  # entries of one block's score grid when streaming (a few MiB: stays in cache)
+BLOCK_TARGET = 1 << 22  # entries of one block's score grid when streaming (16 MiB in float32)
 MIN_BLOCKS = 4  # grids above SMALL_GRID run in at least this many query blocks
-MIN_BLOCK_ROWS = 16  # fewer query rows per block make the matrix products inefficient
+MIN_BLOCK_ROWS = 32  # fewer query rows per block make the matrix products inefficient
 F64_BUDGET = 1 << 18  # grid entries the float64 reference covers before sampling blocks
 F64_SAMPLE = 1 << 15  # grid entries of the float64 sample once the grid is over F64_BUDGET
 EXACT_RANGE_BUDGET = 1 << 18  # entries of [B, Nh, rows, keys, Dv] for the exact value-range check
@@ -190,7 +190,7 @@ class _Run:
 def _choose_blocks(b: int, nh: int, tq: int, tk: int, block_size: int | None) -> list[tuple[int, int]]:
     """Query blocks ``[(q0, q1), ...]``: one block for small grids, else blocks of about BLOCK_TARGET entries.
 
-    A block's grid should stay in the last-level cache while its checks run over it;
+    A block's grid (16 MiB in float32) is small enough for its checks to run over it while it is warm;
     blocks of at least MIN_BLOCK_ROWS rows keep the matrix products efficient.
     """
     if block_size is None:

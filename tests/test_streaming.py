@@ -68,8 +68,8 @@ def test_block_choice_and_streaming_note():
     assert any(n.startswith("score-grid stages ran in 4 query blocks of 48 rows") for n in led.notes)
     led = run_ledger(load_config(overrides={**BASE, "seq_len": 100}))  # 20000 entries: one block, kept whole
     assert not any("query blocks" in n for n in led.notes)
-    assert L._choose_blocks(1, 32, 8192, 8192, None)[:2] == [(0, 32), (32, 64)]  # BLOCK_TARGET entries a block
-    assert L._choose_blocks(1, 64, 8192, 8192, None)[:2] == [(0, 16), (16, 32)]  # MIN_BLOCK_ROWS
+    assert L._choose_blocks(1, 8, 8192, 8192, None)[:2] == [(0, 64), (64, 128)]  # BLOCK_TARGET entries a block
+    assert L._choose_blocks(1, 64, 8192, 8192, None)[:2] == [(0, 32), (32, 64)]  # MIN_BLOCK_ROWS
 
 
 def _qkv(shape, seed=0):
