@@ -483,10 +483,10 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
         ai_r = None if ai is None else (ai[:, :, r_] if ai.shape[2] > 1 else ai)
         if rz > ra:
             at = sample_at[n_done]
-            full = {key: t[:, :, at:at + rz - ra] for key, t in ref_all.items()}  # every key of the sampled rows
-            ref_blk = {key: full[key][..., lo:hi] for key in ("scores", "masked_scores", "weights")}
-            ref_blk["out"] = full["out"]
+            ref_blk = {"out": ref_all["out"][:, :, at:at + rz - ra]}  # [B, Nh, rz - ra, Dv]
             ref_ctx[(q0 + ra, q0 + rz)] = ref_blk["out"]
+            if half or user or backends:  # compared block by block: the block's key range of each grid stage
+                ref_blk.update({key: ref_all[key][:, :, at:at + rz - ra, lo:hi] for key in ("scores", "masked_scores", "weights")})
             if half:
                 plain_blk = reference_stages(qb[:, :, r_], kb, vb, allow_mask=ai_r, scale=ref_scale,
                                              empty_rows=empty, dtype=run.dtype)
@@ -954,10 +954,8 @@ def _range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, a
         vlo, vhi = span if span is not None else (vb.amin(dim=-2, keepdim=True), vb.amax(dim=-2, keepdim=True))
         lo, hi = vlo.to(wide), vhi.to(wide)  # [B, Nh, 1, Dv]; min and max are exact in any dtype
         tol = atol + rtol * max(float(hi.amax()), -float(lo.amin()))  # largest |value| lies at an extreme
-    below = (lo - cf).amax()
-    above = (cf - hi).amax()
-    excess = max(float(below), float(above)) - tol
-    return math.nan if math.isnan(float(below)) or math.isnan(float(above)) else excess
+    below, above = float((lo - cf).amax()), float((cf - hi).amax())
+    return math.nan if math.isnan(below) or math.isnan(above) else max(below, above) - tol
 
 
 # --- SDPA backends -------------------------------------------------------------------
