@@ -281,24 +281,35 @@ def _band(cols: tuple[Any, int] | None, lo: int, hi: int) -> tuple[int, int]:
     return (int(idx[0]), int(idx[-1]) + 1) if idx.size else (0, 0)
 
 
+def _widen(lo: int, hi: int, tk: int, step: int) -> tuple[int, int]:
+    """``[lo, hi)`` grown to a multiple of ``step`` keys (to the right, else to the left), within ``[0, tk)``."""
+    if step <= 1:
+        return lo, hi
+    width = min(tk, -(-(hi - lo) // step) * step)
+    return (lo, lo + width) if lo + width <= tk else (tk - width, tk)
+
+
 def _block_layout(relation: Relation, allow_i: "Tensor | None", allow_p: "Tensor | None", q0: int, q1: int,
-                  tk: int, full_keys: bool) -> tuple[int, int, int, int, int, int, bool]:
+                  tk: int, full_keys: bool, width_step: int = 1) -> tuple[int, int, int, int, int, int, bool]:
     """Where one block's work lies: ``(lo, hi, v0, v1, p0, p1, all_live)``.
 
     ``[lo, hi)``: the keys the block computes (every key either relation allows, plus one
     key every query of the block must not use, so a mask never applied still shows; all keys
-    with ``full_keys``). ``[v0, v1)`` and ``[p0, p1)``: the bands, from ``lo``, outside which
-    the intended and the pipeline's relation allow every pair. ``all_live``: every query
-    has an allowed key (or there is no relation).
+    with ``full_keys``), widened to a multiple of ``width_step`` keys. ``[v0, v1)`` and
+    ``[p0, p1)``: the bands, from ``lo``, outside which the intended and the pipeline's
+    relation allow every pair. ``all_live``: every query has an allowed key (or there is no
+    relation).
 
     A relation known to be exactly top-left causal gets these by arithmetic; any other is
     measured from its column counts. Both give the same numbers (tested).
     """
+    step = 1 if full_keys else width_step
     if allow_i is not None and allow_p is allow_i and relation.top_left_causal and q0 < min(q1, tk):
         # query i allows keys 0..i: rows q0..q1-1 use keys 0..q1-1; columns q0+1.. are the band
         lo, hi = 0, (tk if full_keys else min(q1, tk))
         if q1 - q0 == 1 and hi < tk and not full_keys:
             hi += 1  # a one-row block allows all of 0..q0: keep key q0+1, which it must not use
+        lo, hi = _widen(lo, hi, tk, step)  # the added keys lie right of q1: forbidden to every row
         v0, v1 = (q0 + 1, hi) if q0 + 1 < hi else (0, 0)
         return lo, hi, v0, v1, v0, v1, True
     cols_i = None if allow_i is None else _column_counts(allow_i)
@@ -307,6 +318,7 @@ def _block_layout(relation: Relation, allow_i: "Tensor | None", allow_p: "Tensor
     if cols_i is not None and (lo > 0 or hi < tk) and _band(cols_i, lo, hi) == (0, 0):
         # keep one key every query of the block must not use, so a mask never applied still shows
         lo, hi = (lo, hi + 1) if hi < tk else (lo - 1, hi)
+    lo, hi = _widen(lo, hi, tk, step)
     v0, v1 = _band(cols_i, lo, hi)
     p0, p1 = (0, 0) if allow_p is None else ((v0, v1) if allow_p is allow_i else _band(cols_p, lo, hi))
     all_live = cols_i is None or bool(allow_i[..., lo:hi].any(dim=-1).all())
@@ -452,6 +464,9 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
     st["context"].shape = (b, nh, tq, dv)
     allowed_counts: list[int] | None = None
     loose_range = False  # some block's value-range check used the block's key range, not each query's
+    # bfloat16 matrix products on the CPU go through oneDNN, which caches a primitive (and its
+    # buffers, megabytes each) per distinct shape: key ranges in steps of tk/16 keep those few
+    width_step = max(64, -(-tk // 16)) if run.dtype == torch.bfloat16 and q.device.type == "cpu" else 1
     sdpa_done, sdpa_rows = 0, _sdpa_group_rows(relation, blocks, b, nh, tk)
     pending: list[tuple[int, int]] = []  # blocks of the current SDPA group not yet compared
     if tq == tk and _plain_causal(relation, blocks, tk):
@@ -463,7 +478,7 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
         rows = q1 - q0
         allow_i = relation.block(q0, q1)  # intended, [B|1, Nh|1, rows, Tk]
         allow_p = ops.polarity(allow_i)  # what the pipeline applies
-        lo, hi, v0, v1, p0, p1, all_live = _block_layout(relation, allow_i, allow_p, q0, q1, tk, full_keys)
+        lo, hi, v0, v1, p0, p1, all_live = _block_layout(relation, allow_i, allow_p, q0, q1, tk, full_keys, width_step)
         kw = hi - lo
         ai = None if allow_i is None else allow_i[..., lo:hi]
         ap = None if allow_p is None else allow_p[..., lo:hi]

@@ -39,13 +39,27 @@ def expand_kv(x: "Tensor", n_heads: int) -> "Tensor":
     return x if nkv == n_heads else x.repeat_interleave(n_heads // nkv, dim=1)
 
 
+def matmul(a: "Tensor", b: "Tensor") -> "Tensor":
+    """``a @ b``. float16 on the CPU is multiplied in float32 and rounded back to float16.
+
+    That is the arithmetic of torch's own float16 CPU product too (float32 accumulation, so
+    the same accuracy; only the summation order differs, by an ulp in a few entries), which
+    on CPUs without float16 matrix units runs about a hundred times slower.
+    """
+    import torch
+
+    if a.dtype == torch.float16 and a.device.type == "cpu":
+        return (a.float() @ b.float()).to(torch.float16)
+    return a @ b
+
+
 def qk_scores(q: "Tensor", k: "Tensor", scale: float) -> "Tensor":
     """``[B, Nh, Tq, Dh] @ [B, Nh, Dh, Tk] -> [B, Nh, Tq, Tk]``, scaled.
 
     The scale is applied to q before the product, which is the same scores without a
     second pass over the whole grid.
     """
-    return (q * scale) @ k.transpose(-2, -1)  # [B, Nh, Tq, Tk]
+    return matmul(q * scale, k.transpose(-2, -1))  # [B, Nh, Tq, Tk]
 
 
 def apply_mask(scores: "Tensor", allow: "Tensor | None") -> "Tensor":
@@ -71,7 +85,7 @@ def softmax_keys(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool
 
 def mix_values(weights: "Tensor", v: "Tensor") -> "Tensor":
     """``[B, Nh, Tq, Tk] @ [B, Nh, Tk, Dv] -> [B, Nh, Tq, Dv]``; the key axis is contracted."""
-    return weights @ v
+    return matmul(weights, v)
 
 
 def invert_none(allow: "Tensor | None") -> "Tensor | None":

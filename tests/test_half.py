@@ -120,3 +120,16 @@ def test_headroom_warning_in_cli_json(tmp_path):
     assert data["verdict"] == "pass" and data["first_divergence"] is None
     checks = [c for r in data["rows"] for c in r["checks"] if c["name"] == "exp_headroom"]
     assert checks[0]["severity"] == "warning" and checks[0]["ok"] is False
+
+
+def test_float16_products_on_the_cpu_match_torchs_own_to_an_ulp():
+    from attn_ledger.pipeline import matmul
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(1, 4, 16, 300, generator=g).half(), torch.randn(1, 4, 300, 32, generator=g).half()
+    got, native = matmul(a, b), a @ b
+    assert got.dtype == torch.float16
+    ulp = torch.finfo(torch.float16).eps * native.float().abs().clamp(min=1.0)
+    assert bool(((got.float() - native.float()).abs() <= ulp).all())
+    f32 = a.float(), b.float()
+    assert torch.equal(matmul(*f32), f32[0] @ f32[1])  # other dtypes: the plain product

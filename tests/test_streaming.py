@@ -215,8 +215,10 @@ def test_band_is_where_the_relation_varies():
 
 @pytest.mark.parametrize("tq,tk", [(12, 12), (5, 12), (12, 5), (1, 1), (1, 7), (7, 1)])
 @pytest.mark.parametrize("full_keys", [False, True])
-def test_causal_layout_by_arithmetic_equals_the_measured_one(tq, tk, full_keys):
-    """The shortcut for a relation known to be top-left causal gives the generic layout exactly."""
+@pytest.mark.parametrize("step", [1, 4])
+def test_causal_layout_by_arithmetic_equals_the_measured_one(tq, tk, full_keys, step):
+    """The shortcut for a relation known to be top-left causal gives the generic layout exactly,
+    also with key ranges widened to a multiple of ``step``."""
     from attn_ledger import masks
 
     part = (lambda q0, q1: masks.causal(tq, tk, "top-left", q0, q1)[None, None],)
@@ -226,9 +228,36 @@ def test_causal_layout_by_arithmetic_equals_the_measured_one(tq, tk, full_keys):
         for q0 in range(0, tq, size):
             q1 = min(q0 + size, tq)
             a = known.block(q0, q1)
-            got = L._block_layout(known, a, a, q0, q1, tk, full_keys)
-            want = L._block_layout(unknown, a, a, q0, q1, tk, full_keys)
+            got = L._block_layout(known, a, a, q0, q1, tk, full_keys, step)
+            want = L._block_layout(unknown, a, a, q0, q1, tk, full_keys, step)
             assert got == want, (size, q0, q1)
+            lo, hi = got[:2]
+            assert full_keys or (hi - lo) % step == 0 or (lo, hi) == (0, tk), (size, q0, q1)
+            assert bool(a[..., :lo].logical_not().all()) and bool(a[..., hi:].logical_not().all())  # nothing allowed is cut
+
+
+def test_widening_key_ranges():
+    assert L._widen(0, 100, 4096, 256) == (0, 256)
+    assert L._widen(3900, 4096, 4096, 256) == (3840, 4096)  # no room on the right: grows to the left
+    assert L._widen(5, 9, 10, 8) == (2, 10)
+    assert L._widen(0, 3, 2, 8) == (0, 2)  # never wider than the keys there are
+    assert L._widen(3, 7, 100, 1) == (3, 7)
+
+
+@pytest.mark.parametrize("fault", [None, "mask-after-softmax", "mask-polarity"])
+def test_bfloat16_streaming_with_widened_key_ranges(fault):
+    """bfloat16 blocks compute key ranges in steps of Tk/16 (fewer oneDNN shapes): same verdicts."""
+    overrides = {**BASE, "dtype": "bfloat16", "seq_len": 300, "block_size": 32, "fault": fault}
+    led = run_ledger(load_config(overrides=overrides), keep_going=True)
+    if fault is None:
+        assert led.first_divergence is None
+        return
+    assert led.first_divergence.stage == "masked_scores"
+    if fault == "mask-after-softmax":
+        assert led.first_divergence.check == "forbidden_excluded"
+    else:  # every pair wrong, counted exactly over the widened ranges
+        assert led.check("masked_scores", "forbidden_excluded").value == 2 * 300 * 299 // 2
+        assert led.check("masked_scores", "allowed_kept").value == 2 * 300 * 301 // 2
 
 
 @pytest.mark.parametrize("nkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
