@@ -12,7 +12,7 @@ The score-grid stages run one block of query rows at a time. Key columns that th
 relation forbids for a whole block are skipped. Checks are measured per block and
 folded (max or sum) into one ledger row per stage, so the first divergence is the
 first by stage order over all blocks. The float64 reference may run on a sample of
-blocks at large sizes (the ledger says which); the SDPA reference runs on every block.
+query rows at large sizes (the ledger says which); the SDPA reference runs on every block.
 """
 
 from __future__ import annotations
@@ -387,9 +387,11 @@ def _attend_blocks(
     """Run scores -> masked_scores -> weights -> context over query blocks.
 
     ``ref`` holds the reference's Q ``[B, Nh, Tq, Dh]``, K ``[B, Nkv|Nh, Tk, Dh]`` and V,
-    in any dtype: each sampled block is cast to the reference dtype (float64, or float32
-    where the device has none) and its kv heads repeated by the reference's own code,
-    so no whole-size float64 copy is ever made.
+    in any dtype: the sampled query rows are cast to the reference dtype (float64, or
+    float32 where the device has none) and K and V with them (whole when small, a few
+    heads at a time otherwise), their kv heads repeated by the reference's own code.
+    The reference runs once, on every sampled row; the pipeline's values on those rows
+    are gathered block by block and compared with it once per stage.
 
     Returns the pipeline context (or None if a stage raised), the SDPA context, and the
     reference context of every sampled block.
