@@ -697,7 +697,8 @@ class _Sample:
     ``got`` starts as a copy of the reference, so key columns a block did not compute (outside
     its key range, where every sampled query is forbidden) compare equal; each block writes
     its own columns over it. The tolerance follows the whole-grid rule: atol scaled by the
-    largest |reference value| of the sampled rows.
+    largest |reference value| of the sampled rows; for the scores, of the allowed pairs only,
+    so that a forbidden key holding garbage (a padded position, say) cannot loosen it.
     """
 
     KEYS = (("scores", "scores"), ("weights", "weights"), ("out", "context"))
@@ -713,12 +714,19 @@ class _Sample:
         self.filled[key] = at + t.shape[2]
 
     def judge(self, stages: dict[str, _Stage], rtol: float, atol: float) -> None:
+        import torch
+
         for key, stage in self.KEYS:
             n = self.filled[key]
             if not n:
                 continue
             got, ref = self.got[key][:, :, :n], self.ref[key][:, :, :n]
-            d, ex = _excess(got, ref, rtol, atol if key == "weights" else atol * max(1.0, _max_abs(ref)))
+            if key == "scores":
+                masked = self.ref["masked_scores"][:, :, :n]  # -inf on forbidden pairs
+                size = _max_abs(torch.where(torch.isneginf(masked), 0.0, masked))
+            else:
+                size = _max_abs(ref)
+            d, ex = _excess(got, ref, rtol, atol if key == "weights" else atol * max(1.0, size))
             stages[stage].max("ref_diff", d)
             stages[stage].max("ref_excess", ex)
 

@@ -313,3 +313,22 @@ def test_returned_tensors_are_ordinary_tensors():
         w = torch.ones_like(led.tensors["context"], requires_grad=True)
         (w * led.tensors["context"]).sum().backward()  # usable in autograd and in place afterwards
         led.tensors["context"].add_(1.0)
+
+
+def test_garbage_on_a_forbidden_key_does_not_loosen_the_scores_tolerance():
+    """The scores' absolute tolerance scales with the allowed scores, not a padded key's garbage."""
+    scores = torch.tensor([[[[0.5, -1.0, 5e4]]]], dtype=torch.float64)  # [B, Nh, 1 row, Tk]; key 2 is padding
+    masked = scores.clone()
+    masked[..., 2] = -math.inf
+    ref = {"scores": scores, "masked_scores": masked, "weights": torch.zeros_like(scores),
+           "out": torch.zeros(1, 1, 1, 2, dtype=torch.float64)}
+    sample = L._Sample(ref)
+    sample.put("scores", 0, (scores + torch.tensor([1e-3, 0.0, 0.0], dtype=torch.float64)).float())
+    stages = {name: L._Stage() for name in ("scores", "weights", "context")}
+    rtol, atol = C.tolerance(torch.float32)
+    sample.judge(stages, rtol, atol)
+    assert stages["scores"].maxes["ref_excess"] > 0  # 1e-3 off on an allowed key is a divergence
+    sample = L._Sample(ref)
+    sample.put("scores", 0, scores.float())
+    sample.judge(stages := {name: L._Stage() for name in ("scores", "weights", "context")}, rtol, atol)
+    assert stages["scores"].maxes["ref_excess"] <= 0
