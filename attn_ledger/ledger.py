@@ -211,8 +211,9 @@ def _sampled(blocks: list[tuple[int, int]], b: int, nh: int, tk: int) -> dict[in
 
     Every row of every block when the whole grid fits F64_BUDGET; otherwise up to
     F64_SAMPLES blocks spread evenly (the first and last among them), and in each a run of
-    rows sized so that all of them hold about F64_SAMPLE grid entries: the first rows of the first block (the queries with the
-    fewest keys), the last rows of the others (the most keys).
+    rows sized so that all of them hold about F64_SAMPLE grid entries (at least one row a
+    block): the first rows of the first block (the queries with the fewest keys), the last
+    rows of the others (the most keys).
     """
     n = len(blocks)
     per_row = max(1, b * nh * tk)
