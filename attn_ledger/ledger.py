@@ -504,7 +504,8 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
             ref_blk = {"out": ref_all["out"][:, :, at:at + rz - ra]}  # [B, Nh, rz - ra, Dv]
             ref_ctx[(q0 + ra, q0 + rz)] = ref_blk["out"]
             if half or user or backends:  # compared block by block: the block's key range of each grid stage
-                ref_blk.update({key: ref_all[key][:, :, at:at + rz - ra, lo:hi] for key in ("scores", "masked_scores", "weights")})
+                for key in ("scores", "masked_scores", "weights"):
+                    ref_blk[key] = ref_all[key][:, :, at:at + rz - ra, lo:hi]  # [B, Nh, rz - ra, kw]
             if half:
                 plain_blk = reference_stages(qb[:, :, r_], kb, vb, allow_mask=ai_r, scale=ref_scale,
                                              empty_rows=empty, dtype=run.dtype)
