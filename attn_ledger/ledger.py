@@ -467,6 +467,7 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
     st["context"].shape = (b, nh, tq, dv)
     allowed_counts: list[int] | None = None
     loose_range = False  # some block's value-range check used the block's key range, not each query's
+    headroom = math.log(torch.finfo(run.dtype).max)  # exp overflows the run's dtype above this score
     # bfloat16 matrix products on the CPU go through oneDNN, which caches a primitive (and its
     # buffers, megabytes each) per distinct shape: key ranges in steps of tk/16 keep those few
     width_step = max(64, -(-tk // 16)) if run.dtype == torch.bfloat16 and q.device.type == "cpu" else 1
@@ -528,7 +529,12 @@ def _block_loop(run: _Run, ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tenso
             s_st.max("max_abs", math.nan)
         else:
             s_st.add("nonfinite", 0 if math.isfinite(s_lo) and math.isfinite(s_hi) else C.nonfinite_count(s))
-            s_st.max("max_abs", max(abs(s_lo), abs(s_hi)))
+            largest = max(abs(s_lo), abs(s_hi))
+            if largest >= headroom and ai is not None and v1 > v0:
+                # a forbidden pair never reaches exp (a padded key may hold anything): allowed pairs only
+                band = torch.where(ai[..., v0:v1], s[..., v0:v1], torch.zeros((), dtype=s.dtype, device=s.device))
+                largest = max(_max_abs(s[..., :v0]), _max_abs(band), _max_abs(s[..., v1:]))
+            s_st.max("max_abs", largest)
         if ref_blk is not None:
             sample.put("scores", at, s[:, :, r_], lo, hi)
             if plain_blk is not None:
@@ -1276,14 +1282,18 @@ def _user_checks(u: _Stage, what: str, rtol: float, atol: float, tol_sum: float)
 
 
 def _headroom(max_abs_score: float, dtype: "torch.dtype") -> Check:
-    """Warning: the largest |score| against the dtype's range, and whether exp overflows without max-subtraction."""
+    """Warning: the largest |score| against the dtype's range, and whether exp overflows without max-subtraction.
+
+    Measured block-wide, and over the allowed pairs only once that reaches the limit (a
+    forbidden pair is masked before exp, whatever it holds).
+    """
     import torch
 
     info = torch.finfo(dtype)
     limit = math.log(info.max)
     ok = not math.isnan(max_abs_score) and max_abs_score < limit
     return Check(3, "exp_headroom", ok, max_abs_score,
-                 f"largest |score| {max_abs_score:.3g}; exp overflows {C.dtype_name(dtype)} above {limit:.3g} "
+                 f"largest |score| of an allowed pair {max_abs_score:.3g}; exp overflows {C.dtype_name(dtype)} above {limit:.3g} "
                  f"without max-subtraction (range {info.max:.3g})", severity="warning")
 
 

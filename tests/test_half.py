@@ -108,6 +108,23 @@ def test_headroom_passes_on_ordinary_scores():
     assert ledger_on_qkv(q, k, v, mask="causal").check("scores", "exp_headroom").ok is True
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 12, 16), (2, 2, 300, 16)], ids=["whole", "streamed"])
+def test_headroom_ignores_garbage_on_padded_keys(shape):
+    """A padded key's score is masked before exp: huge values there are no overflow risk."""
+    q, k, v = _qkv(shape)
+    tk = shape[2]
+    valid = torch.ones(shape[0], tk, dtype=torch.bool)
+    valid[1, tk - 4:] = False  # the last four keys of batch element 1 are padding
+    k = k.clone()
+    k[1, :, tk - 4:] = 1e3  # and hold garbage: scores of about 1e3 there
+    led = ledger_on_qkv(q, k, v, key_valid=valid)
+    c = led.check("scores", "exp_headroom")
+    assert c.ok is True and c.value < 20, c.detail
+    assert led.first_divergence is None
+    valid[1, tk - 4:] = True  # the same keys allowed: now exp would overflow without max-subtraction
+    assert ledger_on_qkv(q, k, v, key_valid=valid).check("scores", "exp_headroom").ok is False
+
+
 def test_headroom_warning_in_cli_json(tmp_path):
     from safetensors.torch import save_file
 
