@@ -900,7 +900,7 @@ def _mask_counts(st: _Stage, m: "Tensor", ai: "Tensor | None", live: "Tensor | N
     st.add("fully_blocked", blocked)
     if ai is not None:
         ab = ai[..., a:z]  # [B|1, Nh|1, rows, z - a]
-        nab = forbid if forbid is not None and forbid.shape[-1] == z - a and (a, z) == (v0, v1) else ~ab
+        nab = forbid if forbid is not None and (a, z) == (v0, v1) else ~ab  # [B|1, Nh|1, rows, z - a]
         wrong = int(torch.count_nonzero(neg ^ nab))  # allowed pairs excluded + forbidden pairs kept
         dropped = int(torch.count_nonzero(neg & ab)) if wrong else 0
         kept = wrong - dropped

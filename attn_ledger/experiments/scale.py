@@ -393,21 +393,19 @@ def write_plot(rows: Sequence[ScaleRow], path: str | Path) -> str:
     if not p.parent.is_dir() and str(p.parent):
         raise field_error("--plot", str(p), "a file in an existing directory")
     dhs = [r.dh for r in rows]
-    fig, (ax_std, ax_h) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_std.plot(dhs, [r.raw_std for r in rows], "o-", label="raw std")
-    ax_std.plot(dhs, [r.sqrt_dh for r in rows], "k--", label="sqrt(Dh)")
-    ax_std.plot(dhs, [r.scaled_std for r in rows], "s-", label="scaled std")
-    ax_std.set_xscale("log", base=2)
-    ax_std.set_xlabel("Dh")
-    ax_std.set_ylabel("score std")
-    ax_std.legend()
-    ax_h.plot(dhs, [r.raw_entropy for r in rows], "o-", label="raw entropy")
-    ax_h.plot(dhs, [r.scaled_entropy for r in rows], "s-", label="scaled entropy")
-    ax_h.plot(dhs, [r.ln_tk for r in rows], "k--", label="ln(Tk), uniform")
-    ax_h.set_xscale("log", base=2)
-    ax_h.set_xlabel("Dh")
-    ax_h.set_ylabel("mean softmax entropy (nats)")
-    ax_h.legend()
+    panels = (
+        ("score std", (("raw_std", "o-", "raw std"), ("sqrt_dh", "k--", "sqrt(Dh)"), ("scaled_std", "s-", "scaled std"))),
+        ("mean softmax entropy (nats)", (("raw_entropy", "o-", "raw entropy"), ("scaled_entropy", "s-", "scaled entropy"),
+                                         ("ln_tk", "k--", "ln(Tk), uniform"))),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (ylabel, series) in zip(axes, panels):
+        for field, style, label in series:
+            ax.plot(dhs, [getattr(r, field) for r in rows], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("Dh")
+        ax.set_ylabel(ylabel)
+        ax.legend()
     fig.tight_layout()
     try:
         fig.savefig(str(p), format="png")
