@@ -287,9 +287,13 @@ def recognise_rotary(x: "Tensor", y: "Tensor", *, positions: "int | Tensor" = 0,
         - with one rotated pair, offsets that differ by 710 (113 turns and 6e-5 rad) are told
           apart only by that residue: the best-fitting one is reported, which in half precision
           may be a multiple of 710 away;
-        - scaled variants (position interpolation, NTK, YaRN, Llama 3 frequency scaling),
+        - one offset must hold for every vector (all of B and the heads): positions that
+          differ per example or per head are unrecognised (recognise each example apart);
+        - frequency-scaled variants (linear position interpolation, YaRN, Llama 3 scaling),
           rotation in the opposite sense, and rotated features that are not the leading ones
-          of each head are reported unrecognised;
+          of each head are reported unrecognised (NTK-aware scaling, a change of base only,
+          is recognised with its effective base), unless the part that differs stays within
+          tolerance over the positions seen;
         - in half precision, large offsets may be unrecognised (the fitted frequencies are
           too coarse to place them).
     """

@@ -432,3 +432,14 @@ def test_compare_positions_accepts_an_ambiguous_width_as_the_same_spec():
     k_obs = recognise_rotary(x, apply_rotary(x, narrow))
     got = compare_positions(q_obs, k_obs)
     assert (got.status, got.findings) == ("pass", ())
+
+
+def test_descriptions_are_one_line_and_carry_the_fields(qkv):
+    q, k, _ = qkv
+    rotary, none = _observe(q, HALF, 5), _observe(k, None)
+    odd = recognise_rotary(k, k + 0.5)
+    lines = [rotary.describe(), none.describe(), odd.describe(),
+             compare_positions(rotary, _observe(k, HALF)).describe(), compare_positions(none, none).describe(),
+             compare_positions(_observe(q, HALF, 5), _observe(k, HALF, 5)).describe()]
+    assert all(isinstance(s, str) and s and "\n" not in s for s in lines)
+    assert "offset +5" in lines[0] and "+5 positions apart" in lines[3]
