@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Sequence
 
-from attn_ledger.report import Check
+from attn_ledger.report import Check, bounded, counted
 
 if TYPE_CHECKING:
     import torch
@@ -99,40 +99,42 @@ def excess_error(actual: "Tensor", expected: "Tensor", rtol: float, atol: float)
 def shape_check(actual: Sequence[int] | None, expected: Sequence[int], axes: str, name: str = "shape") -> Check:
     """L1: the tensor has the derived dimensions."""
     ok = actual is not None and tuple(actual) == tuple(expected)
-    got = "nothing" if actual is None else str(list(actual))
-    return Check(1, name, ok, None, f"{axes} derived {list(expected)}, got {got}")
+    got = None if actual is None else list(actual)
+    return Check(1, name, "pass" if ok else "fail", reason=f"{axes} derived {list(expected)}, got {got or 'nothing'}",
+                 data={"expected": list(expected), "got": got, "axes": axes})
 
 
 def raised_check(exc: BaseException) -> Check:
     """L1: the stage raised instead of producing its tensor."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return Check(1, "computes", False, None, f"raised {type(exc).__name__}: {text}")
+    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return Check(1, "computes", "fail", reason=f"raised {type(exc).__name__}: {text}",
+                 data={"exception": type(exc).__name__, "message": text})
 
 
 def finite_check(nonfinite: int, what: str = "values", allow_neg_inf: bool = False) -> Check:
     """L3: every value finite (or, after masking, no NaN and no +inf)."""
     kind = "NaN or +inf" if allow_neg_inf else "non-finite"
-    return Check(3, "finite", nonfinite == 0, float(nonfinite), f"{nonfinite} {kind} {what}")
+    return counted(3, "finite", f"{kind} {what}", nonfinite)
 
 
 def count_check(level: int, name: str, count: int, what: str) -> Check:
     """A check that passes when a counted violation never occurs."""
-    return Check(level, name, count == 0, float(count), f"{count} {what}")
+    return counted(level, name, what, count)
 
 
 def bound_check(level: int, name: str, value: float, limit: float, what: str) -> Check:
     """Passes when a measured non-negative error is at most ``limit`` (NaN fails)."""
-    ok = not math.isnan(value) and value <= limit
-    return Check(level, name, ok, value, f"{what} {value:.3g} (limit {limit:.3g})")
+    return bounded(level, name, what, value, limit)
 
 
 def roundtrip_check(original: "Tensor", roundtrip: "Tensor") -> Check:
     """L2: merge(split(x)) == x, compared by value on a deterministic tensor."""
     if tuple(original.shape) != tuple(roundtrip.shape):
-        return Check(2, "roundtrip_exact", False, None, f"shape {list(roundtrip.shape)} != {list(original.shape)}")
+        return Check(2, "roundtrip_exact", "fail", reason="merge(split(x)) changed the shape",
+                     data={"expected": list(original.shape), "got": list(roundtrip.shape)})
     wrong = int((original != roundtrip).sum())
-    return Check(2, "roundtrip_exact", wrong == 0, float(wrong),
-                 f"merge(split(x)) == x on an arange tensor: {wrong} of {original.numel()} values moved")
+    return counted(2, "roundtrip_exact", "values moved by merge(split(x)) on an arange tensor", wrong,
+                   data={"of": original.numel()})
 
 
 def head_slices_check(name: str, split: "Tensor", source: "Tensor", n_heads: int, direction: str) -> Check:
@@ -144,13 +146,14 @@ def head_slices_check(name: str, split: "Tensor", source: "Tensor", n_heads: int
     """
     b, t, e = source.shape
     if tuple(split.shape) != (b, n_heads, t, e // n_heads):
-        return Check(2, name, False, None, f"{direction}: shape {list(split.shape)} cannot hold {n_heads} heads of {list(source.shape)}")
+        return Check(2, name, "fail", reason=f"{direction}: the shape cannot hold {n_heads} heads of the source",
+                     data={"got": list(split.shape), "source": list(source.shape)})
     expected = source.reshape(b, t, n_heads, e // n_heads).permute(0, 2, 1, 3)  # [B, Nh, T, D] by construction
-    wrong = int((split != expected).sum())
-    bad_heads = sorted({int(h) for h in (split != expected).nonzero()[:, 1].tolist()}) if wrong else []
-    detail = f"{direction}: each head holds its own feature slice" if not wrong else (
-        f"{direction}: {wrong} values in heads {bad_heads[:6]} come from another head's slice or position")
-    return Check(2, name, wrong == 0, float(wrong), detail)
+    wrong_mask = split != expected
+    wrong = int(wrong_mask.sum())
+    bad_heads = sorted({int(h) for h in wrong_mask.nonzero()[:, 1].tolist()}) if wrong else []
+    return counted(2, name, f"{direction}: values from another head's slice or position", wrong,
+                   data={"heads": bad_heads})
 
 
 def kv_pairing_check(expand, n_heads: int, n_kv: int) -> Check:
@@ -161,27 +164,28 @@ def kv_pairing_check(expand, n_heads: int, n_kv: int) -> Check:
     try:
         got = expand(probe, n_heads)  # [1, Nh, 2, 2]
     except Exception as exc:  # a broken expansion is a finding, not a crash
-        return Check(2, "kv_head_pairing", False, None, f"expansion raised {type(exc).__name__}: {exc}")
+        return Check(2, "kv_head_pairing", "fail", reason=f"expansion raised {type(exc).__name__}: {exc}")
     group = n_heads // n_kv
     want = [h // group for h in range(n_heads)]
     if tuple(got.shape) != (1, n_heads, 2, 2):
-        return Check(2, "kv_head_pairing", False, None, f"expanded shape {list(got.shape)}, expected [1, {n_heads}, 2, 2]")
+        return Check(2, "kv_head_pairing", "fail", reason="the expansion has the wrong shape",
+                     data={"got": list(got.shape), "expected": [1, n_heads, 2, 2]})
     have = [int(got[0, h, 0, 0]) for h in range(n_heads)]
     wrong = sum(a != b for a, b in zip(have, want))
-    return Check(2, "kv_head_pairing", wrong == 0, float(wrong),
-                 f"query heads read kv heads {have}, expected {want}")
+    return counted(2, "kv_head_pairing", "query heads reading another kv head", wrong,
+                   data={"read": have, "expected": want})
 
 
 def compare_check(name: str, diff: float, excess: float, rtol: float, atol: float, against: str) -> Check:
-    """L4: agreement with a reference within a dtype's tolerance."""
+    """L4: agreement with a reference within a dtype's tolerance (|diff| <= atol + rtol * |ref|)."""
     ok = not math.isnan(excess) and excess <= 0
-    return Check(4, name, ok, diff, f"max |diff| vs {against} {diff:.3g} (rtol {rtol:g}, atol {atol:g})")
+    return Check(4, name, "pass" if ok else "fail", f"max |diff| vs {against}", diff, rtol=rtol, atol=atol,
+                 data={"excess": excess})
 
 
 def factor_check(name: str, err_impl: float, err_plain: float, floor: float, against: str, factor: float = HALF_FACTOR) -> Check:
     """L4 for half precision: the error against float64 is within ``factor`` of a plain same-dtype computation's."""
     base = max(err_plain, floor)
     ratio = err_impl / base if base > 0 else math.inf
-    ok = not math.isnan(err_impl) and ratio <= factor
-    return Check(4, name, ok, err_impl,
-                 f"max err vs {against} {err_impl:.3g}; plain same-dtype err {err_plain:.3g}; factor {ratio:.2f} (limit {factor:g})")
+    return bounded(4, name, f"max err vs {against}", err_impl, factor * base,
+                   data={"plain_err": err_plain, "floor": floor, "factor": ratio, "factor_limit": factor})

@@ -1,24 +1,109 @@
 """The ``attn-ledger`` command line: options in, library call, rendered report out.
 
 This module and the command modules import neither torch nor the library at top
-level, so ``attn-ledger --help`` answers without loading torch.
+level, so ``attn-ledger --help`` answers without loading torch. Usage errors (an unknown
+option, a value of the wrong kind, a choice not offered) are one line on stderr with
+exit status 2, the same form as every other input error.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import os
+import re
+from typing import Annotated, Any, Optional, Sequence
 
 import typer
+from typer.core import TyperGroup
 
 from attn_ledger._version import __version__
 
+EXIT_HELP = (
+    "Exit status: 0 all that was asked holds; 1 a finding (a divergence, a leak, an undetected "
+    "fault); 2 bad input, usage or setup; 3 an internal error of the tool (a bug: rerun with "
+    "--debug or ATTN_LEDGER_DEBUG=1 for the traceback)."
+)
+
+
+def _value_of(args: Sequence[str], opts: Sequence[str]) -> str | None:
+    """The value given on the command line for one of ``opts`` (``--opt V`` or ``--opt=V``)."""
+    for i, a in enumerate(args):
+        for o in opts:
+            if a == o and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(o + "="):
+                return a[len(o) + 1:]
+    return None
+
+
+def _short(value: str, limit: int = 60) -> str:
+    return value if len(value) <= limit else value[:limit] + f"... ({len(value)} characters)"
+
+
+_EXPECT = (
+    ("valid integer", "a whole number"),
+    ("valid number", "a number"),
+    ("valid boolean", "true or false"),
+)
+
+
+def usage_line(exc: Any, args: Sequence[str]) -> str:
+    """One line for a usage error: the option, the value received and what was expected."""
+    from typer._click import exceptions as cx
+
+    message = exc.format_message() if not isinstance(exc, cx.BadParameter) else exc.message
+    message = re.sub(r"^Value error, ", "", str(message)).strip()
+    if isinstance(exc, cx.BadParameter) and exc.param is not None:
+        opts = [o for o in getattr(exc.param, "opts", []) if o.startswith("-")]
+        name = max(opts, key=len) if opts else (exc.param.name or "argument")
+        value = _value_of(args, opts) if opts else None
+        got = f"got {_short(value)!r}, " if value is not None else ""
+        m = re.match(r"^(.*) is not one of (.*)\.$", message)
+        if m:
+            choices = ", ".join(c.strip().strip("'") for c in m.group(2).split(","))
+            return f"{name}: got {_short(m.group(1).strip(chr(39)))!r}, expected one of {choices}"
+        for needle, expected in _EXPECT:
+            if needle in message:
+                return f"{name}: {got}expected {expected}"
+        return f"{name}: {got}{message}"
+    if isinstance(exc, cx.NoSuchOption):
+        return f"{exc.option_name}: no such option" + (
+            f"; did you mean {', '.join(exc.possibilities)}?" if exc.possibilities else "")
+    return _short(message, 300)
+
+
+class _OneLineErrors(TyperGroup):
+    """Usage errors as one line and exit 2, instead of a panel with the usage text."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        import sys
+
+        from typer._click import exceptions as cx
+
+        argv = list(sys.argv[1:] if args is None else args)
+        if "--debug" in argv[1:]:  # accepted after the command name too
+            argv = ["--debug"] + [a for a in argv if a != "--debug"]
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except cx.ClickException as exc:
+            from attn_ledger.commands.common import say
+
+            say(f"error: {usage_line(exc, argv)}")
+            rv = getattr(exc, "exit_code", 2) if not isinstance(exc, cx.UsageError) else 2
+        except cx.Abort:
+            rv = 130
+        if standalone_mode:
+            sys.exit(rv if isinstance(rv, int) else 0)
+        return rv
+
+
 app = typer.Typer(
     name="attn-ledger",
+    cls=_OneLineErrors,
     help=(
         "Diagnose attention code that runs but is wrong. Runs attention as named stages "
         "(split, scores, mask, softmax, mix, merge), checks shape, axis semantics, numerical "
-        "invariants and behaviour at each, and names the first stage that diverges.\n\n"
-        "Exit status: 0 all that was asked holds; 1 a finding; 2 bad input, usage or setup."
+        "invariants and behaviour at each, and names the first stage that diverges.\n\n" + EXIT_HELP
     ),
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
@@ -33,11 +118,20 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
+def _debug(value: bool) -> None:
+    if value:
+        os.environ["ATTN_LEDGER_DEBUG"] = "1"
+
+
 @app.callback()
 def _root(
     version: Annotated[
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = None,
+    debug: Annotated[
+        bool, typer.Option("--debug", callback=_debug, is_eager=True,
+                           help="Show the traceback of an internal error (exit 3); also ATTN_LEDGER_DEBUG=1.")
+    ] = False,
 ) -> None:
     pass
 

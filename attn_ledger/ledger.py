@@ -1,6 +1,6 @@
 """The attention ledger: run attention as named stages, check each, name the first divergence.
 
-Two entry points build a :class:`~attn_ledger.report.Ledger`:
+Two entry points build a :class:`~attn_ledger.report.Report`:
 
 * :func:`run_ledger` runs the built-in multi-head attention from a :class:`RunConfig`
   (stages ``input`` .. ``output``), optionally with one deliberate fault.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from attn_ledger import checks as C
-from attn_ledger.report import Check, Ledger, StageRow, first_divergence_of
+from attn_ledger.report import Check, Report, Row, bounded, counted, unjudged
 
 if TYPE_CHECKING:
     import torch
@@ -1133,7 +1133,7 @@ def backend_matrix(found: "list[Check] | tuple[Check, ...]", unavailable: dict[s
     for c in found:
         if c.name.startswith("sdpa["):
             name, dt = c.name[5:-1].split(",")
-            matrix.setdefault(name, {})[dt] = c.ok
+            matrix.setdefault(name, {})[dt] = c.passed
     for key, why in unavailable.items():
         name, dt = key.split(",")
         matrix.setdefault(name, {})[dt] = f"unavailable: {why}"
@@ -1193,7 +1193,7 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
                 C.count_check(3, "allowed_kept", m.counts["allowed_dropped"], "allowed (query, key) scores excluded"),
             ]
         else:
-            out["masked_scores"].append(Check(3, "forbidden_excluded", None, None, "not applicable: no relation, every key allowed"))
+            out["masked_scores"].append(unjudged(3, "forbidden_excluded", "not_applicable", "no relation: every key allowed"))
 
     w = st["weights"]
     out["weights"] = [*w.extra]
@@ -1233,7 +1233,7 @@ def _judge_grid_stages(run: _Run, relation: Relation, empty_zero: bool) -> dict[
     if "user_out" in st:
         u = st["user_out"]
         n_bad = u.counts.get("nonfinite", 0)
-        out["context"].append(Check(3, "user_out_finite", n_bad == 0, float(n_bad), f"{n_bad} non-finite values in the given out"))
+        out["context"].append(counted(3, "user_out_finite", "non-finite values in the given out", n_bad))
         excess = u.maxes.get("range_excess", 0.0)
         out["context"].append(C.bound_check(3, "user_out_in_value_range", _nonneg(excess), 0.0,
                                             "given out: largest excursion outside the mixed value rows' range"))
@@ -1262,7 +1262,8 @@ def _nonneg(value: float) -> float:
 def _blocks_shape_check(derived: tuple[int, ...] | None, axes: str) -> Check:
     """L1 for a streamed stage: every block had its derived shape (a block that did not stops the
     run and records a failing shape check instead, with the shape it had)."""
-    return Check(1, "shape", True, None, f"{axes} derived {list(derived or ())}; every query block had its derived shape")
+    return Check(1, "shape", "pass", reason=f"{axes} derived {list(derived or ())}; every query block had its derived shape",
+                 data={"expected": list(derived or ()), "axes": axes})
 
 
 def _user_checks(u: _Stage, what: str, rtol: float, atol: float, tol_sum: float) -> list[Check]:
@@ -1271,7 +1272,7 @@ def _user_checks(u: _Stage, what: str, rtol: float, atol: float, tol_sum: float)
         return list(u.extra)
     if what == "weights":
         n = u.counts.get("nonfinite", 0)
-        found.append(Check(3, "user_weights_finite", n == 0, float(n), f"{n} non-finite values in the given weights"))
+        found.append(counted(3, "user_weights_finite", "non-finite values in the given weights", n))
         found.append(C.bound_check(3, "user_weights_key_row_sums", u.maxes.get("row_sum_err", 0.0), tol_sum, "given weights: max |sum over keys - 1|"))
         found.append(C.bound_check(3, "user_weights_forbidden_weight", u.maxes.get("forbidden_max", 0.0), tol_sum,
                                    "given weights: largest weight on a forbidden key"))
@@ -1291,10 +1292,9 @@ def _headroom(max_abs_score: float, dtype: "torch.dtype") -> Check:
 
     info = torch.finfo(dtype)
     limit = math.log(info.max)
-    ok = not math.isnan(max_abs_score) and max_abs_score < limit
-    return Check(3, "exp_headroom", ok, max_abs_score,
-                 f"largest |score| of an allowed pair {max_abs_score:.3g}; exp overflows {C.dtype_name(dtype)} above {limit:.3g} "
-                 f"without max-subtraction (range {info.max:.3g})", severity="warning")
+    return bounded(3, "exp_headroom", "largest |score| of an allowed pair", max_abs_score, limit, warn_only=True,
+                   reason=f"exp overflows {C.dtype_name(dtype)} above the limit without max-subtraction",
+                   data={"dtype_max": info.max})
 
 
 # --- assembling the ledger ---------------------------------------------------------------
@@ -1312,35 +1312,40 @@ def _finish(
     tensors: dict[str, Any],
     row_notes: dict[str, str] | None = None,
     axes: dict[str, str] | None = None,
-) -> Ledger:
-    """Turn per-stage checks into rows with statuses, and name the first divergence."""
-    rows: list[StageRow] = []
-    diverged_at: int | None = None
+) -> Report:
+    """Turn per-stage checks into rows with statuses; the first failing stage is the finding.
+
+    Rows after it are downstream evidence: with ``keep_going`` their failing checks read
+    ``downstream``; without it they are not reached.
+    """
+    rows: list[Row] = []
+    diverged = False
     stopped = False
     row_notes = row_notes or {}
     axes = axes or AXES
-    for i, stage in enumerate(order):
+    for stage in order:
         found = list(checks.get(stage, []))
         if stage in raised:
             found = [C.raised_check(raised[stage])] + found
         computed = stage in checks or stage in raised
+        note = row_notes.get(stage, "")
         if stopped or not computed:
-            rows.append(StageRow(stage, shapes.get(stage), axes[stage], "not_reached",
-                                 tuple(Check(c.level, c.name, None, None, "not reached", c.severity) for c in found),
-                                 row_notes.get(stage, "")))
+            rows.append(Row(stage, "not_reached", tuple(unjudged(c.level, c.name, "not_reached", "") for c in found),
+                            shapes.get(stage), axes[stage], note=note))
             continue
         failing = any(c.failed for c in found)
-        if failing and diverged_at is None:
-            diverged_at = i
-            status = "diverged"
-        elif failing:
+        if failing and diverged:
+            found = [c.with_status("downstream") if c.failed else c for c in found]
             status = "downstream"
+        elif failing:
+            diverged, status = True, "fail"
         else:
-            status = "ok"
-        rows.append(StageRow(stage, shapes.get(stage), axes[stage], status, tuple(found), row_notes.get(stage, "")))
-        if stage in raised or (diverged_at is not None and not keep_going):
+            status = "warn" if any(c.status == "warn" for c in found) else "pass"
+        rows.append(Row(stage, status, tuple(found), shapes.get(stage), axes[stage], note=note))
+        if stage in raised or (diverged and not keep_going):
             stopped = True
-    return Ledger(command, title, tuple(rows), first_divergence_of(rows), tuple(notes), meta, tensors)
+    return Report(command, title, tuple(rows), notes=tuple(notes), details=meta, unit="check", row_label="stage",
+                  tensors=tensors)
 
 
 def _resolve_device(name: str) -> "torch.device":
@@ -1374,7 +1379,7 @@ def _ref_dtype(device: "torch.device") -> "torch.dtype":
 
 
 def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: ProgressFn | None = None,
-               backends: "str | list[str] | None" = None) -> Ledger:
+               backends: "str | list[str] | None" = None) -> Report:
     """Run the built-in multi-head attention as named stages and check each.
 
     Args:
@@ -1385,7 +1390,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
         backends: ``"all"`` or SDPA backend names: the context comparison per backend (see :func:`ledger_on_qkv`).
 
     Returns:
-        The :class:`~attn_ledger.report.Ledger`; ``ledger.first_divergence`` is the diagnosis.
+        The :class:`~attn_ledger.report.Report`; ``report.first_finding`` is the diagnosis.
     """
     import torch
 
@@ -1418,7 +1423,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
 
     row_notes: dict[str, str] = {}
 
-    def done(tensors: dict[str, Any] | None = None) -> Ledger:
+    def done(tensors: dict[str, Any] | None = None) -> Report:
         return _finish("run", title, CONFIG_STAGES, checks, shapes, raised, keep_going, run.notes, meta,
                        tensors or {}, row_notes)
 
@@ -1531,7 +1536,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
         checks["merged"] = [
             C.shape_check(merged.shape, (b, tq, nh * dv), AXES["merged"]),
             C.head_slices_check("merge_head_slices", context, merged, nh, "merge")
-            if tuple(merged.shape) == (b, tq, nh * dv) else Check(2, "merge_head_slices", False, None, "shape cannot hold the heads"),
+            if tuple(merged.shape) == (b, tq, nh * dv) else Check(2, "merge_head_slices", "fail", reason="the shape cannot hold the heads"),
         ]
         if got.shape == want.shape:
             d, ex = C.excess_error(got, want, rtol, atol * max(1.0, C.max_abs(want)))
@@ -1647,7 +1652,7 @@ def ledger_on_qkv(
     progress: ProgressFn | None = None,
     source: str = "tensors",
     backends: "str | list[str] | None" = None,
-) -> Ledger:
+) -> Report:
     """Run the ledger on given Q, K, V (and optionally the user's own intermediates).
 
     Args:
@@ -1666,7 +1671,7 @@ def ledger_on_qkv(
             context comparison per backend the device offers, as ``sdpa[backend,dtype]`` checks.
 
     Returns:
-        The :class:`~attn_ledger.report.Ledger` for stages input, scores, masked_scores, weights, context.
+        The :class:`~attn_ledger.report.Report` for stages input, scores, masked_scores, weights, context.
     """
     import torch
 
@@ -1808,7 +1813,7 @@ def run_ledger_tensors(
     keep_going: bool = False,
     progress: ProgressFn | None = None,
     backends: "str | list[str] | None" = None,
-) -> Ledger:
+) -> Report:
     """Load a ``.pt``/``.safetensors``/``.npz`` file of q, k, v (and optional masks and intermediates) and run the ledger."""
     from attn_ledger.errors import TensorFileError
     from attn_ledger.tensorio import load_tensor_file

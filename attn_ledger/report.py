@@ -1,117 +1,206 @@
-"""The ledger as data: frozen records for checks, stage rows and whole reports.
+"""The one report model every command produces: checks, rows and a report, as data.
 
-Nothing here formats for display; numbers stay numbers. Rendering lives in
-:mod:`attn_ledger.render`. Every command's JSON shares one envelope
-(:func:`envelope`): ``tool``, ``version``, ``command``, ``verdict``, then the
-command's own fields. The envelope only ever grows by adding fields.
+Nothing here formats for display: numbers stay numbers, and the sentences a reader sees
+are rendered from the fields by :mod:`attn_ledger.render`. Every command builds a
+:class:`Report`:
+
+* a :class:`Check` is one invariant judged once: its level, name, :data:`Status`, the
+  measured value, the limit (or the rtol/atol tolerance) it was judged against, where it
+  was measured, and, only where no number says it, a reason in words;
+* a :class:`Row` groups the checks of one stage (``run``), one case (``check``), one
+  fault (``faults``), or one row of an experiment;
+* a :class:`Report` holds the rows in order, and its :class:`Finding` headline: the first
+  failing check, which every command's JSON carries as ``first_finding``.
+
+One status vocabulary (:data:`STATUSES`) and one verdict vocabulary (``pass``, ``fail``,
+``error``) serve every command. ``error`` belongs to exit status 3 only: an internal
+error of the tool, never a finding.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Literal, Mapping
 
-from attn_ledger._version import __version__
+SCHEMA_VERSION = 2
 
-Status = Literal["ok", "diverged", "not_reached", "downstream"]
-Severity = Literal["error", "warning"]
+Status = Literal[
+    "pass", "fail", "warn", "inconclusive", "skipped", "not_applicable", "not_reached", "downstream"
+]
+STATUSES: tuple[str, ...] = (
+    "pass", "fail", "warn", "inconclusive", "skipped", "not_applicable", "not_reached", "downstream"
+)
+Verdict = Literal["pass", "fail", "error"]
+Op = Literal["<=", ">=", "==", ""]
+Unit = Literal["check", "row"]
 
 LEVEL_NAMES = {1: "shape", 2: "axis semantics", 3: "numerical invariants", 4: "behaviour"}
 
-
-def envelope(command: str, verdict: str, **fields: Any) -> dict[str, Any]:
-    """The JSON envelope every command shares."""
-    return {"tool": "attn-ledger", "version": __version__, "command": command, "verdict": verdict, **fields}
-
-
-def json_number(value: float | int | None) -> float | int | str | None:
-    """Numbers for JSON: NaN and infinities become strings, since JSON has no literal for them."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return float(value)
+# Statuses that mean the check was never judged on this input.
+UNJUDGED = frozenset({"skipped", "not_applicable", "not_reached", "downstream"})
 
 
 @dataclass(frozen=True)
 class Check:
-    """One invariant judged at one stage.
+    """One invariant judged once.
 
     Attributes:
         level: 1 shape, 2 axis semantics, 3 numerical invariants, 4 behaviour.
         name: short stable identifier, e.g. ``key_row_sums``.
-        ok: True passed, False failed, None not evaluated.
-        value: the measured number behind the verdict (an error, a count, ...).
-        detail: one human sentence: what was measured against what.
-        severity: ``"warning"`` checks are shown but never make a divergence.
+        status: one of :data:`STATUSES`.
+        measure: what ``value`` is, in a few words (``"max |diff| vs float64"``,
+            ``"values moved"``); empty when the check has no number.
+        value: the measured number behind the status.
+        limit: the bound ``value`` was judged against, read with ``op``.
+        op: how ``value`` must relate to ``limit`` to pass: ``<=``, ``>=`` or ``==``.
+        rtol, atol: an elementwise tolerance ``|a - b| <= atol + rtol * |b|``, where the
+            bound is not one number.
+        location: where the value was measured (``{"example": 1, "head": 0, "query": 3}``).
+        reason: words, only where no number says it: what raised, why not applicable.
+        data: further structured facts (lists, names) a machine may want.
     """
 
     level: int
     name: str
-    ok: bool | None
-    value: float | None = None
-    detail: str = ""
-    severity: Severity = "error"
+    status: Status
+    measure: str = ""
+    value: float | int | None = None
+    limit: float | int | None = None
+    op: Op = ""
+    rtol: float | None = None
+    atol: float | None = None
+    location: Mapping[str, Any] | None = None
+    reason: str = ""
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status: got {self.status!r}, expected one of {', '.join(STATUSES)}")
+        if self.level not in LEVEL_NAMES:
+            raise ValueError(f"level: got {self.level!r}, expected 1, 2, 3 or 4")
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
 
     @property
     def failed(self) -> bool:
-        return self.ok is False and self.severity == "error"
+        return self.status == "fail"
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "level": self.level,
-            "name": self.name,
-            "ok": self.ok,
-            "value": json_number(self.value),
-            "detail": self.detail,
-            "severity": self.severity,
-        }
+    @property
+    def judged(self) -> bool:
+        """True when the check was evaluated and gave pass, fail or warn."""
+        return self.status in ("pass", "fail", "warn")
+
+    def with_status(self, status: Status) -> "Check":
+        return replace(self, status=status)
+
+
+def bounded(level: int, name: str, measure: str, value: float | int, limit: float | int, *,
+            op: Op = "<=", location: Mapping[str, Any] | None = None, reason: str = "",
+            warn_only: bool = False, data: Mapping[str, Any] | None = None) -> Check:
+    """A check whose status follows from ``value op limit`` (NaN never passes).
+
+    ``warn_only`` turns a failure into ``warn``: shown, never a finding.
+    """
+    ok = _holds(value, op, limit)
+    status: Status = "pass" if ok else ("warn" if warn_only else "fail")
+    return Check(level, name, status, measure, value, limit, op, location=location, reason=reason,
+                 data=dict(data or {}))
+
+
+def counted(level: int, name: str, measure: str, count: int, *, location: Mapping[str, Any] | None = None,
+            reason: str = "", data: Mapping[str, Any] | None = None) -> Check:
+    """A check that passes when a counted violation never occurs (``count <= 0``)."""
+    return bounded(level, name, measure, int(count), 0, location=location, reason=reason, data=data)
+
+
+def unjudged(level: int, name: str, status: Status, reason: str) -> Check:
+    """A check that was not judged (skipped, not applicable, not reached, inconclusive), with why."""
+    return Check(level, name, status, reason=reason)
+
+
+def _holds(value: float | int, op: Op, limit: float | int) -> bool:
+    if value != value:  # NaN
+        return False
+    if op == "<=":
+        return value <= limit
+    if op == ">=":
+        return value >= limit
+    if op == "==":
+        return value == limit
+    raise ValueError(f"op: got {op!r}, expected '<=', '>=' or '=='")
 
 
 @dataclass(frozen=True)
-class Divergence:
-    """Where the computation first stopped meaning what was intended."""
+class Row:
+    """One stage, case, fault or experiment row, with its checks in order.
 
-    stage: str
-    level: int
-    check: str
-    detail: str
+    Attributes:
+        name: the stage name, case id, fault name or row label.
+        status: the row's status (``fail`` when it holds the failing check it is judged by).
+        checks: its checks.
+        shape, axes: the stage tensor's shape and what its axes mean (ledger rows).
+        fields: further columns as plain values (numbers stay numbers).
+        note: a line a reader needs about this row.
+    """
 
-    def to_json(self) -> dict[str, Any]:
-        return {"stage": self.stage, "level": self.level, "check": self.check, "detail": self.detail}
-
-
-@dataclass(frozen=True)
-class StageRow:
-    """One stage of the ledger: its tensor's shape, what its axes mean, and its checks."""
-
-    stage: str
-    shape: tuple[int, ...] | None
-    axes: str
+    name: str
     status: Status
     checks: tuple[Check, ...] = ()
+    shape: tuple[int, ...] | None = None
+    axes: str = ""
+    fields: Mapping[str, Any] = field(default_factory=dict)
     note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status: got {self.status!r}, expected one of {', '.join(STATUSES)}")
+
+    def check(self, name: str) -> Check:
+        return find_check(self.checks, name)
 
     def failing(self) -> list[Check]:
         return [c for c in self.checks if c.failed]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "shape": list(self.shape) if self.shape is not None else None,
-            "axes": self.axes,
-            "status": self.status,
-            "checks": [c.to_json() for c in self.checks],
-            "note": self.note,
-        }
+    def first_failing(self) -> Check | None:
+        """The failing check at the lowest level (the first listed among equals)."""
+        failing = self.failing()
+        return min(failing, key=lambda c: c.level) if failing else None
 
 
-def find_check(checks: "tuple[Check, ...] | list[Check]", name: str) -> Check:
+@dataclass(frozen=True)
+class Finding:
+    """The headline: the first failing check, and the row it belongs to."""
+
+    row: str
+    check: Check
+
+    @property
+    def level(self) -> int:
+        return self.check.level
+
+    @property
+    def name(self) -> str:
+        return self.check.name
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Where a verdict rests on fewer checks than usual, what it rests on and what could not run.
+
+    Attributes:
+        scope: a short name for what was checked (``"black-box"``, ``"partial"``).
+        missing: names of the checks (or kinds of check) that could not run.
+        reason: why.
+    """
+
+    scope: str
+    missing: tuple[str, ...] = ()
+    reason: str = ""
+
+
+def find_check(checks: Iterable[Check], name: str) -> Check:
     """The check called ``name`` (KeyError if there is none)."""
     for c in checks:
         if c.name == name:
@@ -119,112 +208,91 @@ def find_check(checks: "tuple[Check, ...] | list[Check]", name: str) -> Check:
     raise KeyError(name)
 
 
-def first_divergence_of(rows: list[StageRow] | tuple[StageRow, ...]) -> Divergence | None:
-    """The first stage (in order) with a failing check; within it, the lowest failing level."""
+def first_finding_of(rows: Iterable[Row]) -> Finding | None:
+    """The first row (in order) with a failing check; within it, the lowest failing level."""
     for row in rows:
-        failing = row.failing()
-        if failing:
-            worst = min(failing, key=lambda c: c.level)
-            return Divergence(row.stage, worst.level, worst.name, worst.detail)
+        first = row.first_failing()
+        if first is not None:
+            return Finding(row.name, first)
     return None
 
 
+def row_status(checks: Iterable[Check]) -> Status:
+    """A row's status from its checks: fail over warn over inconclusive over pass."""
+    statuses = {c.status for c in checks}
+    for s in ("fail", "warn", "inconclusive"):
+        if s in statuses:
+            return s  # type: ignore[return-value]
+    if statuses and statuses <= UNJUDGED:
+        return "skipped" if "skipped" in statuses else "not_applicable"
+    return "pass"
+
+
+_DEFAULT = object()
+
+
 @dataclass(frozen=True)
-class Ledger:
-    """The result of one ledger run.
+class Report:
+    """What every command hands to the renderers.
 
     Attributes:
-        command: the command that produced it (``run``, ``check``, ...).
-        title: one line naming the case (sizes, mask, dtype).
-        rows: one :class:`StageRow` per stage, in stage order.
-        first_divergence: the diagnosis, or None when every check holds.
-        notes: extra lines a reader needs (sampling, mask picture, ...).
-        meta: plain-number facts about the case (B, Tq, Tk, ...), for JSON.
-        tensors: small intermediates kept for inspection (never serialised).
+        command: the command that produced it (``run``, ``check``, ``faults``, ...).
+        title: one line naming what was examined.
+        rows: in order; the first finding is the first failing check by row order.
+        first_finding: the headline; computed from ``rows`` unless the command chooses one
+            (``check`` names its smallest failing case).
+        coverage: set where the verdict rests on fewer checks than usual.
+        notes: lines a reader needs (sampling, reproduction, ...).
+        details: the command's own facts, JSON-ready (plain values only).
+        unit: what one test case is in JUnit output: one ``check`` or one ``row``.
+        row_label: what a row is called in tables (``stage``, ``case``, ``fault``, ...).
+        show_passing: tables list passing checks of every row (the ledger), or only the
+            checks that did not pass (reports over many cases).
+        tensors: small intermediates kept for inspection by library users (never rendered).
     """
 
     command: str
     title: str
-    rows: tuple[StageRow, ...]
-    first_divergence: Divergence | None
+    rows: tuple[Row, ...]
+    first_finding: Finding | None = field(default=_DEFAULT)  # type: ignore[assignment]
+    coverage: Coverage | None = None
     notes: tuple[str, ...] = ()
-    meta: dict[str, Any] = field(default_factory=dict)
+    details: Mapping[str, Any] = field(default_factory=dict)
+    unit: Unit = "check"
+    row_label: str = "row"
+    show_passing: bool = True
     tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        if self.first_finding is _DEFAULT:
+            object.__setattr__(self, "first_finding", first_finding_of(self.rows))
+
     @property
-    def verdict(self) -> str:
-        return "pass" if self.first_divergence is None else "diverged"
+    def verdict(self) -> Verdict:
+        return "fail" if self.first_finding is not None else "pass"
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.first_divergence is None else 1
+        return 0 if self.first_finding is None else 1
 
-    def row(self, stage: str) -> StageRow:
+    def row(self, name: str) -> Row:
         for r in self.rows:
-            if r.stage == stage:
+            if r.name == name:
                 return r
-        raise KeyError(stage)
+        raise KeyError(name)
 
-    def check(self, stage: str, name: str) -> Check:
+    def check(self, row: str, name: str) -> Check:
         try:
-            return find_check(self.row(stage).checks, name)
+            return self.row(row).check(name)
         except KeyError:
-            raise KeyError(f"{stage}.{name}") from None
+            raise KeyError(f"{row}.{name}") from None
+
+    def checks(self) -> list[tuple[str, Check]]:
+        """Every check with the name of its row, in order."""
+        return [(r.name, c) for r in self.rows for c in r.checks]
 
     def warnings(self) -> list[tuple[str, Check]]:
-        return [(r.stage, c) for r in self.rows for c in r.checks if c.severity == "warning" and c.ok is False]
+        return [(r, c) for r, c in self.checks() if c.status == "warn"]
 
-    def to_json(self) -> dict[str, Any]:
-        return envelope(
-            self.command,
-            self.verdict,
-            title=self.title,
-            first_divergence=self.first_divergence.to_json() if self.first_divergence else None,
-            rows=[r.to_json() for r in self.rows],
-            notes=list(self.notes),
-            meta=self.meta,
-        )
-
-    def to_markdown(self) -> str:
-        from attn_ledger.render import ledger_markdown
-
-        return ledger_markdown(self)
-
-    def to_rich(self) -> Any:
-        from attn_ledger.render import ledger_rich
-
-        return ledger_rich(self)
-
-
-class CheckedReport:
-    """Shared verdict logic for reports that carry a tuple of :class:`Check` named ``checks``."""
-
-    checks: tuple[Check, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not any(c.failed for c in self.checks)
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if self.ok else "fail"
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
-
-    def check(self, name: str) -> Check:
-        return find_check(self.checks, name)
-
-
-class Report(Protocol):
-    """What every command hands to the CLI for rendering."""
-
-    @property
-    def exit_code(self) -> int: ...
-
-    def to_json(self) -> dict[str, Any]: ...
-
-    def to_markdown(self) -> str: ...
-
-    def to_rich(self) -> Any: ...
+    def failures(self) -> list[tuple[str, Check]]:
+        return [(r, c) for r, c in self.checks() if c.failed]

@@ -1,8 +1,13 @@
-"""What every command shares: output formats, rendering to a file, errors to exit 2, progress."""
+"""What every command shares: output formats, writing reports, the exit-status contract, progress.
+
+Exit statuses: 0 everything asked holds; 1 a finding; 2 bad input, usage or setup (one line
+on stderr); 3 an internal error of the tool itself (one line saying so; ``--debug`` or
+``ATTN_LEDGER_DEBUG=1`` shows the traceback). Nothing is written to ``--output`` unless the
+report was built and rendered whole.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -13,7 +18,7 @@ from typing import Any, Callable
 
 import typer
 
-from attn_ledger.errors import AttnLedgerError
+from attn_ledger.errors import AttnLedgerError, InputError
 
 
 class Format(str, Enum):
@@ -22,6 +27,12 @@ class Format(str, Enum):
     table = "table"
     json = "json"
     markdown = "markdown"
+    junit = "junit"
+    github = "github"
+
+
+EXIT_OK, EXIT_FINDING, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+DEBUG_ENV = "ATTN_LEDGER_DEBUG"
 
 
 def stderr_console() -> Any:
@@ -30,75 +41,140 @@ def stderr_console() -> Any:
     return Console(stderr=True)
 
 
+def say(message: str) -> None:
+    """One line on stderr, never re-wrapped or styled from its content."""
+    stderr_console().print(message, markup=False, highlight=False, soft_wrap=True)
+
+
 def fail(message: str) -> typer.Exit:
     """Print one line on stderr and return the exit-2 exception to raise."""
-    stderr_console().print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
-    return typer.Exit(2)
+    say(f"error: {message}")
+    return typer.Exit(EXIT_INPUT)
 
 
-def render_text(report: Any, fmt: Format, width: int | None = None, color: bool = True) -> str:
-    """Render a report to a string in the given format."""
-    if fmt is Format.json:
-        return json.dumps(report.to_json(), indent=2, allow_nan=False) + "\n"
-    if fmt is Format.markdown:
-        return report.to_markdown()
-    import io
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
-    from rich.console import Console
 
-    buf = io.StringIO()
-    console = Console(file=buf, width=width or 120, color_system=None, force_terminal=False)
-    console.print(report.to_rich())
-    return buf.getvalue()
+def render_text(report: Any, fmt: Format, width: int | None = None) -> str:
+    """Render a report to a string in the given format (tables at ``width`` columns, default 100)."""
+    from attn_ledger.render import render
+
+    return render(report, fmt.value, width or 100)
+
+
+def check_output_path(path: Path | None) -> None:
+    """Refuse, before any work, an ``--output`` that cannot be written as a regular file."""
+    if path is None:
+        return
+    text = str(path)
+    if text.strip() == "":
+        raise InputError("output: got '', expected a file path")
+    p = Path(text)
+    if p.is_dir():
+        raise InputError(f"output: got {text!r}, a directory; expected a file path")
+    if p.exists() and not p.is_file():
+        raise InputError(f"output: got {text!r}, which is not a regular file; expected a file path")
+    directory = p.parent if str(p.parent) else Path(".")
+    if not directory.is_dir():
+        raise InputError(f"output: got {text!r}, expected a file in an existing directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=f".{p.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(f"output: got {text!r}, cannot write there ({exc.strerror or exc})") from None
+    if p.exists() and not os.access(p, os.W_OK):
+        raise InputError(f"output: got {text!r}, the file is not writable")
 
 
 def write_atomic(path: Path, text: str) -> None:
     """Write text so that a reader never sees a half-written file."""
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise AttnLedgerError(f"output: directory does not exist: {str(directory)!r}")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise InputError(f"output: got {str(path)!r}, cannot write there ({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
-    except BaseException:
+    except OSError as exc:
+        raise InputError(f"output: got {str(path)!r}, cannot write there ({exc.strerror or exc})") from None
+    finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
 
 
 def emit(report: Any, fmt: Format, output: Path | None) -> None:
-    """Write a report to stdout (rich, with colour where the terminal has it) or to a file."""
+    """Write a report to stdout (a table in colour where the terminal has it) or to a file."""
     if output is not None:
         write_atomic(output, render_text(report, fmt))
         return
     if fmt is Format.table:
         from rich.console import Console
 
-        Console().print(report.to_rich())
+        from attn_ledger.render.table import layout, rich_lines
+
+        console = Console(soft_wrap=True)
+        for line in rich_lines(layout(report, console.width)):
+            console.print(line)
     else:
         sys.stdout.write(render_text(report, fmt))
         sys.stdout.flush()
 
 
-def execute(build: Callable[[], Any], fmt: Format, output: Path | None) -> None:
+def internal_error(command: str, exc: BaseException, fmt: Format) -> typer.Exit:
+    """Exit status 3: say it is a bug in the tool, in one line; JSON output gets an error envelope."""
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    message = f"{type(exc).__name__}" + (f": {first}" if first else "")
+    if debug_enabled():
+        import traceback
+
+        traceback.print_exception(exc)
+    if fmt is Format.json:
+        from attn_ledger.render.jsondoc import dumps, error_json
+
+        sys.stdout.write(dumps(error_json(command, message)))
+        sys.stdout.flush()
+    say(f"error: internal error in attn-ledger (a bug in the tool, not in your code): {message}. "
+        f"Run again with --debug or {DEBUG_ENV}=1 for the traceback.")
+    return typer.Exit(EXIT_INTERNAL)
+
+
+def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, command: str = "",
+            timings: bool = False) -> None:
     """Run a command body: build the report, render it, exit with its status.
 
-    Bad input (any :class:`AttnLedgerError`) becomes one line on stderr and exit 2,
-    with nothing written to ``output``. The process keeps freed memory for reuse
-    (see :mod:`attn_ledger.alloc`).
+    Bad input (any :class:`AttnLedgerError`) becomes one line on stderr and exit 2; any other
+    exception is an internal error, exit 3. Nothing is written to ``output`` in either case.
+    The process keeps freed memory for reuse (see :mod:`attn_ledger.alloc`).
     """
     from attn_ledger.alloc import retain_freed_memory
 
     retain_freed_memory()  # this process is ours: keep freed grid blocks for the next block
     try:
+        check_output_path(output)
+        start = time.perf_counter()
         report = build()
+        if timings:
+            report = _with_timing(report, time.perf_counter() - start)
         emit(report, fmt, output)
     except AttnLedgerError as exc:
         raise fail(str(exc)) from None
+    except typer.Exit:
+        raise
+    except Exception as exc:  # anything else is the tool's own bug: exit 3, never a finding
+        raise internal_error(command, exc, fmt) from None
     raise typer.Exit(report.exit_code)
+
+
+def _with_timing(report: Any, seconds: float) -> Any:
+    from dataclasses import replace
+
+    return replace(report, details={**report.details, "elapsed_s": round(seconds, 3)},
+                   notes=(*report.notes, f"elapsed {seconds:.2f} s"))
 
 
 class Progress:

@@ -105,4 +105,4 @@ def run(
         with progress:
             return run_ledger(load_config(config, overrides), keep_going=keep_going, progress=progress, backends=backends)
 
-    execute(build, output_format, output)
+    execute(build, output_format, output, command="run")

@@ -1,0 +1,101 @@
+"""The words and numbers every view shares: a check's sentence, value formatting, status words.
+
+Sentences are rendered from a check's fields; nothing in a report stores them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from attn_ledger.report import LEVEL_NAMES, STATUSES, Check, Finding, Report
+
+STATUS_WORD = {s: s.replace("_", " ") for s in STATUSES}
+STATUS_STYLE = {
+    "pass": "green",
+    "fail": "bold red",
+    "warn": "yellow",
+    "inconclusive": "yellow",
+    "skipped": "dim",
+    "not_applicable": "dim",
+    "not_reached": "dim",
+    "downstream": "yellow",
+}
+
+
+def fmt_value(value: Any) -> str:
+    """A number as a reader wants it: integers whole, others to three significant digits."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if value.is_integer() and abs(value) < 1e9:
+            return str(int(value))
+        return f"{value:.3g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(fmt_value(v) for v in value) + "]"
+    return str(value)
+
+
+def location_text(location: Mapping[str, Any] | None) -> str:
+    if not location:
+        return ""
+    return ", ".join(f"{k} {fmt_value(v)}" for k, v in location.items())
+
+
+def bound_text(check: Check) -> str:
+    """``limit 4e-06``, ``at least 0.5``, ``expected 0`` or ``rtol 2e-05, atol 2e-05``."""
+    parts = []
+    if check.limit is not None:
+        word = {"<=": "limit", ">=": "at least", "==": "expected"}.get(check.op, "limit")
+        parts.append(f"{word} {fmt_value(check.limit)}")
+    if check.rtol is not None or check.atol is not None:
+        parts.append(f"rtol {fmt_value(check.rtol or 0.0)}, atol {fmt_value(check.atol or 0.0)}")
+    return ", ".join(parts)
+
+
+def describe(check: Check) -> str:
+    """One sentence for a check, from its fields: what was measured, the bound, where, why."""
+    text = ""
+    if check.value is not None:
+        text = f"{check.measure} = {fmt_value(check.value)}" if check.measure else fmt_value(check.value)
+        bound = bound_text(check)
+        if bound:
+            text += f" ({bound})"
+    elif check.measure:
+        text = check.measure
+    where = location_text(check.location)
+    if where:
+        text += f" at {where}"
+    if check.reason:
+        text = f"{text}; {check.reason}" if text else check.reason
+    return text
+
+
+def check_line(check: Check) -> str:
+    """``L2 FAIL roundtrip_exact = 96``: level, status word, name and value, for tables."""
+    value = fmt_value(check.value)
+    return f"L{check.level} {STATUS_WORD[check.status]} {check.name}" + (f" = {value}" if value else "")
+
+
+def finding_line(finding: Finding | None, label: str = "first finding") -> str:
+    """The headline every command prints last."""
+    if finding is None:
+        return f"{label}: none"
+    c = finding.check
+    return f"{label}: {finding.row} (L{c.level} {LEVEL_NAMES[c.level]}: {c.name}) - {describe(c)}"
+
+
+def verdict_line(report: Report) -> str:
+    return finding_line(report.first_finding)
+
+
+def shape_text(shape: tuple[int, ...] | None) -> str:
+    return "" if shape is None else "(" + ", ".join(str(d) for d in shape) + ")"
