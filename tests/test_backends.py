@@ -28,35 +28,35 @@ def test_math_backend_is_always_available_on_cpu():
 def test_matrix_covers_backends_and_dtypes_on_small_grids():
     q, k, v = _qkv()
     led = ledger_on_qkv(q, k, v, mask="causal", backends="all")
-    assert led.first_divergence is None
-    matrix = led.meta["sdpa_backends"]
+    assert led.first_finding is None
+    matrix = led.details["sdpa_backends"]
     assert set(matrix) == set(SDPA_BACKENDS)
     assert matrix["math"] == {"float32": True, "float16": True, "bfloat16": True}
     names = [c.name for c in led.row("context").checks if c.name.startswith("sdpa[")]
     assert "sdpa[math,float32]" in names and "sdpa[math,bfloat16]" in names
     for c in led.row("context").checks:
         if c.name.startswith("sdpa["):
-            assert c.level == 4 and c.ok is True
+            assert c.level == 4 and c.status == "pass"
 
 
 def test_large_grids_compare_only_the_run_dtype():
     q, k, v = _qkv((1, 2, 200, 8))
     led = ledger_on_qkv(q, k, v, mask="causal", backends="math", block_size=50)
-    assert led.meta["sdpa_backends"] == {"math": {"float32": True}}
+    assert led.details["sdpa_backends"] == {"math": {"float32": True}}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_config_mode_matrix_passes_healthy_and_fails_on_a_fault(dtype):
     healthy = run_ledger(load_config(overrides={"dtype": dtype, "num_kv_heads": 1}), backends="math,flash")
-    assert healthy.first_divergence is None
-    assert all(ok is True for row in healthy.meta["sdpa_backends"].values() for ok in row.values())
+    assert healthy.first_finding is None
+    assert all(ok is True for row in healthy.details["sdpa_backends"].values() for ok in row.values())
     broken = run_ledger(load_config(overrides={"dtype": dtype, "fault": "no-scale"}), backends="math", keep_going=True)
     if dtype == "float32":  # the pipeline's context against each backend
-        assert broken.check("context", f"sdpa[math,{dtype}]").ok is False
-        assert broken.meta["sdpa_backends"]["math"][dtype] is False
+        assert broken.check("context", f"sdpa[math,{dtype}]").status == "downstream"  # after scores failed
+        assert broken.details["sdpa_backends"]["math"][dtype] is False
     else:  # half precision judges each backend's own error (factor rule); the pipeline fails matches_reference
-        assert broken.check("context", f"sdpa[math,{dtype}]").ok is True
-        assert broken.check("context", "matches_reference").ok is False
+        assert broken.check("context", f"sdpa[math,{dtype}]").status == "pass"
+        assert broken.check("context", "matches_reference").status == "downstream"
 
 
 def test_a_backend_worse_than_plain_fails_its_cell(monkeypatch):
@@ -72,9 +72,9 @@ def test_a_backend_worse_than_plain_fails_its_cell(monkeypatch):
     monkeypatch.setattr(L, "_sdpa_pinned", noisy)
     q, k, v = _qkv()
     led = ledger_on_qkv(q, k, v, mask="causal", backends="math,flash")
-    assert led.meta["sdpa_backends"]["flash"]["float16"] is False
-    assert led.meta["sdpa_backends"]["math"]["float16"] is True
-    assert led.first_divergence.check == "sdpa[flash,float16]"
+    assert led.details["sdpa_backends"]["flash"]["float16"] is False
+    assert led.details["sdpa_backends"]["math"]["float16"] is True
+    assert led.first_finding.name == "sdpa[flash,float16]"
 
 
 def test_unknown_backend_is_bad_input():
@@ -87,6 +87,6 @@ def test_cli_backends_json(tmp_path):
     res = CliRunner().invoke(app, ["run", "--backends", "math", "--format", "json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["meta"]["sdpa_backends"]["math"]["float32"] is True
+    assert data["details"]["sdpa_backends"]["math"]["float32"] is True
     res = CliRunner().invoke(app, ["run", "--backends", "nope"])
     assert res.exit_code == 2

@@ -26,8 +26,8 @@ def _qkv(shape=(2, 4, 64, 32), device="cuda", dtype=torch.float32):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_healthy_config_on_cuda(dtype):
     led = run_ledger(load_config(overrides={"dtype": dtype, "device": "cuda", "seq_len": 64, "embed_dim": 64, "num_heads": 4}))
-    assert led.first_divergence is None, led.first_divergence
-    assert led.meta["device"].startswith("cuda")
+    assert led.first_finding is None, led.first_finding
+    assert led.details["device"].startswith("cuda")
     assert led.tensors["context"].device.type == "cuda"
 
 
@@ -37,23 +37,23 @@ def test_healthy_config_on_cuda(dtype):
 def test_healthy_tensors_on_cuda(dtype, mask):
     q, k, v = _qkv(dtype=DT[dtype])
     led = ledger_on_qkv(q, k, v, mask=mask)
-    assert led.first_divergence is None, led.first_divergence
-    assert led.meta["device"].startswith("cuda")
+    assert led.first_finding is None, led.first_finding
+    assert led.details["device"].startswith("cuda")
 
 
 @cuda
 def test_streamed_blocks_on_cuda():
     q, k, v = _qkv((1, 8, 1024, 64))
     led = ledger_on_qkv(q, k, v, mask="causal", block_size=128)
-    assert led.first_divergence is None, led.first_divergence
+    assert led.first_finding is None, led.first_finding
     assert any("query blocks" in n for n in led.notes)
 
 
 @cuda
 @pytest.mark.parametrize("fault,stage", [("no-scale", "scores"), ("mask-polarity", "masked_scores"), ("softmax-axis", "weights")])
 def test_faults_are_caught_on_cuda(fault, stage):
-    d = run_ledger(load_config(overrides={"device": "cuda", "fault": fault})).first_divergence
-    assert d is not None and d.stage == stage
+    d = run_ledger(load_config(overrides={"device": "cuda", "fault": fault})).first_finding
+    assert d is not None and d.row == stage
 
 
 @cuda
@@ -61,12 +61,12 @@ def test_faults_are_caught_on_cuda(fault, stage):
 def test_backends_matrix_on_cuda(dtype):
     q, k, v = _qkv((1, 2, 32, 64), dtype=DT[dtype])
     led = ledger_on_qkv(q, k, v, mask="causal", backends="all")
-    matrix = led.meta["sdpa_backends"]
+    matrix = led.details["sdpa_backends"]
     assert matrix["math"][dtype] is True
     for name, row in matrix.items():
         for dt, ok in row.items():
             assert ok is True or str(ok).startswith("unavailable"), (name, dt, ok)
-    assert led.first_divergence is None, led.first_divergence
+    assert led.first_finding is None, led.first_finding
 
 
 @cuda
@@ -80,9 +80,9 @@ def test_cli_tensors_on_cuda(tmp_path):
                                    "--dtype", "bfloat16", "--backends", "all", "--format", "json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["verdict"] == "pass" and data["meta"]["device"].startswith("cuda")
+    assert data["verdict"] == "pass" and data["details"]["device"].startswith("cuda")
     led = run_ledger_tensors(str(path), mask="causal", device="auto")
-    assert led.meta["device"].startswith("cuda")
+    assert led.details["device"].startswith("cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is absent")
@@ -95,5 +95,5 @@ def test_cuda_request_without_cuda_is_bad_input():
 def test_cpu_device_is_honoured():
     q, k, v = _qkv((1, 2, 8, 4), device="cpu")
     led = ledger_on_qkv(q, k, v, mask="causal")
-    assert led.meta["device"] == "cpu"
-    assert run_ledger(load_config(overrides={"device": "cpu"})).meta["device"] == "cpu"
+    assert led.details["device"] == "cpu"
+    assert run_ledger(load_config(overrides={"device": "cpu"})).details["device"] == "cpu"

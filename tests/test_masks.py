@@ -125,7 +125,7 @@ def test_picture_has_queries_as_rows():
 ])
 def test_each_relation_reaches_the_score_grid(mask, extra, want):
     led = run_ledger(load_config(overrides={"mask": mask, "query_len": 3, "key_len": 7, "keep_grids": True, **extra}))
-    assert led.first_divergence is None, led.first_divergence
+    assert led.first_finding is None, led.first_finding
     got = torch.isfinite(led.tensors["masked_scores"][0, 0])  # batch 0, head 0
     assert allowed_set(got) == {(i, j) for i in range(3) for j in range(7) if want(i, j)}
     forbidden = ~got
@@ -158,10 +158,10 @@ def test_top_left_mask_in_a_decode_step_is_named_and_diverges_from_bottom_right_
     import torch.nn.functional as F
 
     out_tl = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # SDPA's own is_causal is top-left
-    d = ledger_on_qkv(q, k, v, mask="causal", out=out_tl).first_divergence
-    assert (d.stage, d.level) == ("context", 4)
+    d = ledger_on_qkv(q, k, v, mask="causal", out=out_tl).first_finding
+    assert (d.row, d.level) == ("context", 4)
     out_br = F.scaled_dot_product_attention(q, k, v, attn_mask=br)
-    assert ledger_on_qkv(q, k, v, mask="causal", out=out_br).first_divergence is None
+    assert ledger_on_qkv(q, k, v, mask="causal", out=out_br).first_finding is None
 
 
 def test_config_rejects_inconsistent_relations():

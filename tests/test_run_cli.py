@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -28,19 +27,16 @@ def invoke(*args):
 def test_default_run_exits_zero_and_names_no_divergence():
     r = invoke("run")
     assert r.exit_code == 0, r.output
-    assert "first divergence: none" in r.output
+    assert "first finding: none" in r.output
     assert "head_roundtrip" in r.output and "masked_scores" in r.output
 
 
 def test_golden_default_ledger(update_goldens):
-    from rich.console import Console
-
     from attn_ledger.config import load_config
     from attn_ledger.ledger import run_ledger
+    from attn_ledger.render import render
 
-    buf = io.StringIO()
-    Console(width=100, file=buf, color_system=None).print(run_ledger(load_config()).to_rich())
-    text = _rounded(buf.getvalue())
+    text = _rounded(render(run_ledger(load_config()), "table", width=100))
     path = GOLDEN / "default_ledger.txt"
     if update_goldens or not path.exists():
         path.write_text(text)
@@ -51,7 +47,9 @@ def test_golden_fault_ledger_markdown(update_goldens):
     from attn_ledger.config import load_config
     from attn_ledger.ledger import run_ledger
 
-    text = _rounded(run_ledger(load_config(overrides={"fault": "split-reshape"})).to_markdown())
+    from attn_ledger.render import render
+
+    text = _rounded(render(run_ledger(load_config(overrides={"fault": "split-reshape"})), "markdown"))
     path = GOLDEN / "split_reshape_ledger.md"
     if update_goldens or not path.exists():
         path.write_text(text)
@@ -74,24 +72,25 @@ def test_fault_option_json(fault, stage, level):
     r = invoke("run", "--fault", fault, "--format", "json")
     assert r.exit_code == 1
     d = json.loads(r.stdout)
-    assert d["tool"] == "attn-ledger" and d["command"] == "run" and d["verdict"] == "diverged"
-    assert d["first_divergence"]["stage"] == stage and d["first_divergence"]["level"] <= level
+    assert d["tool"] == "attn-ledger" and d["command"] == "run" and d["verdict"] == "fail"
+    assert d["schema_version"] == 2
+    assert d["first_finding"]["row"] == stage and d["first_finding"]["level"] <= level
     statuses = [row["status"] for row in d["rows"]]
-    assert "not_reached" in statuses and statuses.count("diverged") == 1
+    assert "not_reached" in statuses and statuses.count("fail") == 1
     for row in d["rows"]:
-        assert set(row) >= {"stage", "shape", "axes", "status", "checks"}
+        assert set(row) >= {"name", "shape", "axes", "status", "checks"}
         for c in row["checks"]:
-            assert set(c) >= {"level", "name", "ok", "value", "detail"}
+            assert set(c) >= {"level", "name", "status", "value", "limit", "op", "rtol", "atol", "location"}
 
 
 def test_config_file_and_cli_overrides(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('batch_size = 1\nseq_len = 4\nembed_dim = 8\nnum_heads = 2\nmask = "none"\nfault = "softmax-axis"\n')
     r = invoke("run", str(cfg), "--format", "json")
-    assert r.exit_code == 1 and json.loads(r.stdout)["first_divergence"]["stage"] == "weights"
+    assert r.exit_code == 1 and json.loads(r.stdout)["first_finding"]["row"] == "weights"
     r = invoke("run", str(cfg), "--format", "json", "--seq-len", "6", "--mask", "causal")
     d = json.loads(r.stdout)
-    assert d["meta"]["Tq"] == 6 and d["meta"]["mask"] == "causal"
+    assert d["details"]["Tq"] == 6 and d["details"]["mask"] == "causal"
 
 
 def test_json_config_accepted(tmp_path):
@@ -99,7 +98,7 @@ def test_json_config_accepted(tmp_path):
     cfg.write_text(json.dumps({"batch_size": 1, "query_len": 3, "key_len": 6, "embed_dim": 8, "num_heads": 2}))
     r = invoke("run", str(cfg), "--format", "json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["meta"]["Tk"] == 6
+    assert json.loads(r.stdout)["details"]["Tk"] == 6
 
 
 def test_every_fault_fixture_diverges():
@@ -117,7 +116,7 @@ def test_keep_going_and_markdown_output_file(tmp_path):
     assert r.exit_code == 1 and r.stdout == ""
     text = out.read_text()
     assert "| masked_scores |" in text and "downstream" in text
-    assert "**first divergence: masked_scores (level 3: no_fully_blocked_query)" in text
+    assert "**first finding: masked_scores (L3 numerical invariants: no_fully_blocked_query)" in text
 
 
 def test_tensors_cli_on_seed_fixture():
@@ -130,7 +129,7 @@ def test_tensors_cli_on_seed_fixture():
 def test_tensors_cli_user_intermediates_diverge():
     r = invoke("run", "--tensors", str(ROOT / "fixtures/tensors/seed000_wrong_axis.pt"), "--format", "json")
     assert r.exit_code == 1
-    assert json.loads(r.stdout)["first_divergence"]["check"] == "user_weights_key_row_sums"
+    assert json.loads(r.stdout)["first_finding"]["check"] == "user_weights_key_row_sums"
 
 
 # --- bad input: one line, exit 2, no traceback, nothing written --------------------------
@@ -255,7 +254,7 @@ def test_console_script_as_a_subprocess(tmp_path):
     r = subprocess.run([sys.executable, "-m", "attn_ledger", "run", "--fault", "no-scale", "--format", "json"],
                        capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 1
-    assert json.loads(r.stdout)["first_divergence"]["stage"] == "scores"
+    assert json.loads(r.stdout)["first_finding"]["row"] == "scores"
     r = subprocess.run([sys.executable, "-m", "attn_ledger", "run", "--embed-dim", "10", "--heads", "3"],
                        capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr

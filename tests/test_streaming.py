@@ -32,12 +32,12 @@ CASES = [
 
 
 def _verdicts(led) -> dict[tuple[str, str], bool | None]:
-    return {(r.stage, c.name): c.ok for r in led.rows for c in r.checks}
+    return {(r.name, c.name): c.status for r in led.rows for c in r.checks}
 
 
 def _first(led):
-    d = led.first_divergence
-    return None if d is None else (d.stage, d.level, d.check)
+    d = led.first_finding
+    return None if d is None else (d.row, d.level, d.name)
 
 
 @pytest.mark.parametrize("name,extra", CASES, ids=[c[0] for c in CASES])
@@ -84,8 +84,8 @@ def test_random_allow_mask_takes_the_exact_path_and_matches_whole_grid():
     allow = torch.rand(190, 190, generator=g) < 0.7
     allow[:, 0] = True
     led = {bs: ledger_on_qkv(q, k, v, allow_mask=allow, block_size=bs) for bs in BLOCKS}
-    assert all(x.first_divergence is None for x in led.values())
-    pairs = {bs: x.check("masked_scores", "forbidden_excluded").detail for bs, x in led.items()}
+    assert all(x.first_finding is None for x in led.values())
+    pairs = {bs: x.check("masked_scores", "forbidden_excluded").value for bs, x in led.items()}
     assert len(set(pairs.values())) == 1
 
 
@@ -108,7 +108,7 @@ def test_off_by_one_causal_relation_is_caught_at_any_block_size(monkeypatch):
     for bs in BLOCKS:
         led = run_ledger(load_config(overrides={**BASE, "block_size": bs}), keep_going=True)
         c = led.check("masked_scores", "allowed_kept")
-        assert (c.ok, c.value) == (False, 2 * 190), bs  # Nh * Tq diagonal pairs
+        assert (c.status, c.value) == ("fail", 2 * 190), bs  # Nh * Tq diagonal pairs
         assert _first(led)[:2] == ("masked_scores", 3)
 
 
@@ -117,11 +117,11 @@ def test_float64_reference_on_a_sample_of_blocks_is_noted(monkeypatch):
     monkeypatch.setattr(L, "F64_SAMPLE", 2 * 2 * 10 * 190)
     q, k, v = _qkv((1, 2, 190, 8))
     led = ledger_on_qkv(q, k, v, mask="causal", block_size=10)
-    assert led.first_divergence is None
+    assert led.first_finding is None
     note = next(n for n in led.notes if n.startswith("float64 reference on a sample"))
     assert note.startswith("float64 reference on a sample of 18 of 190 query rows (rows 0..5, 94..99, 184..189)")
     assert note.endswith("SDPA on all rows")
-    assert led.check("context", "matches_reference").ok is True
+    assert led.check("context", "matches_reference").status == "pass"
 
 
 def test_sdpa_still_covers_every_block_when_float64_is_sampled(monkeypatch):
@@ -137,8 +137,8 @@ def test_sdpa_still_covers_every_block_when_float64_is_sampled(monkeypatch):
 
     monkeypatch.setattr(P, "ops_for", lambda fault: P.Ops(mix=mix_wrong_in_block_5))
     led = run_ledger(load_config(overrides={**BASE, "block_size": 10}), keep_going=True)
-    assert led.check("context", "matches_sdpa").ok is False
-    assert led.check("context", "matches_reference").ok is True  # rows 50..59 are not in the float64 sample
+    assert led.check("context", "matches_sdpa").status == "fail"
+    assert led.check("context", "matches_reference").status == "pass"  # rows 50..59 are not in the float64 sample
 
 
 def test_sampled_blocks_include_first_and_last():
@@ -193,8 +193,8 @@ def test_value_span_from_chunks_equals_direct_min_max():
 def test_single_row_blocks_keep_a_forbidden_key():
     """Blocks of one query row still see a key the relation forbids, so an unapplied mask is caught."""
     led = run_ledger(load_config(overrides={**BASE, "fault": "mask-after-softmax", "block_size": 1}))
-    d = led.first_divergence
-    assert (d.stage, d.check) == ("masked_scores", "forbidden_excluded")
+    d = led.first_finding
+    assert (d.row, d.name) == ("masked_scores", "forbidden_excluded")
     assert led.check("masked_scores", "forbidden_excluded").value == 2 * 189  # one forbidden key per row but the last
 
 
@@ -250,11 +250,11 @@ def test_bfloat16_streaming_with_widened_key_ranges(fault):
     overrides = {**BASE, "dtype": "bfloat16", "seq_len": 300, "block_size": 32, "fault": fault}
     led = run_ledger(load_config(overrides=overrides), keep_going=True)
     if fault is None:
-        assert led.first_divergence is None
+        assert led.first_finding is None
         return
-    assert led.first_divergence.stage == "masked_scores"
+    assert led.first_finding.row == "masked_scores"
     if fault == "mask-after-softmax":
-        assert led.first_divergence.check == "forbidden_excluded"
+        assert led.first_finding.name == "forbidden_excluded"
     else:  # every pair wrong, counted exactly over the widened ranges
         assert led.check("masked_scores", "forbidden_excluded").value == 2 * 300 * 299 // 2
         assert led.check("masked_scores", "allowed_kept").value == 2 * 300 * 301 // 2
@@ -293,14 +293,14 @@ def test_value_range_on_large_blocks_is_noted_and_still_fails_an_output_outside_
 
     cfg = load_config(overrides={**BASE, "seq_len": 400, "block_size": 64})
     healthy = run_ledger(cfg)
-    assert healthy.check("context", "in_value_range").ok is True
+    assert healthy.check("context", "in_value_range").status == "pass"
     assert any(n.startswith("context in_value_range: blocks over 2^18") for n in healthy.notes)
     def shifted_on_wide_blocks(w, v):  # only blocks whose check takes the looser, block-wide range
         return P.mix_values(w, v) + (100.0 if w.shape[-1] > 320 else 0.0)
 
     monkeypatch.setattr(P, "ops_for", lambda fault: P.Ops(mix=shifted_on_wide_blocks))
     shifted = run_ledger(cfg, keep_going=True)
-    assert shifted.check("context", "in_value_range").ok is False
+    assert shifted.check("context", "in_value_range").status == "fail"
     small = run_ledger(load_config(overrides={**BASE, "seq_len": 8}))
     assert not any(n.startswith("context in_value_range") for n in small.notes)
 
