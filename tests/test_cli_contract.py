@@ -1,0 +1,239 @@
+"""The exit-status contract and the house rules every command shares.
+
+0 pass, 1 finding, 2 bad input or usage (one line), 3 an internal error of the tool (one line
+saying so; JSON output gets an ``error`` envelope). Also: the import graph has no cycles and
+points down only, and the declared torch requirement admits newer releases.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from attn_ledger.cli import app
+from attn_ledger.render.jsondoc import schema
+
+ROOT = Path(__file__).parent.parent
+PKG = ROOT / "attn_ledger"
+runner = CliRunner()
+
+
+def invoke(*args, env=None):
+    return runner.invoke(app, list(args), env={"COLUMNS": "100", **(env or {})})
+
+
+def _one_line_error(r, *needles):
+    err = r.stderr.strip()
+    assert r.exit_code == 2, (r.exit_code, r.output)
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert "Traceback" not in r.output and "╭" not in err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+# --- usage errors ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,needles", [
+    (("run", "--format", "xml"), ("--format", "'xml'", "table, json, markdown, junit, github")),
+    (("run", "--dtype", "int3"), ("--dtype", "'int3'", "float32")),
+    (("run", "--seq-len", "abc"), ("--seq-len", "'abc'", "whole number")),
+    (("run", "--bogus"), ("--bogus", "no such option")),
+    (("faults", "--format", "yaml"), ("--format", "'yaml'")),
+    (("check", "x.py:f", "--empty-rows", "sometimes"), ("--empty-rows", "'sometimes'", "zeros")),
+    (("nosuchcommand",), ("nosuchcommand",)),
+])
+def test_usage_errors_are_one_line_naming_option_value_and_choices(args, needles):
+    _one_line_error(invoke(*args), *needles)
+
+
+def test_a_huge_option_value_is_cut_in_the_message():
+    r = invoke("run", "--format", "x" * 100_000)
+    _one_line_error(r, "--format")
+    assert len(r.stderr) < 400
+
+
+# --- internal errors: exit 3 ------------------------------------------------------------------------
+
+def _plant_bug(monkeypatch):
+    import attn_ledger.ledger as L
+
+    def broken(*a, **k):
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(L, "run_ledger", broken)
+
+
+def test_a_bug_in_the_tool_is_exit_3_with_one_line(monkeypatch, tmp_path):
+    _plant_bug(monkeypatch)
+    out = tmp_path / "never.txt"
+    r = invoke("run", "--output", str(out))
+    assert r.exit_code == 3, r.output
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1 and "internal error" in err and "--debug" in err and "planted bug" in err
+    assert "Traceback" not in r.output
+    assert not out.exists()
+
+
+def test_a_bug_in_the_tool_gives_an_error_envelope_in_json(monkeypatch):
+    _plant_bug(monkeypatch)
+    r = invoke("run", "--format", "json")
+    assert r.exit_code == 3
+    doc = json.loads(r.stdout)
+    jsonschema.validate(doc, schema())
+    assert doc["verdict"] == "error" and "planted bug" in doc["error"]
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback(monkeypatch, how):
+    _plant_bug(monkeypatch)
+    if how == "flag":
+        r = invoke("run", "--debug")
+    else:
+        monkeypatch.setenv("ATTN_LEDGER_DEBUG", "1")
+        r = invoke("run", env={"ATTN_LEDGER_DEBUG": "1"})
+    assert r.exit_code == 3 and "Traceback" in r.stderr and "planted bug" in r.stderr
+    monkeypatch.delenv("ATTN_LEDGER_DEBUG", raising=False)
+    os.environ.pop("ATTN_LEDGER_DEBUG", None)
+
+
+def test_findings_are_never_exit_3():
+    assert invoke("run", "--fault", "no-scale").exit_code == 1
+    assert invoke("run").exit_code == 0
+
+
+# --- --output ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["directory", "empty", "proc_file", "proc_dir", "missing_dir"])
+def test_unwritable_output_is_one_line_and_nothing_written(tmp_path, where):
+    target = {
+        "directory": str(tmp_path),
+        "empty": "",
+        "proc_file": "/proc/version",
+        "proc_dir": "/proc/attn-ledger-report.json",
+        "missing_dir": str(tmp_path / "no" / "such" / "dir.json"),
+    }[where]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = invoke("run", "--output", target)
+    _one_line_error(r, "output")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_output_is_written_whole(tmp_path):
+    out = tmp_path / "r.json"
+    r = invoke("run", "--format", "json", "--output", str(out))
+    assert r.exit_code == 0 and r.stdout == ""
+    jsonschema.validate(json.loads(out.read_text()), schema())
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+# --- the import graph ----------------------------------------------------------------------------
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    modules = {_module_name(p) for p in PKG.rglob("*.py")}
+    for path in PKG.rglob("*.py"):
+        name = _module_name(path)
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for t in targets:
+                if t in modules and t != name:
+                    found.add(t)
+        graph[name] = found
+    return graph
+
+
+def _rank(module: str) -> int:
+    """Layers from the bottom: the report model, its renderers, the library, experiments, commands."""
+    if module in ("attn_ledger", "attn_ledger._version", "attn_ledger.errors", "attn_ledger.report"):
+        return 0
+    if module.startswith("attn_ledger.render"):
+        return 1
+    if module.startswith("attn_ledger.experiments"):
+        return 3
+    if module.startswith("attn_ledger.commands") or module in ("attn_ledger.testing",):
+        return 4
+    if module in ("attn_ledger.cli", "attn_ledger.__main__"):
+        return 5
+    return 2
+
+
+def test_imports_point_down_only():
+    bad = [(a, b) for a, targets in _imports().items() for b in targets if _rank(b) > _rank(a)]
+    assert not bad, bad
+
+
+def test_import_graph_has_no_cycles():
+    graph = _imports()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
+            if m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+
+
+def test_the_report_model_imports_no_renderer():
+    assert all(not t.startswith("attn_ledger.render") for t in _imports()["attn_ledger.report"])
+
+
+# --- installing like a library --------------------------------------------------------------------
+
+def test_torch_requirement_admits_newer_releases():
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
+    for version in ("2.13.0", "2.14.1", "2.15.0", "3.0.0"):
+        assert torch_req.specifier.contains(version), (str(torch_req), version)
+    assert not torch_req.specifier.contains("2.3.0")
+
+
+def test_installed_metadata_keeps_a_newer_torch():
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in requires("attn-ledger") or [] if not Requirement(r).marker]
+    (torch_req,) = [r for r in reqs if r.name == "torch"]
+    assert torch_req.specifier.contains("2.15.0")
+
+
+def test_help_states_the_exit_statuses():
+    r = subprocess.run([sys.executable, "-m", "attn_ledger", "--help"], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0
+    for word in ("0 all that was asked holds", "1 a finding", "2 bad input", "3 an internal error"):
+        assert word in " ".join(r.stdout.split()), word
