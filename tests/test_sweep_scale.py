@@ -12,7 +12,9 @@ from typer.testing import CliRunner
 
 from attn_ledger.cli import app
 from attn_ledger.experiments import scale
-from attn_ledger.experiments.scale import ScaleRow, relationship_checks, sweep
+from attn_ledger.experiments.scale import ScaleStats, sweep, sweep_report
+from attn_ledger.render import render
+from attn_ledger.render.text import fmt_value
 from attn_ledger.tensorio import save_tensor_file
 
 runner = CliRunner()
@@ -27,19 +29,31 @@ def as_json(result) -> dict:
 
 
 def checks_by_name(doc: dict) -> dict:
-    return {c["name"]: c for c in doc["checks"]}
+    """Every check in a JSON report by name (a per-Dh check keyed by the first row that holds it)."""
+    out: dict = {}
+    for r in doc["rows"]:
+        for c in r["checks"]:
+            out.setdefault(c["name"], c)
+    return out
+
+
+def failed_names(report) -> set[str]:
+    return {c.name for _, c in report.failures()}
 
 
 def test_default_sweep_reproduces_the_seed_relationship():
     result = invoke("--format", "json")
     assert result.exit_code == 0, result.output
     doc = as_json(result)
-    assert doc["command"] == "sweep-scale" and doc["verdict"] == "pass"
-    assert (doc["queries"], doc["keys"]) == (512, 512)
-    rows = doc["rows"]
-    assert [r["dh"] for r in rows] == [8, 32, 128, 512]
-    for r in rows:
-        assert abs(r["raw_std"] / math.sqrt(r["dh"]) - 1) <= 0.05
+    assert doc["command"] == "sweep-scale" and doc["verdict"] == "pass" and doc["first_finding"] is None
+    details = doc["details"]
+    assert details["mode"] == "sweep" and (details["queries"], details["keys"], details["seed"]) == (512, 512, 0)
+    assert details["dh"] == [8, 32, 128, 512]
+    assert [r["name"] for r in doc["rows"]] == ["Dh=8", "Dh=32", "Dh=128", "Dh=512", "across Dh"]
+    rows = [r["fields"] for r in doc["rows"][:4]]
+    for dh, r in zip(details["dh"], rows):
+        assert r["sqrt_dh"] == pytest.approx(math.sqrt(dh))
+        assert abs(r["raw_std"] / math.sqrt(dh) - 1) <= 0.05
         assert abs(r["scaled_std"] - 1) <= 0.05
         assert r["ln_tk"] == pytest.approx(math.log(512))
         assert r["scaled_entropy"] < r["ln_tk"]
@@ -49,51 +63,83 @@ def test_default_sweep_reproduces_the_seed_relationship():
     assert raw_maxp == sorted(raw_maxp) and raw_maxp[-1] > 0.85
     scaled_h = [r["scaled_entropy"] for r in rows]
     assert max(scaled_h) - min(scaled_h) < 0.05
-    assert all(c["ok"] for c in doc["checks"])
+    for r in doc["rows"]:
+        assert r["status"] == "pass"
+        for c in r["checks"]:
+            assert c["status"] == "pass" and c["op"] == "<="
+    per_dh = doc["rows"][1]["checks"]
+    assert [c["name"] for c in per_dh] == ["raw_std_tracks_sqrt_dh", "scaled_std_near_one"]
+    assert per_dh[0]["limit"] == 0.05 and per_dh[0]["location"] == {"Dh": 32}
+    assert per_dh[0]["value"] == pytest.approx(abs(rows[1]["raw_std"] / math.sqrt(32) - 1))
+    flat, falling = doc["rows"][-1]["checks"]
+    assert flat["value"] == pytest.approx(max(scaled_h) - min(scaled_h))
+    assert flat["limit"] == pytest.approx(0.02 * math.log(512))
+    assert falling["value"] == 0 and falling["data"]["steps"] == []
+    assert falling["data"]["drop"] == pytest.approx(raw_h[0] - raw_h[-1])
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 17, 42])
 def test_default_sizes_hold_on_other_seeds(seed):
-    assert sweep(seed=seed).ok
+    assert sweep(seed=seed).verdict == "pass"
 
 
 def test_small_sizes_of_the_worked_example_can_fail():
-    # 64 x 32 keys is too few samples: at seed 99 the Dh=8 std misses the 5% band.
+    # 64 x 32 keys is too few samples: at seed 99 the Dh=32 std misses the 5% band.
     report = sweep(queries=64, keys=32, seed=99)
-    assert not report.ok
-    failed = {c.name for c in report.checks if c.failed}
-    assert "raw_std_tracks_sqrt_dh" in failed
+    assert report.verdict == "fail"
+    assert "raw_std_tracks_sqrt_dh" in failed_names(report)
+    check = report.check("Dh=32", "raw_std_tracks_sqrt_dh")
+    assert check.failed and check.value > check.limit == 0.05
+    assert report.check("Dh=8", "raw_std_tracks_sqrt_dh").passed
+    assert report.first_finding.row == "Dh=32"
     result = invoke("--queries", "64", "--keys", "32", "--seed", "99", "--format", "json")
     assert result.exit_code == 1
-    assert as_json(result)["verdict"] == "fail"
+    doc = as_json(result)
+    assert doc["verdict"] == "fail"
+    assert doc["first_finding"]["row"] == "Dh=32" and doc["first_finding"]["check"] == "raw_std_tracks_sqrt_dh"
+    assert doc["first_finding"]["value"] > doc["first_finding"]["limit"] == 0.05
 
 
-def _row(dh, raw_std=None, scaled_std=1.0, raw_h=1.0, scaled_h=3.0):
-    return ScaleRow(dh, math.sqrt(dh) if raw_std is None else raw_std, scaled_std, math.sqrt(dh), 0.5, 0.1,
-                    raw_h, scaled_h, math.log(32))
+def _stats(dh, raw_std=None, scaled_std=1.0, raw_h=1.0, scaled_h=3.0):
+    return ScaleStats(dh, math.sqrt(dh) if raw_std is None else raw_std, scaled_std, math.sqrt(dh), 0.5, 0.1,
+                      raw_h, scaled_h, math.log(32))
 
 
-def _failed(rows):
-    return {c.name for c in relationship_checks(rows) if c.ok is False}
+def _report(stats):
+    return sweep_report(stats, 64, 32, 0)
 
 
 def test_each_relationship_check_passes_on_ideal_rows():
-    rows = (_row(8, raw_h=1.7), _row(32, raw_h=0.8), _row(128, raw_h=0.3))
-    assert _failed(rows) == set()
+    report = _report((_stats(8, raw_h=1.7), _stats(32, raw_h=0.8), _stats(128, raw_h=0.3)))
+    assert failed_names(report) == set() and report.verdict == "pass"
+    assert all(c.status == "pass" for _, c in report.checks())
+    assert len(report.checks()) == 3 * 2 + 2
 
 
 @pytest.mark.parametrize(
-    "rows, name",
+    "stats, row, name, value",
     [
-        ((_row(8, raw_std=3.2, raw_h=1.7), _row(32, raw_h=0.8)), "raw_std_tracks_sqrt_dh"),
-        ((_row(8, scaled_std=1.08, raw_h=1.7), _row(32, raw_h=0.8)), "scaled_std_near_one"),
-        ((_row(8, raw_h=1.7, scaled_h=3.0), _row(32, raw_h=0.8, scaled_h=2.5)), "scaled_entropy_flat"),
-        ((_row(8, raw_h=0.8), _row(32, raw_h=1.7)), "raw_entropy_falling"),
+        ((_stats(8, raw_std=3.2, raw_h=1.7), _stats(32, raw_h=0.8)), "Dh=8", "raw_std_tracks_sqrt_dh",
+         3.2 / math.sqrt(8) - 1),
+        ((_stats(8, scaled_std=1.08, raw_h=1.7), _stats(32, raw_h=0.8)), "Dh=8", "scaled_std_near_one", 0.08),
+        ((_stats(8, raw_h=1.7, scaled_h=3.0), _stats(32, raw_h=0.8, scaled_h=2.5)), "across Dh",
+         "scaled_entropy_flat", 0.5),
+        ((_stats(8, raw_h=0.8), _stats(32, raw_h=1.7)), "across Dh", "raw_entropy_falling", 1),
     ],
     ids=["raw-std", "scaled-std", "flat", "falling"],
 )
-def test_each_relationship_check_can_fail(rows, name):
-    assert name in _failed(rows)
+def test_each_relationship_check_can_fail(stats, row, name, value):
+    report = _report(stats)
+    assert failed_names(report) == {name}
+    check = report.check(row, name)
+    assert check.value == pytest.approx(value) and not check.value <= check.limit
+    assert report.row(row).status == "fail" and report.first_finding.name == name
+
+
+def test_raw_entropy_falling_names_the_step_that_rises():
+    report = _report((_stats(8, raw_h=1.7), _stats(32, raw_h=0.8), _stats(128, raw_h=0.8)))
+    check = report.check("across Dh", "raw_entropy_falling")
+    assert check.failed and check.value == 1 and check.data["steps"] == [[32, 128]]
 
 
 def test_missing_scale_is_caught(monkeypatch):
@@ -101,22 +147,25 @@ def test_missing_scale_is_caught(monkeypatch):
     real = scale.score_stats
 
     def unscaled(q, k):
-        row, maxp, largest = real(q, k)
-        return ScaleRow(row.dh, row.raw_std, row.raw_std, row.sqrt_dh, row.raw_maxp, row.raw_maxp,
-                        row.raw_entropy, row.raw_entropy, row.ln_tk), maxp, largest
+        s, maxp, largest = real(q, k)
+        return ScaleStats(s.dh, s.raw_std, s.raw_std, s.sqrt_dh, s.raw_maxp, s.raw_maxp,
+                          s.raw_entropy, s.raw_entropy, s.ln_tk), maxp, largest
 
     monkeypatch.setattr(scale, "score_stats", unscaled)
     result = invoke("--dh", "8,32", "--queries", "128", "--keys", "128", "--format", "json")
     assert result.exit_code == 1
-    failed = {c["name"] for c in as_json(result)["checks"] if c["ok"] is False}
+    doc = as_json(result)
+    failed = {c["name"] for r in doc["rows"] for c in r["checks"] if c["status"] == "fail"}
     assert {"scaled_std_near_one", "scaled_entropy_flat"} <= failed
+    assert doc["rows"][1]["checks"][1]["value"] == pytest.approx(math.sqrt(32) - 1, rel=0.05)
 
 
 def test_single_dh_leaves_cross_dh_checks_unevaluated():
     report = sweep((64,), 256, 256, 0)
-    by = {c.name: c for c in report.checks}
-    assert by["scaled_entropy_flat"].ok is None and by["raw_entropy_falling"].ok is None
-    assert by["raw_std_tracks_sqrt_dh"].ok is True
+    across = report.row("across Dh")
+    assert [c.status for c in across.checks] == ["not_applicable", "not_applicable"]
+    assert across.status == "not_applicable"
+    assert report.check("Dh=64", "raw_std_tracks_sqrt_dh").passed
     assert report.exit_code == 0
 
 
@@ -125,9 +174,42 @@ def test_markdown_and_table_render_the_numbers(tmp_path):
     result = invoke("--dh", "8,32", "--queries", "128", "--keys", "64", "--format", "markdown", "--output", str(out))
     assert result.exit_code == 0
     text = out.read_text()
-    assert "| Dh | raw std |" in text and "raw_entropy_falling" in text
+    assert "| row | status | raw_std |" in text and "raw_entropy_falling" in text
     result = invoke("--dh", "8,32", "--queries", "128", "--keys", "64")
-    assert "sqrt(Dh)" in result.stdout and "raw_std_tracks_sqrt_dh" in result.stdout
+    assert "sqrt_dh" in result.stdout and "raw_std_tracks_sqrt_dh" in result.stdout
+
+
+def _tokens(text: str) -> set[str]:
+    return {t for t in text.split() if any(ch.isdigit() for ch in t) or "_" in t}
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"queries": 64, "keys": 32, "seed": 99}], ids=["pass", "fail"])
+def test_table_at_80_columns_keeps_every_number_and_identifier_whole(kwargs):
+    report = scale.sweep_scale(**kwargs)
+    wide, narrow = render(report, "table", 240), render(report, "table", 80)
+    assert max(len(line) for line in narrow.splitlines()) <= 80
+    assert _tokens(wide) <= _tokens(narrow)
+    for row in report.rows:
+        for value in row.fields.values():
+            assert fmt_value(value) in narrow.split()
+
+
+def test_json_is_identical_on_a_second_run():
+    first = invoke("--dh", "8,32", "--queries", "64", "--keys", "64", "--format", "json").stdout
+    assert first == invoke("--dh", "8,32", "--queries", "64", "--keys", "64", "--format", "json").stdout
+
+
+def test_junit_has_one_case_per_row_and_names_the_failing_check():
+    from xml.etree import ElementTree as ET
+
+    result = invoke("--queries", "64", "--keys", "32", "--seed", "99", "--format", "junit")
+    assert result.exit_code == 1
+    suite = ET.fromstring(result.stdout).find("testsuite")
+    cases = suite.findall("testcase")
+    assert [c.get("name") for c in cases] == ["Dh=8", "Dh=32", "Dh=128", "Dh=512", "across Dh"]
+    failures = [c.find("failure") for c in cases if c.find("failure") is not None]
+    assert int(suite.get("tests")) == 5 and int(suite.get("failures")) == len(failures) >= 1
+    assert "raw_std_tracks_sqrt_dh" in failures[0].get("message")
 
 
 # --- --tensors ---------------------------------------------------------------------------
@@ -142,10 +224,17 @@ def test_tensors_unit_variance_file_passes(tmp_path):
     result = invoke("--tensors", str(path), "--format", "json")
     assert result.exit_code == 0, result.output
     doc = as_json(result)
-    assert doc["mode"] == "tensors" and doc["rows"][0]["dh"] == 16
-    assert doc["saturated_rows"] == 0 and doc["total_rows"] == 128
-    assert doc["dtype_max"] is None
-    assert checks_by_name(doc)["saturated_rows"]["ok"] is True
+    details = doc["details"]
+    assert details["mode"] == "tensors" and details["dh"] == [16] and [r["name"] for r in doc["rows"]] == ["Dh=16"]
+    assert details["shape_q"] == [2, 64, 16] and details["dtype"] == "float32"
+    assert details["saturated_rows"] == 0 and details["total_rows"] == 128
+    assert details["dtype_max"] is None and details["headroom_factor"] is None
+    fields = doc["rows"][0]["fields"]
+    assert fields["sqrt_dh"] == 4.0 and 0.8 < fields["q_std"] < 1.2
+    checks = checks_by_name(doc)
+    assert checks["saturated_rows"]["status"] == "pass" and checks["saturated_rows"]["value"] == 0
+    assert checks["saturated_rows"]["data"] == {"threshold": 0.99, "total_rows": 128}
+    assert checks["score_headroom"]["status"] == "not_applicable"
 
 
 def test_tensors_saturating_file_raises_the_flag(tmp_path):
@@ -156,12 +245,14 @@ def test_tensors_saturating_file_raises_the_flag(tmp_path):
     result = invoke("--tensors", str(path), "--format", "json")
     assert result.exit_code == 1
     doc = as_json(result)
-    assert doc["verdict"] == "fail" and doc["saturated_rows"] > 0
-    assert checks_by_name(doc)["saturated_rows"]["ok"] is False
+    saturated = checks_by_name(doc)["saturated_rows"]
+    assert doc["verdict"] == "fail" and doc["details"]["saturated_rows"] == saturated["value"] > 0
+    assert saturated["status"] == "fail" and saturated["limit"] == 0
+    assert doc["first_finding"]["check"] == "saturated_rows" and doc["first_finding"]["row"] == "Dh=8"
 
 
-@pytest.mark.parametrize("size, ok", [(1.0, True), (60.0, False)], ids=["roomy", "near-limit"])
-def test_tensors_float16_headroom(tmp_path, size, ok):
+@pytest.mark.parametrize("size, status", [(1.0, "pass"), (60.0, "fail")], ids=["roomy", "near-limit"])
+def test_tensors_float16_headroom(tmp_path, size, status):
     path = tmp_path / "qk.npz"
     q = (torch.randn(1, 16, 64, generator=_gen()).abs() * size).half()
     k = (torch.randn(1, 16, 64, generator=_gen(1)).abs() * size).half()
@@ -169,10 +260,14 @@ def test_tensors_float16_headroom(tmp_path, size, ok):
     result = invoke("--tensors", str(path), "--format", "json")
     doc = as_json(result)
     headroom = checks_by_name(doc)["score_headroom"]
-    assert doc["dtype_max"] == 65504.0
-    assert headroom["ok"] is ok
-    if not ok:
-        assert result.exit_code == 1 and doc["headroom_factor"] < 16
+    assert doc["details"]["dtype_max"] == 65504.0 == headroom["data"]["dtype_max"]
+    assert headroom["status"] == status and (headroom["limit"], headroom["op"]) == (16.0, ">=")
+    assert headroom["value"] == pytest.approx(65504.0 / headroom["data"]["max_abs_raw_score"])
+    assert headroom["value"] == doc["details"]["headroom_factor"]
+    if status == "fail":
+        assert result.exit_code == 1 and headroom["value"] < 16
+    else:
+        assert headroom["value"] >= 16
 
 
 @pytest.mark.parametrize(
@@ -221,7 +316,21 @@ def test_plot_writes_a_png(tmp_path):
     result = invoke("--dh", "8,32", "--queries", "64", "--keys", "64", "--plot", str(png), "--format", "json")
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert as_json(result)["plot"] == str(png)
+    assert as_json(result)["details"]["plot"] == str(png)
+
+
+def test_plot_of_a_tensor_file(tmp_path):
+    path = tmp_path / "qk.pt"
+    save_tensor_file({"q": torch.randn(1, 8, 4, generator=_gen()), "k": torch.randn(1, 8, 4, generator=_gen(1))}, path)
+    png = tmp_path / "t.png"
+    result = invoke("--tensors", str(path), "--plot", str(png), "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:4] == b"\x89PNG" and as_json(result)["details"]["plot"] == str(png)
+
+
+def test_plot_into_a_missing_directory_exits_2_before_measuring(tmp_path):
+    result = invoke("--dh", "8", "--plot", str(tmp_path / "no" / "such.png"))
+    assert result.exit_code == 2 and "--plot" in result.stderr
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):

@@ -28,21 +28,9 @@ def sweep_scale(
     """
 
     def build():
-        from dataclasses import replace
+        from attn_ledger.experiments.scale import sweep_scale as run_sweep_scale
 
-        from attn_ledger.experiments import scale
+        with Progress("sweep-scale") as progress:
+            return run_sweep_scale(dh, queries, keys, seed, tensors=tensors, plot=plot, progress=progress)
 
-        if plot is not None:
-            scale.require_matplotlib()
-        if tensors is not None:
-            report = scale.tensor_stats(tensors)
-            rows = (report.row,)
-        else:
-            with Progress("sweep-scale") as progress:
-                report = scale.sweep(scale.parse_dh(dh), queries, keys, seed, progress=progress)
-            rows = report.rows
-        if plot is not None:
-            report = replace(report, plot=scale.write_plot(rows, plot))
-        return report
-
-    execute(build, output_format, output)
+    execute(build, output_format, output, command="sweep-scale")

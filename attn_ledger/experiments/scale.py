@@ -6,6 +6,11 @@ about ``sqrt(Dh)``. Unscaled, the softmax over keys gets sharper as Dh grows for
 reason but the shape; dividing by ``sqrt(Dh)`` holds the spread near 1 and the entropy
 flat. :func:`sweep` measures that; :func:`tensor_stats` measures the same numbers on a
 user's saved q and k, where the assumption need not hold, and raises flags instead.
+:func:`sweep_scale` is the whole ``attn-ledger sweep-scale`` command, plot included.
+
+Both build a :class:`~attn_ledger.report.Report` with one row per head width Dh (its
+statistics as fields, its own checks) and, for the sweep, a last row ``across Dh`` with
+the checks that compare head widths.
 
 Axes: B batch, Nh query heads, Nkv key/value heads, Tq queries, Tk keys, Dh head width.
 """
@@ -13,12 +18,12 @@ Axes: B batch, Nh query heads, Nkv key/value heads, Tq queries, Tk keys, Dh head
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from attn_ledger.errors import TensorFileError, field_error
-from attn_ledger.report import CheckedReport, Check, envelope, json_number
+from attn_ledger.report import Check, Report, Row, bounded, counted, row_status, unjudged
 
 if TYPE_CHECKING:
     import torch
@@ -37,10 +42,16 @@ FLAT_TOLERANCE = 0.02  # scaled entropy spread across Dh, as a fraction of ln(Tk
 SATURATED_P = 0.99  # a row whose largest probability exceeds this is saturated
 HEADROOM_FACTOR = 16.0  # flag half-precision scores within this factor of the dtype's max
 
+ASSUMPTION = "q and k components independent, mean 0, variance 1"
+QK_AXES = {3: "B, Tq, Dh", 4: "B, Nh, Tq, Dh"}  # the saved q's axes, by rank
+ACROSS = "across Dh"  # the sweep's last row: checks that compare head widths
+FIELD_NOTE = ("maxp: mean largest softmax probability per query row; entropy: mean softmax entropy "
+              "per query row, in nats; ln_tk: entropy of the uniform distribution over Tk keys")
+
 
 @dataclass(frozen=True)
-class ScaleRow:
-    """Score and softmax statistics at one head width.
+class ScaleStats:
+    """Score and softmax statistics at one head width (the fields of its report row).
 
     Attributes:
         dh: head width Dh.
@@ -62,18 +73,21 @@ class ScaleRow:
     scaled_entropy: float
     ln_tk: float
 
-    def to_json(self) -> dict[str, Any]:
-        return {k: json_number(v) for k, v in self.__dict__.items()}
+    def fields(self) -> dict[str, float]:
+        """The statistics as report-row fields (Dh names the row)."""
+        out = asdict(self)
+        del out["dh"]
+        return out
 
 
-def score_stats(q: "torch.Tensor", k: "torch.Tensor") -> tuple[ScaleRow, "torch.Tensor", float]:
+def score_stats(q: "torch.Tensor", k: "torch.Tensor") -> tuple[ScaleStats, "torch.Tensor", float]:
     """Statistics of ``q @ k^T`` raw and scaled, computed in float64.
 
     Args:
         q: ``[..., Tq, Dh]``; k: ``[..., Tk, Dh]`` with matching leading axes.
 
     Returns:
-        The row, the scaled softmax's largest probability per query row ``[..., Tq]``,
+        The statistics, the scaled softmax's largest probability per query row ``[..., Tq]``,
         and the largest absolute raw score.
     """
     import torch
@@ -88,7 +102,7 @@ def score_stats(q: "torch.Tensor", k: "torch.Tensor") -> tuple[ScaleRow, "torch.
     maxp_scaled = None
     for name, s in (("raw", raw), ("scaled", scaled)):
         p = torch.softmax(s, dim=-1)  # [..., Tq, Tk]
-        logp = torch.log_softmax(s, dim=-1)
+        logp = torch.log_softmax(s, dim=-1)  # [..., Tq, Tk]
         entropy = -(torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(dim=-1)  # [..., Tq]
         maxp = p.amax(dim=-1)  # [..., Tq]
         out[f"{name}_std"] = float(s.std())
@@ -96,7 +110,7 @@ def score_stats(q: "torch.Tensor", k: "torch.Tensor") -> tuple[ScaleRow, "torch.
         out[f"{name}_entropy"] = float(entropy.mean())
         if name == "scaled":
             maxp_scaled = maxp
-    row = ScaleRow(
+    stats = ScaleStats(
         dh=dh,
         raw_std=out["raw_std"],
         scaled_std=out["scaled_std"],
@@ -107,149 +121,56 @@ def score_stats(q: "torch.Tensor", k: "torch.Tensor") -> tuple[ScaleRow, "torch.
         scaled_entropy=out["scaled_entropy"],
         ln_tk=math.log(tk),
     )
-    return row, maxp_scaled, float(raw.abs().max())
+    return stats, maxp_scaled, float(raw.abs().max())
 
 
-def relationship_checks(rows: Sequence[ScaleRow]) -> tuple[Check, ...]:
-    """The four claims of the unit-variance argument, each judged on the measured rows."""
-    checks: list[Check] = []
-    worst_raw = max(rows, key=lambda r: abs(r.raw_std / r.sqrt_dh - 1))
-    err_raw = abs(worst_raw.raw_std / worst_raw.sqrt_dh - 1)
-    checks.append(Check(
-        4, "raw_std_tracks_sqrt_dh", err_raw <= STD_TOLERANCE, err_raw,
-        f"largest |raw std / sqrt(Dh) - 1| = {err_raw:.4f} at Dh={worst_raw.dh}, tolerance {STD_TOLERANCE}",
-    ))
-    worst_scaled = max(rows, key=lambda r: abs(r.scaled_std - 1))
-    err_scaled = abs(worst_scaled.scaled_std - 1)
-    checks.append(Check(
-        4, "scaled_std_near_one", err_scaled <= STD_TOLERANCE, err_scaled,
-        f"largest |scaled std - 1| = {err_scaled:.4f} at Dh={worst_scaled.dh}, tolerance {STD_TOLERANCE}",
-    ))
-    if len(rows) < 2:
-        checks.append(Check(4, "scaled_entropy_flat", None, None, "needs at least two Dh values"))
-        checks.append(Check(4, "raw_entropy_falling", None, None, "needs at least two Dh values"))
-        return tuple(checks)
-    ln_tk = rows[0].ln_tk
-    spread = max(r.scaled_entropy for r in rows) - min(r.scaled_entropy for r in rows)
-    checks.append(Check(
-        4, "scaled_entropy_flat", spread <= FLAT_TOLERANCE * ln_tk, spread,
-        f"scaled entropy spread across Dh = {spread:.4f} nats, tolerance {FLAT_TOLERANCE} * ln(Tk) = {FLAT_TOLERANCE * ln_tk:.4f}",
-    ))
-    rises = [(a.dh, b.dh) for a, b in zip(rows, rows[1:]) if not b.raw_entropy < a.raw_entropy]
-    drop = rows[0].raw_entropy - rows[-1].raw_entropy
-    checks.append(Check(
-        4, "raw_entropy_falling", not rises, drop,
-        "raw entropy falls at every step of Dh" if not rises
-        else "raw entropy does not fall from Dh=" + ", ".join(f"{a} to {b}" for a, b in rises),
-    ))
-    return tuple(checks)
+# --- judging -----------------------------------------------------------------------------
+
+def dh_checks(s: ScaleStats) -> tuple[Check, ...]:
+    """The unit-variance argument's claims about one head width: raw std ~ sqrt(Dh), scaled std ~ 1."""
+    where = {"Dh": s.dh}
+    return (
+        bounded(4, "raw_std_tracks_sqrt_dh", "|raw std / sqrt(Dh) - 1|", abs(s.raw_std / s.sqrt_dh - 1),
+                STD_TOLERANCE, location=where),
+        bounded(4, "scaled_std_near_one", "|scaled std - 1|", abs(s.scaled_std - 1), STD_TOLERANCE, location=where),
+    )
 
 
-@dataclass(frozen=True)
-class SweepReport(CheckedReport):
-    """``sweep-scale`` without ``--tensors``: the synthetic sweep and its relationship checks."""
-
-    rows: tuple[ScaleRow, ...]
-    checks: tuple[Check, ...]
-    queries: int
-    keys: int
-    seed: int
-    plot: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return envelope(
-            COMMAND, self.verdict, mode="sweep",
-            assumption="q and k components independent, mean 0, variance 1",
-            queries=self.queries, keys=self.keys, seed=self.seed,
-            rows=[r.to_json() for r in self.rows],
-            checks=[c.to_json() for c in self.checks],
-            plot=self.plot,
-        )
-
-    def to_markdown(self) -> str:
-        return _markdown(self.title(), self.rows, self.checks, (), self.plot)
-
-    def to_rich(self) -> Any:
-        return _rich(self.title(), self.rows, self.checks, (), self.plot, self.ok)
-
-    def title(self) -> str:
-        return (f"sweep-scale: Tq={self.queries} x Tk={self.keys} unit-variance independent q, k; "
-                f"seed {self.seed}; verdict {self.verdict}")
+def across_dh_checks(stats: Sequence[ScaleStats]) -> tuple[Check, ...]:
+    """The claims that compare head widths: scaled entropy flat, raw entropy falling at every step."""
+    if len(stats) < 2:
+        why = "needs at least two Dh values"
+        return (unjudged(4, "scaled_entropy_flat", "not_applicable", why),
+                unjudged(4, "raw_entropy_falling", "not_applicable", why))
+    ln_tk = stats[0].ln_tk
+    entropies = [s.scaled_entropy for s in stats]
+    spread = max(entropies) - min(entropies)
+    rises = [[a.dh, b.dh] for a, b in zip(stats, stats[1:]) if not b.raw_entropy < a.raw_entropy]
+    return (
+        bounded(4, "scaled_entropy_flat", "scaled entropy spread across Dh (nats)", spread, FLAT_TOLERANCE * ln_tk,
+                data={"fraction_of_ln_tk": FLAT_TOLERANCE, "ln_tk": ln_tk}),
+        counted(4, "raw_entropy_falling", "steps of Dh where raw entropy does not fall", len(rises),
+                data={"steps": rises, "drop": stats[0].raw_entropy - stats[-1].raw_entropy}),
+    )
 
 
-@dataclass(frozen=True)
-class TensorScaleReport(CheckedReport):
-    """``sweep-scale --tensors``: the same statistics on saved q and k, with flags.
-
-    Attributes:
-        path: the file read.
-        shape_q, shape_k: as loaded.
-        dtype: the dtype of q (and k).
-        row: the statistics at the file's Dh.
-        saturated_rows: query rows whose scaled softmax puts more than 0.99 on one key.
-        total_rows: all query rows (B * Nh * Tq).
-        max_abs_raw_score: largest ``|q . k|`` before scaling.
-        dtype_max: the dtype's largest finite value, for float16/bfloat16 only.
-        q_std, k_std: component standard deviations, to compare with the unit-variance case.
-        flags: the checks behind the exit status.
-    """
-
-    path: str
-    shape_q: tuple[int, ...]
-    shape_k: tuple[int, ...]
-    dtype: str
-    row: ScaleRow
-    saturated_rows: int
-    total_rows: int
-    max_abs_raw_score: float
-    dtype_max: float | None
-    q_std: float
-    k_std: float
-    flags: tuple[Check, ...]
-    plot: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not any(c.failed for c in self.flags)
-
-    def facts(self) -> tuple[str, ...]:
-        lines = [
-            f"q {list(self.shape_q)} k {list(self.shape_k)} {self.dtype}; component std q {self.q_std:.4f}, k {self.k_std:.4f}",
-            f"saturated rows (largest probability > {SATURATED_P}): {self.saturated_rows} of {self.total_rows}",
-            f"largest |raw score| {self.max_abs_raw_score:.4g}",
-        ]
-        if self.dtype_max is not None:
-            lines.append(f"{self.dtype} largest finite value {self.dtype_max:.6g}; headroom factor "
-                         f"{_headroom(self.dtype_max, self.max_abs_raw_score):.4g}")
-        return tuple(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        return envelope(
-            COMMAND, self.verdict, mode="tensors", path=self.path,
-            shape_q=list(self.shape_q), shape_k=list(self.shape_k), dtype=self.dtype,
-            rows=[self.row.to_json()],
-            q_std=json_number(self.q_std), k_std=json_number(self.k_std),
-            saturated_rows=self.saturated_rows, total_rows=self.total_rows,
-            saturation_threshold=SATURATED_P,
-            max_abs_raw_score=json_number(self.max_abs_raw_score),
-            dtype_max=json_number(self.dtype_max),
-            headroom_factor=None if self.dtype_max is None else json_number(_headroom(self.dtype_max, self.max_abs_raw_score)),
-            checks=[c.to_json() for c in self.flags],
-            plot=self.plot,
-        )
-
-    def title(self) -> str:
-        return f"sweep-scale --tensors {self.path}: Dh={self.row.dh}; verdict {self.verdict}"
-
-    def to_markdown(self) -> str:
-        return _markdown(self.title(), (self.row,), self.flags, self.facts(), self.plot)
-
-    def to_rich(self) -> Any:
-        return _rich(self.title(), (self.row,), self.flags, self.facts(), self.plot, self.ok)
+def dh_row_name(dh: int) -> str:
+    return f"Dh={dh}"
 
 
-def _headroom(dtype_max: float, largest: float) -> float:
-    return math.inf if largest == 0 else dtype_max / largest
+def stats_row(s: ScaleStats, checks: Sequence[Check]) -> Row:
+    return Row(dh_row_name(s.dh), row_status(checks), tuple(checks), fields=s.fields())
+
+
+def sweep_report(stats: Sequence[ScaleStats], queries: int, keys: int, seed: int) -> Report:
+    """The sweep's report from measured statistics: one row per Dh, then the ``across Dh`` row."""
+    stats = tuple(stats)
+    across = across_dh_checks(stats)
+    rows = tuple(stats_row(s, dh_checks(s)) for s in stats) + (Row(ACROSS, row_status(across), across),)
+    details = {"mode": "sweep", "assumption": ASSUMPTION, "queries": queries, "keys": keys, "seed": seed,
+               "dh": [s.dh for s in stats], "plot": None}
+    title = f"sweep-scale: Tq={queries} x Tk={keys} unit-variance independent q, k; seed {seed}"
+    return Report(COMMAND, title, rows, notes=(FIELD_NOTE,), details=details, unit="row", row_label="row")
 
 
 # --- planning and running -------------------------------------------------------------
@@ -276,14 +197,14 @@ def _check_size(name: str, value: int) -> None:
         raise field_error(name, value, f"an integer between 2 and {MAX_T}")
 
 
-def sweep(
+def measure_sweep(
     dh: Sequence[int] = DEFAULT_DH,
     queries: int = DEFAULT_QUERIES,
     keys: int = DEFAULT_KEYS,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
-) -> SweepReport:
-    """Measure raw and scaled score statistics for each Dh on unit-variance random q, k."""
+) -> tuple[ScaleStats, ...]:
+    """Raw and scaled score statistics for each Dh on unit-variance random q, k (sorted by Dh)."""
     import torch
 
     _check_size("--queries", queries)
@@ -292,16 +213,25 @@ def sweep(
     if not dhs:
         raise field_error("--dh", "", "at least one Dh")
     gen = torch.Generator().manual_seed(int(seed))
-    rows = []
+    stats = []
     for i, d in enumerate(dhs):
         q = torch.randn(queries, d, generator=gen, dtype=torch.float64)  # [Tq, Dh]
         k = torch.randn(keys, d, generator=gen, dtype=torch.float64)  # [Tk, Dh]
-        row, _, _ = score_stats(q, k)
-        rows.append(row)
+        stats.append(score_stats(q, k)[0])
         if progress is not None:
             progress(i + 1, len(dhs))
-    rows_t = tuple(rows)
-    return SweepReport(rows_t, relationship_checks(rows_t), queries, keys, int(seed))
+    return tuple(stats)
+
+
+def sweep(
+    dh: Sequence[int] = DEFAULT_DH,
+    queries: int = DEFAULT_QUERIES,
+    keys: int = DEFAULT_KEYS,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> Report:
+    """Measure each Dh on unit-variance random q, k and judge the relationship."""
+    return sweep_report(measure_sweep(dh, queries, keys, seed, progress), queries, keys, int(seed))
 
 
 def _to_heads(t: "torch.Tensor", name: str, path: str) -> "torch.Tensor":
@@ -313,11 +243,10 @@ def _to_heads(t: "torch.Tensor", name: str, path: str) -> "torch.Tensor":
     raise TensorFileError(f"{name}: got shape {list(t.shape)} in {path!r}, expected [B, T, Dh] or [B, Nh, T, Dh]")
 
 
-def tensor_stats(path: str | Path) -> TensorScaleReport:
-    """The sweep's statistics on a user's saved ``q`` and ``k``, with saturation and headroom flags."""
+def _load_qk(path: str | Path) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """The file's ``q`` and ``k``, validated: present, floating point, finite."""
     import torch
 
-    from attn_ledger.reference import repeat_kv
     from attn_ledger.tensorio import load_tensor_file
 
     p = str(path)
@@ -332,6 +261,31 @@ def tensor_stats(path: str | Path) -> TensorScaleReport:
         if not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise TensorFileError(f"{name}: got {bad} NaN/inf values in {p!r}, expected finite activations")
+    return q, k
+
+
+def _headroom_check(q: "torch.Tensor", k: "torch.Tensor", largest: float) -> Check:
+    """For float16/bfloat16 inputs: is the largest raw score far enough below the dtype's largest value?"""
+    import torch
+
+    half = (torch.float16, torch.bfloat16)
+    if q.dtype not in half and k.dtype not in half:
+        return unjudged(3, "score_headroom", "not_applicable", "q and k are neither float16 nor bfloat16")
+    low = q.dtype if q.dtype in half else k.dtype
+    dtype_max = float(torch.finfo(low).max)
+    room = math.inf if largest == 0 else dtype_max / largest
+    return bounded(3, "score_headroom", "dtype max / largest |raw score|", room, HEADROOM_FACTOR, op=">=",
+                   data={"dtype": str(low).replace("torch.", ""), "dtype_max": dtype_max, "max_abs_raw_score": largest})
+
+
+def tensor_stats(path: str | Path) -> Report:
+    """The sweep's statistics on a user's saved ``q`` and ``k``, with saturation and headroom flags."""
+    import torch
+
+    from attn_ledger.reference import repeat_kv
+
+    p = str(path)
+    q, k = _load_qk(path)
     q4 = _to_heads(q, "q", p)  # [B, Nh, Tq, Dh]
     k4 = _to_heads(k, "k", p)  # [B, Nkv, Tk, Dh]
     if q.dim() != k.dim():
@@ -345,29 +299,57 @@ def tensor_stats(path: str | Path) -> TensorScaleReport:
     if tq < 1 or tk < 2 or dh < 1:
         raise TensorFileError(f"k: got Tq={tq}, Tk={tk}, Dh={dh} in {p!r}, expected Tq >= 1, Tk >= 2, Dh >= 1")
     k4 = repeat_kv(k4, nh)  # [B, Nh, Tk, Dh]
-    row, maxp, largest = score_stats(q4, k4)
+    stats, maxp, largest = score_stats(q4, k4)
     saturated = int((maxp > SATURATED_P).sum())
     total = int(maxp.numel())
-    flags = [Check(
-        4, "saturated_rows", saturated == 0, float(saturated),
-        f"{saturated} of {total} query rows put more than {SATURATED_P} of their weight on one key after 1/sqrt(Dh) scaling",
-    )]
-    dtype_max = None
-    if q.dtype in (torch.float16, torch.bfloat16) or k.dtype in (torch.float16, torch.bfloat16):
-        low = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else k.dtype
-        dtype_max = float(torch.finfo(low).max)
-        low_name = str(low).replace("torch.", "")
-        room = _headroom(dtype_max, largest)
-        flags.append(Check(
-            3, "score_headroom", room >= HEADROOM_FACTOR, room,
-            f"largest |raw score| {largest:.4g} is a factor {room:.4g} below the {low_name} limit {dtype_max:.6g}; "
-            f"flagged under {HEADROOM_FACTOR:g}",
-        ))
-    return TensorScaleReport(
-        path=p, shape_q=tuple(q.shape), shape_k=tuple(k.shape), dtype=str(q.dtype).replace("torch.", ""),
-        row=row, saturated_rows=saturated, total_rows=total, max_abs_raw_score=largest, dtype_max=dtype_max,
-        q_std=float(q.to(torch.float64).std()), k_std=float(k.to(torch.float64).std()), flags=tuple(flags),
+    checks = (
+        counted(4, "saturated_rows", "saturated query rows", saturated,
+                data={"threshold": SATURATED_P, "total_rows": total}),
+        _headroom_check(q, k, largest),
     )
+    q_std, k_std = float(q.to(torch.float64).std()), float(k.to(torch.float64).std())
+    row = Row(dh_row_name(dh), row_status(checks), checks, shape=tuple(q.shape), axes=QK_AXES[q.dim()],
+              fields={**stats.fields(), "q_std": q_std, "k_std": k_std, "max_abs_raw_score": largest})
+    headroom = checks[1]
+    details = {
+        "mode": "tensors", "path": p, "shape_q": list(q.shape), "shape_k": list(k.shape),
+        "dtype": str(q.dtype).replace("torch.", ""), "dh": [dh], "q_std": q_std, "k_std": k_std,
+        "saturated_rows": saturated, "total_rows": total, "saturation_threshold": SATURATED_P,
+        "max_abs_raw_score": largest, "dtype_max": headroom.data.get("dtype_max"),
+        "headroom_factor": headroom.value, "plot": None,
+    }
+    notes = (FIELD_NOTE, f"saturated: a query row whose scaled softmax puts more than {SATURATED_P} of its weight "
+                         "on one key")
+    return Report(COMMAND, f"sweep-scale --tensors {p}: q and k in {details['dtype']}",
+                  (row,), notes=notes, details=details, unit="row", row_label="row")
+
+
+def sweep_scale(
+    dh: str | Sequence[int] = DEFAULT_DH,
+    queries: int = DEFAULT_QUERIES,
+    keys: int = DEFAULT_KEYS,
+    seed: int = 0,
+    tensors: str | Path | None = None,
+    plot: str | Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Report:
+    """``attn-ledger sweep-scale``: the sweep (or ``tensors``' statistics), and a PNG at ``plot``.
+
+    ``dh`` is a sequence of head widths or the ``--dh`` text (``"8,32,128"``). The plot's
+    requirements (matplotlib, an existing directory) are checked before any work.
+    """
+    if plot is not None:
+        _check_plot_path(plot)
+    if tensors is not None:
+        report = tensor_stats(tensors)
+    else:
+        widths = parse_dh(dh) if isinstance(dh, str) else tuple(dh)
+        report = sweep(widths, queries, keys, seed, progress=progress)
+    if plot is None:
+        return report
+    written = write_plot(report, plot)
+    return replace(report, details={**report.details, "plot": written},
+                   notes=(*report.notes, f"plot written to {written}"))
 
 
 # --- plot -------------------------------------------------------------------------------
@@ -386,13 +368,24 @@ def require_matplotlib() -> Any:
     return plt
 
 
-def write_plot(rows: Sequence[ScaleRow], path: str | Path) -> str:
-    """Score std and softmax entropy against Dh, raw and scaled, to a PNG."""
-    plt = require_matplotlib()
+def _check_plot_path(path: str | Path) -> None:
+    require_matplotlib()
     p = Path(path)
-    if not p.parent.is_dir() and str(p.parent):
+    if str(p.parent) and not p.parent.is_dir():
         raise field_error("--plot", str(p), "a file in an existing directory")
-    dhs = [r.dh for r in rows]
+
+
+def measured_rows(report: Report) -> list[tuple[int, Row]]:
+    """``(Dh, row)`` for each row that holds one head width's statistics, in Dh order."""
+    return list(zip(report.details["dh"], report.rows))
+
+
+def write_plot(report: Report, path: str | Path) -> str:
+    """Score std and softmax entropy against Dh, raw and scaled, drawn from a report's rows, to a PNG."""
+    plt = require_matplotlib()
+    _check_plot_path(path)
+    measured = measured_rows(report)
+    dhs = [d for d, _ in measured]
     panels = (
         ("score std", (("raw_std", "o-", "raw std"), ("sqrt_dh", "k--", "sqrt(Dh)"), ("scaled_std", "s-", "scaled std"))),
         ("mean softmax entropy (nats)", (("raw_entropy", "o-", "raw entropy"), ("scaled_entropy", "s-", "scaled entropy"),
@@ -401,63 +394,14 @@ def write_plot(rows: Sequence[ScaleRow], path: str | Path) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, (ylabel, series) in zip(axes, panels):
         for field, style, label in series:
-            ax.plot(dhs, [getattr(r, field) for r in rows], style, label=label)
+            ax.plot(dhs, [row.fields[field] for _, row in measured], style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("Dh")
         ax.set_ylabel(ylabel)
         ax.legend()
     fig.tight_layout()
     try:
-        fig.savefig(str(p), format="png")
+        fig.savefig(str(path), format="png")
     finally:
         plt.close(fig)
-    return str(p)
-
-
-# --- rendering (formatting only) --------------------------------------------------------
-
-_HEADERS = ("Dh", "raw std", "scaled std", "sqrt(Dh)", "raw maxp", "scaled maxp", "raw H", "scaled H", "ln(Tk)")
-
-
-def _cells(r: ScaleRow) -> list[str]:
-    return [str(r.dh), f"{r.raw_std:.4f}", f"{r.scaled_std:.4f}", f"{r.sqrt_dh:.4f}", f"{r.raw_maxp:.4f}",
-            f"{r.scaled_maxp:.4f}", f"{r.raw_entropy:.4f}", f"{r.scaled_entropy:.4f}", f"{r.ln_tk:.4f}"]
-
-
-def _mark(c: Check) -> str:
-    return {True: "ok", False: "FAIL" if c.severity == "error" else "warn", None: "n/a"}[c.ok]
-
-
-def _markdown(title: str, rows, checks, facts, plot) -> str:
-    out = [f"### {title}", "", "| " + " | ".join(_HEADERS) + " |", "|" + "---|" * len(_HEADERS)]
-    out += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    out += ["", "maxp: mean largest softmax probability per query row; H: mean softmax entropy (nats).", ""]
-    out += [f"- {f}" for f in facts]
-    out += [f"- **{_mark(c)}** `{c.name}`: {c.detail}" for c in checks]
-    if plot:
-        out.append(f"- plot written to `{plot}`")
-    return "\n".join(out) + "\n"
-
-
-def _rich(title: str, rows, checks, facts, plot, ok: bool) -> Any:
-    from rich import box
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
-    for h in _HEADERS:
-        table.add_column(h, justify="right", min_width=7 if h != "Dh" else 4)
-    for r in rows:
-        table.add_row(*_cells(r))
-    parts: list[Any] = [table, Text("maxp: mean largest softmax probability per query row; H: mean softmax entropy (nats).")]
-    parts += [Text(f) for f in facts]
-    for c in checks:
-        style = {True: "green", False: "bold red", None: "dim"}[c.ok]
-        line = Text()
-        line.append(f"{_mark(c):>4} ", style=style)
-        line.append(f"{c.name}: {c.detail}")
-        parts.append(line)
-    if plot:
-        parts.append(Text(f"plot written to {plot}"))
-    return Group(*parts)
+    return str(path)
