@@ -39,16 +39,9 @@ def polarity(
     """
 
     def build():
-        from attn_ledger.errors import field_error
-        from attn_ledger.experiments import polarity as pol
+        from attn_ledger.experiments.polarity import polarity as run_polarity
 
-        if mask is not None or expect is not None:
-            if mask is None:
-                raise field_error("--expect", expect.value, "it together with --mask FILE")
-            if expect is None:
-                raise field_error("--mask", str(mask), "it together with --expect causal|padding")
-            return pol.fingerprint(mask, expect.value, padding_side.value)
         with Progress("polarity") as progress:
-            return pol.run_polarity(progress=progress)
+            return run_polarity(mask, expect.value if expect else None, padding_side.value, progress=progress)
 
-    execute(build, output_format, output)
+    execute(build, output_format, output, command="polarity")

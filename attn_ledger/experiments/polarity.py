@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from attn_ledger.errors import TensorFileError, field_error
-from attn_ledger.report import CheckedReport, Check, envelope, json_number
+from attn_ledger.report import Check, Report, Row, bounded, row_status
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ class Convention:
     def agree(self) -> bool:
         return self.documented is not None and self.documented == self.probed
 
-    def to_json(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         return {"api": self.api, "probed": self.probed, "documented": self.documented, "doc_line": self.doc_line,
                 "source": self.source, "agree": self.agree}
 
@@ -185,7 +185,7 @@ def conventions() -> tuple[Convention, ...]:
 # --- the causal relation through each API, both polarities ------------------------------
 
 @dataclass(frozen=True)
-class PolarityRow:
+class PolarityCall:
     """One API called with one polarity of the causal relation.
 
     Attributes:
@@ -197,7 +197,6 @@ class PolarityRow:
         max_abs_diff: largest ``|out - reference|`` (NaN where the output has NaN).
         forbidden_weight: largest weight on a key the causal relation forbids (finite weights only).
         blocked_rows: query positions the API saw with no allowed key.
-        verdict: ``ok``, ``wrong finite numbers`` or ``NaN``.
     """
 
     api: str
@@ -208,23 +207,22 @@ class PolarityRow:
     max_abs_diff: float
     forbidden_weight: float
     blocked_rows: tuple[int, ...]
-    verdict: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {"api": self.api, "convention": self.convention, "passed": self.passed, "correct": self.correct,
-                "finite": self.finite, "max_abs_diff": json_number(self.max_abs_diff),
-                "forbidden_weight": json_number(self.forbidden_weight), "blocked_rows": list(self.blocked_rows),
-                "verdict": self.verdict}
+    @property
+    def row_name(self) -> str:
+        return self.api if self.correct else f"{self.api} inverted"
+
+    def fields(self) -> dict[str, Any]:
+        return {"convention": self.convention, "passed": self.passed, "correct": self.correct, "finite": self.finite,
+                "max_abs_diff": self.max_abs_diff, "forbidden_weight": self.forbidden_weight,
+                "blocked_rows": list(self.blocked_rows)}
 
 
-def _verdict(out: "torch.Tensor", ref: "torch.Tensor") -> tuple[bool, float, str]:
+def _compare(out: "torch.Tensor", ref: "torch.Tensor") -> tuple[bool, float]:
+    """Whether ``out`` is finite, and its largest ``|out - ref|`` (NaN where ``out`` has NaN)."""
     import torch
 
-    finite = bool(torch.isfinite(out).all())
-    diff = float((out.to(torch.float64) - ref).abs().max())
-    if not finite:
-        return False, diff, "NaN"
-    return True, diff, "ok" if diff <= TOLERANCE else "wrong finite numbers"
+    return bool(torch.isfinite(out).all()), float((out.to(torch.float64) - ref).abs().max())
 
 
 def _forbidden_weight(weights: "torch.Tensor", allow: "torch.Tensor") -> float:
@@ -293,7 +291,7 @@ def _sdpa(q, k, v, mask):
     return out, F.scaled_dot_product_attention(q, k, eye, attn_mask=mask)  # [B, Nh, Tq, Tk]
 
 
-def polarity_rows(convs: tuple[Convention, ...], seed: int = 0) -> tuple[PolarityRow, ...]:
+def polarity_calls(convs: tuple[Convention, ...], seed: int = 0) -> tuple[PolarityCall, ...]:
     """The causal relation through manual, SDPA and MHA, each in the correct and the inverted polarity."""
     import torch
 
@@ -321,12 +319,12 @@ def polarity_rows(convs: tuple[Convention, ...], seed: int = 0) -> tuple[Polarit
                 else:
                     out, weights = mha(x, x, x, attn_mask=mask, need_weights=True, average_attn_weights=False)
                     ref = ref_mha
-            finite, diff, verdict = _verdict(out, ref)
+            finite, diff = _compare(out, ref)
             seen_allow = mask if probed[api] == ALLOW else ~mask  # what the API took as allowed
             blocked = tuple(int(i) for i in torch.nonzero(~seen_allow.any(dim=-1)).flatten())
             passed = ALLOW if torch.equal(mask, allow) else BLOCK
-            rows.append(PolarityRow(api, probed[api], passed, correct, finite, diff,
-                                    _forbidden_weight(weights, allow), blocked, verdict))
+            rows.append(PolarityCall(api, probed[api], passed, correct, finite, diff,
+                                     _forbidden_weight(weights, allow), blocked))
     return tuple(rows)
 
 
@@ -350,7 +348,7 @@ class AuditRow:
     other_rows_finite: bool | None
     detail: str = ""
 
-    def to_json(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         return {"api": self.api, "path": self.path, "returns": self.returns,
                 "other_rows_finite": self.other_rows_finite, "detail": self.detail}
 
@@ -371,6 +369,58 @@ def _classify(row: "torch.Tensor", zeros: "torch.Tensor", mean_v: "torch.Tensor"
     return "other finite"
 
 
+def _audit_path(api: str, path: str, fn: Callable[[], "torch.Tensor"], zeros: "torch.Tensor",
+                mean_v: "torch.Tensor", detail: str = "") -> AuditRow:
+    """Call one path on the audit's three queries and say what the fully blocked one got back.
+
+    ``fn`` returns ``[..., Tq, D]``; ``zeros`` and ``mean_v`` are ``[..., D]``.
+    """
+    import torch
+
+    try:
+        out = fn()  # [..., Tq, D]
+    except Exception as exc:  # an API refusing the input is one of the answers
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return AuditRow(api, path, "error", None, f"{type(exc).__name__}: {first}"[:200])
+    others = [i for i in range(out.shape[-2]) if i != BLOCKED_Q]
+    rest = bool(torch.isfinite(out[..., others, :]).all())
+    return AuditRow(api, path, _classify(out[..., BLOCKED_Q, :], zeros, mean_v), rest, detail)
+
+
+def _mha_spied(mha: "torch.nn.MultiheadAttention", x: "torch.Tensor", block: "torch.Tensor", train: bool,
+               grad: bool, need_weights: bool) -> tuple[Callable[[], "torch.Tensor"], list[int]]:
+    """A call of ``mha`` in the given mode, and a list that grows when its native fast path runs."""
+    import torch
+
+    calls: list[int] = []
+
+    def fn() -> "torch.Tensor":
+        original = torch._native_multi_head_attention
+
+        def spy(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        mha.train(train)
+        torch._native_multi_head_attention = spy
+        try:
+            with torch.set_grad_enabled(grad):
+                out, _ = mha(x, x, x, attn_mask=block, need_weights=need_weights, average_attn_weights=False)
+            return out.detach()[:, None]  # [B, 1, T, E]: a head axis so the row index sits at -2
+        finally:
+            torch._native_multi_head_attention = original
+            mha.eval()
+
+    return fn, calls
+
+
+MHA_AUDIT_PATHS = (  # label, train mode, grad enabled, need_weights
+    ("weights returned (need_weights=True, eval)", False, True, True),
+    ("no weights, fast path (eval, no grad)", False, False, False),
+    ("no weights, off fast path (train mode, dropout 0)", True, True, False),
+)
+
+
 def blocked_row_audit(seed: int = 0) -> tuple[AuditRow, ...]:
     """Query 1 of 3 has every key blocked; the other queries see every key."""
     import torch
@@ -380,71 +430,26 @@ def blocked_row_audit(seed: int = 0) -> tuple[AuditRow, ...]:
     q, k, v, x = q[:, :, :3], k[:, :, :3], v[:, :, :3], x[:, :3]
     allow = torch.ones(3, 3, dtype=torch.bool)  # [Tq, Tk]
     allow[BLOCKED_Q] = False
-    others = [i for i in range(3) if i != BLOCKED_Q]
-    rows: list[AuditRow] = []
-
-    def record(api: str, path: str, fn: Callable[[], "torch.Tensor"], zeros, mean_v, detail: str = "") -> None:
-        try:
-            out = fn()
-        except Exception as exc:  # an API refusing the input is one of the answers
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            rows.append(AuditRow(api, path, "error", None, f"{type(exc).__name__}: {first}"[:200]))
-            return
-        row = out[..., BLOCKED_Q, :]  # [.., D]
-        rest = bool(torch.isfinite(out[..., others, :]).all())
-        rows.append(AuditRow(api, path, _classify(row, zeros, mean_v), rest, detail))
-
+    additive = torch.zeros(3, 3).masked_fill(~allow, float("-inf"))  # [Tq, Tk]
     zeros_h = torch.zeros_like(v[..., 0, :])  # [B, Nh, Dv]
     mean_h = v.mean(dim=-2)  # [B, Nh, Dv]
     with torch.no_grad():
-        record("manual", "masked_fill(-inf), softmax", lambda: _manual(q, k, v, allow)[0], zeros_h, mean_h)
-        record("sdpa", "bool attn_mask", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allow), zeros_h, mean_h)
-        additive = torch.zeros(3, 3).masked_fill(~allow, float("-inf"))  # [Tq, Tk]
-        record("sdpa", "float attn_mask (0 / -inf)", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive),
-               zeros_h, mean_h)
-
+        rows = [
+            _audit_path("manual", "masked_fill(-inf), softmax", lambda: _manual(q, k, v, allow)[0], zeros_h, mean_h),
+            _audit_path("sdpa", "bool attn_mask", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allow),
+                        zeros_h, mean_h),
+            _audit_path("sdpa", "float attn_mask (0 / -inf)",
+                        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive), zeros_h, mean_h),
+        ]
     pq, pk, pv = _mha_projections(mha, x)
-    zeros_m = _mha_out_proj(mha, torch.zeros_like(pv))[:, 0]  # [B, E]: out_proj of a zero mix
-    mean_m = _mha_out_proj(mha, pv.mean(dim=-2, keepdim=True).expand_as(pv))[:, 0]  # [B, E]
-    block = ~allow
-
-    def mha_call(train: bool, grad: bool, need_weights: bool) -> tuple[Callable[[], Any], list[int]]:
-        calls: list[int] = []
-
-        def fn():
-            original = torch._native_multi_head_attention
-
-            def spy(*args, **kwargs):
-                calls.append(1)
-                return original(*args, **kwargs)
-
-            mha.train(train)
-            torch._native_multi_head_attention = spy
-            try:
-                with torch.set_grad_enabled(grad):
-                    out, _ = mha(x, x, x, attn_mask=block, need_weights=need_weights, average_attn_weights=False)
-                return out.detach()
-            finally:
-                torch._native_multi_head_attention = original
-                mha.eval()
-
-        return fn, calls
-
-    for label, train, grad, nw in (
-        ("weights returned (need_weights=True, eval)", False, True, True),
-        ("no weights, fast path (eval, no grad)", False, False, False),
-        ("no weights, off fast path (train mode, dropout 0)", True, True, False),
-    ):
-        fn, calls = mha_call(train, grad, nw)
-
-        def wrapped(fn=fn):
-            return fn()[:, None]  # [B, 1, T, E]: a head axis so the row index sits at -2
-
-        record("mha", label, wrapped, zeros_m[:, None], mean_m[:, None])
-        last = rows[-1]
-        if last.returns != "error":
-            rows[-1] = AuditRow(last.api, last.path, last.returns, last.other_rows_finite,
-                                "native fast path ran" if calls else "native fast path did not run")
+    zeros_m = _mha_out_proj(mha, torch.zeros_like(pv))[:, None, 0]  # [B, 1, E]: out_proj of a zero mix
+    mean_m = _mha_out_proj(mha, pv.mean(dim=-2, keepdim=True).expand_as(pv))[:, None, 0]  # [B, 1, E]
+    for label, train, grad, need_weights in MHA_AUDIT_PATHS:
+        fn, calls = _mha_spied(mha, x, ~allow, train, grad, need_weights)
+        row = _audit_path("mha", label, fn, zeros_m, mean_m)
+        if row.returns != "error":
+            row = replace(row, detail="native fast path ran" if calls else "native fast path did not run")
+        rows.append(row)
     return tuple(rows)
 
 
@@ -459,131 +464,86 @@ def audit_disagreements(rows: tuple[AuditRow, ...]) -> tuple[str, ...]:
     return tuple(lines)
 
 
-# --- the report -------------------------------------------------------------------------
+# --- judging and the report ----------------------------------------------------------
 
-@dataclass(frozen=True)
-class PolarityReport(CheckedReport):
-    """``attn-ledger polarity``: conventions, the polarity table, the fully blocked row audit."""
-
-    torch_version: str
-    conventions: tuple[Convention, ...]
-    rows: tuple[PolarityRow, ...]
-    audit: tuple[AuditRow, ...]
-    disagreements: tuple[str, ...]
-    checks: tuple[Check, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return envelope(
-            COMMAND, self.verdict, mode="apis", torch_version=self.torch_version,
-            case={"B": B, "Nh": NH, "Tq": T, "Tk": T, "E": E, "Dh": E // NH, "relation": "causal", "tolerance": TOLERANCE},
-            conventions=[c.to_json() for c in self.conventions],
-            rows=[r.to_json() for r in self.rows],
-            blocked_row_audit={"query": BLOCKED_Q, "rows": [r.to_json() for r in self.audit],
-                               "disagreements": list(self.disagreements)},
-            checks=[c.to_json() for c in self.checks],
-        )
-
-    def _tables(self) -> list[tuple[str, list[str], list[list[str]]]]:
-        conv = (f"Conventions, torch {self.torch_version}: probed with mask [True, False] on two keys; "
-                "documentation quoted from the installed docstring")
-        conv_rows = [[c.api, MEANING[c.probed], MEANING.get(c.documented or "", "not found"),
-                      "yes" if c.agree else "NO", c.doc_line or f"(no sentence found in {c.source})"]
-                     for c in self.conventions]
-        pol_rows = [[r.api, MEANING[r.convention], r.passed + ("" if r.correct else " (inverted)"),
-                     "yes" if r.finite else "no", _num(r.max_abs_diff), _num(r.forbidden_weight),
-                     ",".join(map(str, r.blocked_rows)) or "-", r.verdict] for r in self.rows]
-        audit_rows = [[r.api, r.path, r.returns, {True: "yes", False: "no", None: "-"}[r.other_rows_finite], r.detail]
-                      for r in self.audit]
-        return [
-            (conv, ["API", "probe", "documented", "agree", "documentation line"], conv_rows),
-            (f"Causal relation B={B} Nh={NH} Tq=Tk={T} E={E}, against a float64 causal reference",
-             ["API", "convention", "polarity passed", "finite", "max |diff|", "forbidden weight", "blocked rows", "verdict"],
-             pol_rows),
-            (f"Fully blocked row: query {BLOCKED_Q} of 3 has every key blocked",
-             ["API", "path", "returns", "other rows finite", "detail"], audit_rows),
-        ]
-
-    def _notes(self) -> list[str]:
-        notes = [f"paths of one API disagree: {d}" for d in self.disagreements] or ["all paths of each API agree on the fully blocked row"]
-        return notes
-
-    def to_markdown(self) -> str:
-        out = [f"### polarity: verdict {self.verdict}", ""]
-        for title, headers, rows in self._tables():
-            out += [f"**{title}**", "", _md_table(headers, rows), ""]
-        out += [f"- {n}" for n in self._notes()]
-        out += [f"- **{_mark(c)}** `{c.name}`: {c.detail}" for c in self.checks]
-        return "\n".join(out) + "\n"
-
-    def to_rich(self) -> Any:
-        return _rich_group(f"polarity: verdict {self.verdict}", self._tables(), self._notes(), self.checks)
+# the polarity report's rows: the three APIs called with the causal relation (each in its
+# documented and its inverted polarity), then the convention-only row of key_padding_mask
+KPM_ROW = "mha key_padding_mask"
+CONVENTION_ROWS = ("manual", "sdpa", "mha", KPM_ROW)  # in the order of conventions()
 
 
-def _num(v: float) -> str:
-    return "nan" if math.isnan(v) else f"{v:.4g}"
+def convention_check(c: Convention) -> Check:
+    """The probe and the installed documentation agree on what True means."""
+    said = MEANING.get(c.documented or "", f"nothing found in {c.source}")
+    return Check(4, "convention", "pass" if c.agree else "fail",
+                 reason=f"probe: {MEANING[c.probed]}; documentation: {said}",
+                 data={"api": c.api, "probed": c.probed, "documented": c.documented, "doc_line": c.doc_line,
+                       "source": c.source})
 
 
-def _mark(c: Check) -> str:
-    return {True: "ok", False: "FAIL", None: "n/a"}[c.ok]
+def polarity_check(call: PolarityCall) -> Check:
+    """The documented polarity matches the float64 reference; the inverted one (the control) does not."""
+    measure = "max |diff| vs float64 causal reference"
+    data = {"finite": call.finite}
+    if call.correct:
+        return bounded(4, "correct_polarity", measure, call.max_abs_diff, TOLERANCE, data=data)
+    # a non-finite output (NaN diff) is a caught inversion: the value is kept as measured
+    caught = not call.finite or call.max_abs_diff >= TOLERANCE
+    return Check(4, "inverted_polarity_caught", "pass" if caught else "fail", measure, call.max_abs_diff,
+                 TOLERANCE, ">=", reason="" if call.finite else "the output is not finite", data=data)
 
 
-def _md_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+def _doc_note(c: Convention) -> str:
+    return f'documented: "{c.doc_line}"' if c.doc_line else f"documented: no sentence found in {c.source}"
 
 
-def _rich_group(title: str, tables, notes, checks) -> Any:
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    parts: list[Any] = [Text(title, style="bold")]
-    for t_title, headers, rows in tables:
-        table = Table(title=t_title, title_justify="left")
-        for h in headers:
-            table.add_column(h, overflow="fold")
-        for row in rows:
-            table.add_row(*row)
-        parts.append(table)
-    parts += [Text(n) for n in notes]
-    for c in checks:
-        line = Text()
-        line.append(f"{_mark(c):>4} ", style={True: "green", False: "bold red", None: "dim"}[c.ok])
-        line.append(f"{c.name}: {c.detail}")
-        parts.append(line)
-    return Group(*parts)
-
-
-def polarity_checks(convs: tuple[Convention, ...], rows: tuple[PolarityRow, ...]) -> tuple[Check, ...]:
-    """Probe agrees with documentation; the documented polarity matches the reference; the inverted one is caught."""
-    checks = []
-    for c in convs:
-        detail = (f"probe says {MEANING[c.probed]}, documentation says "
-                  f"{MEANING.get(c.documented or '', 'nothing found')}")
-        checks.append(Check(4, f"convention[{c.api}]", c.agree, None, detail))
-    for r in rows:
-        if r.correct:
-            checks.append(Check(4, f"correct_polarity[{r.api}]", r.verdict == "ok", r.max_abs_diff,
-                                f"{r.api} with its documented polarity: {r.verdict}, max |diff| {_num(r.max_abs_diff)}"))
-        else:
-            checks.append(Check(4, f"inverted_polarity_caught[{r.api}]", r.verdict != "ok", r.max_abs_diff,
-                                f"control: {r.api} with the inverted polarity: {r.verdict}, max |diff| {_num(r.max_abs_diff)}"))
-    return tuple(checks)
+def polarity_report(torch_version: str, convs: tuple[Convention, ...], calls: tuple[PolarityCall, ...],
+                    audit: tuple[AuditRow, ...]) -> Report:
+    """One row per API call (its convention check on the documented-polarity row), then key_padding_mask."""
+    by_row = dict(zip(CONVENTION_ROWS, convs))
+    rows = []
+    for call in calls:
+        checks = (convention_check(by_row[call.api]),) if call.correct else ()
+        checks += (polarity_check(call),)
+        note = _doc_note(by_row[call.api]) if call.correct else ""
+        rows.append(Row(call.row_name, row_status(checks), checks, fields=call.fields(), note=note))
+    kpm = by_row[KPM_ROW]
+    kpm_checks = (convention_check(kpm),)
+    rows.append(Row(KPM_ROW, row_status(kpm_checks), kpm_checks, fields={"convention": kpm.probed},
+                    note=_doc_note(kpm)))
+    disagreements = audit_disagreements(audit)
+    notes = [f"{ALLOW}: {MEANING[ALLOW]}; {BLOCK}: {MEANING[BLOCK]}; each convention probed on two keys with equal "
+             "scores, and quoted from the installed docstring"]
+    notes.append(f"fully blocked row: query {BLOCKED_Q} of 3 sees no key, sent through each path below")
+    notes += [f"fully blocked row via {r.api}, {r.path}: {r.returns}" + (f" ({r.detail})" if r.detail else "")
+              for r in audit]
+    split = [api for api in dict.fromkeys(r.api for r in audit) if len({r.returns for r in audit if r.api == api}) > 1]
+    notes += [f"the paths of {api} disagree on the fully blocked row: rely on none of them" for api in split] or [
+        "all paths of each API agree on the fully blocked row"]
+    details = {
+        "mode": "apis", "torch_version": torch_version,
+        "case": {"B": B, "Nh": NH, "Tq": T, "Tk": T, "E": E, "Dh": E // NH, "relation": "causal", "tolerance": TOLERANCE},
+        "conventions": [c.as_dict() for c in convs],
+        "blocked_row_audit": {"query": BLOCKED_Q, "rows": [r.as_dict() for r in audit],
+                              "disagreements": list(disagreements)},
+    }
+    title = (f"polarity: boolean mask conventions, torch {torch_version}; causal relation B={B} Nh={NH} "
+             f"Tq=Tk={T} E={E} against a float64 reference")
+    return Report(COMMAND, title, tuple(rows), notes=tuple(notes), details=details, unit="row", row_label="api")
 
 
-def run_polarity(seed: int = 0, progress: Callable[[int, int], None] | None = None) -> PolarityReport:
+def run_polarity(seed: int = 0, progress: Callable[[int, int], None] | None = None) -> Report:
     """Probe, compare, audit: the whole ``attn-ledger polarity`` without ``--mask``."""
     import torch
 
     step = progress or (lambda done, total: None)
     convs = conventions()
     step(1, 3)
-    rows = polarity_rows(convs, seed)
+    calls = polarity_calls(convs, seed)
     step(2, 3)
     audit = blocked_row_audit(seed)
     step(3, 3)
-    return PolarityReport(torch.__version__, convs, rows, audit, audit_disagreements(audit), polarity_checks(convs, rows))
+    return polarity_report(torch.__version__, convs, calls, audit)
 
 
 # --- fingerprinting a user's mask -------------------------------------------------------
@@ -596,20 +556,25 @@ class Advice:
     unchanged: bool
     how: str
 
-    def to_json(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         return {"api": self.api, "unchanged": self.unchanged, "how": self.how}
 
 
 @dataclass(frozen=True)
-class MaskReport(CheckedReport):
-    """``attn-ledger polarity --mask``: what the file holds, measured against the expected relation.
+class MaskFingerprint:
+    """What a mask file holds, measured against the expected relation.
 
     Attributes:
-        kind: ``bool``, ``integer 0/1``, ``float additive``, ``float 0/1`` or ``float other``.
+        path, name: the file and the tensor read from it.
+        shape, dtype: as loaded.
+        expect, padding_side: the relation asked for (the side only matters for padding).
+        kind: ``bool``, ``integer 0/1``, ``float additive (0 / ...)``, ``float 0/1`` or ``float other``.
         polarity: ``allow``, ``block`` or None (matches neither).
-        alignment: for causal masks: ``bottom-right``, ``top-left`` or ``both`` (Tq == Tk).
-        fully_blocked_rows: query rows (over every leading axis) with no allowed key.
+        alignment: for causal masks: ``bottom-right``, ``top-left`` or ``both (Tq == Tk)``.
+        fully_blocked_rows: query rows (over every leading axis; one per example for padding)
+            with no allowed key, of ``total_rows``.
         trap: the float 0/1 case: an additive API would add it and mask nothing.
+        advice: how each API can take the mask.
     """
 
     path: str
@@ -624,51 +589,57 @@ class MaskReport(CheckedReport):
     fully_blocked_rows: int
     total_rows: int
     trap: bool
-    summary: str
     advice: tuple[Advice, ...]
 
     @property
-    def ok(self) -> bool:
-        return self.polarity is not None and not self.trap
+    def additive(self) -> bool:
+        return self.kind.startswith("float additive")
 
-    def to_json(self) -> dict[str, Any]:
-        return envelope(
-            COMMAND, self.verdict, mode="mask", path=self.path, tensor=self.name, shape=list(self.shape),
-            dtype=self.dtype, expect=self.expect, padding_side=self.padding_side if self.expect == "padding" else None,
-            kind=self.kind, polarity=self.polarity, alignment=self.alignment, trap=self.trap,
-            fully_blocked_rows=self.fully_blocked_rows, total_rows=self.total_rows, summary=self.summary,
-            advice=[a.to_json() for a in self.advice],
-        )
 
-    def _facts(self) -> list[str]:
-        rel = self.expect if self.expect == "causal" else f"padding ({self.padding_side})"
-        facts = [
-            f"mask {self.name!r} {list(self.shape)} {self.dtype} from {self.path}, expected relation: {rel}",
-            f"kind: {self.kind}; polarity: {self.polarity or 'matches neither'}"
-            + (f"; alignment: {self.alignment}" if self.alignment else ""),
-            f"fully blocked query rows: {self.fully_blocked_rows} of {self.total_rows}",
-            self.summary,
-        ]
-        return facts
+def mask_checks(fp: MaskFingerprint) -> tuple[Check, ...]:
+    """The mask encodes the expected relation in some polarity; it is not the float 0/1 trap."""
+    rel = fp.expect if fp.expect == "causal" else f"padding ({fp.padding_side})"
+    data = {"expect": fp.expect, "polarity": fp.polarity, "alignment": fp.alignment}
+    if fp.polarity is None:
+        match = Check(2, "relation_match", "fail", reason=f"matches neither polarity of the {rel} relation", data=data)
+    elif fp.additive:
+        match = Check(2, "relation_match", "pass", data=data,
+                      reason=f"the {rel} relation as an additive bias: 0 takes part, large negative is blocked")
+    else:
+        match = Check(2, "relation_match", "pass", data=data,
+                      reason=f"the {rel} relation in {fp.polarity} polarity ({MEANING[fp.polarity]})")
+    if not fp.kind.startswith("float"):
+        trap = Check(2, "float_01_trap", "not_applicable", reason="not a float mask")
+    elif fp.trap:
+        read = f"; cast to bool it reads as the {rel} relation in {fp.polarity} polarity" if fp.polarity else ""
+        trap = Check(2, "float_01_trap", "fail", data={"values": [0.0, 1.0]},
+                     reason="float 0/1 values: an API that adds a float mask to the scores adds 0 or 1 and blocks "
+                            "nothing" + read)
+    else:
+        trap = Check(2, "float_01_trap", "pass", reason="the float values are not 0/1")
+    return match, trap
 
-    def to_markdown(self) -> str:
-        out = [f"### polarity --mask: verdict {self.verdict}", ""] + [f"- {f}" for f in self._facts()] + [""]
-        out.append(_md_table(["API", "takes it unchanged", "how"],
-                             [[a.api, "yes" if a.unchanged else "no", a.how] for a in self.advice]))
-        return "\n".join(out) + "\n"
 
-    def to_rich(self) -> Any:
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
-
-        table = Table(title="Which APIs can take it", title_justify="left")
-        for h in ("API", "takes it unchanged", "how"):
-            table.add_column(h, overflow="fold")
-        for a in self.advice:
-            table.add_row(a.api, "yes" if a.unchanged else "no", a.how)
-        head = Text(f"polarity --mask: verdict {self.verdict}", style="bold" if self.ok else "bold red")
-        return Group(head, *[Text(f) for f in self._facts()], table)
+def mask_report(fp: MaskFingerprint) -> Report:
+    """``polarity --mask``: one row for the mask (its fingerprint as fields), advice per API as notes."""
+    checks = mask_checks(fp)
+    fields = {"kind": fp.kind, "polarity": fp.polarity, "fully_blocked_rows": fp.fully_blocked_rows,
+              "total_rows": fp.total_rows}
+    if fp.expect == "causal":
+        fields["alignment"] = fp.alignment
+    axes = "..., Tq, Tk" if fp.expect == "causal" else ("B, 1, 1, Tk" if len(fp.shape) == 4 else "B, Tk")
+    row = Row(fp.name, row_status(checks), checks, shape=fp.shape, axes=axes, fields=fields)
+    notes = [f"{a.api} {'takes it unchanged' if a.unchanged else 'needs a conversion'}: {a.how}" for a in fp.advice]
+    details = {
+        "mode": "mask", "path": fp.path, "tensor": fp.name, "shape": list(fp.shape), "dtype": fp.dtype,
+        "expect": fp.expect, "padding_side": fp.padding_side if fp.expect == "padding" else None,
+        "kind": fp.kind, "polarity": fp.polarity, "alignment": fp.alignment, "trap": fp.trap,
+        "fully_blocked_rows": fp.fully_blocked_rows, "total_rows": fp.total_rows,
+        "advice": [a.as_dict() for a in fp.advice],
+    }
+    rel = fp.expect if fp.expect == "causal" else f"padding ({fp.padding_side})"
+    title = f"polarity --mask {fp.path}: tensor {fp.name!r}, {fp.dtype}, expected relation {rel}"
+    return Report(COMMAND, title, (row,), notes=tuple(notes), details=details, unit="row", row_label="tensor")
 
 
 def _pick_mask(tensors: dict[str, "torch.Tensor"], path: str) -> tuple[str, "torch.Tensor"]:
@@ -750,7 +721,7 @@ def _advice(kind: str, polarity: str | None, expect: str, alignment: str | None)
     mha_arg = "key_padding_mask" if expect == "padding" else "attn_mask"
     sdpa_how = f"attn_mask = {allow_expr}"
     if expect == "padding":
-        sdpa_how += "[:, None, None, :]  # [B, 1, 1, Tk]"
+        sdpa_how += "[:,None,None,:] (shape [B,1,1,Tk])"  # no spaces: a table wraps it whole
     elif alignment == "top-left":
         sdpa_how += " (or is_causal=True, which is top-left aligned)"
     return (
@@ -760,10 +731,37 @@ def _advice(kind: str, polarity: str | None, expect: str, alignment: str | None)
     )
 
 
-def fingerprint(path: str | Path, expect: str, padding_side: str = "right") -> MaskReport:
-    """Classify a saved mask against the expected relation and say how each API can take it."""
+def _read_mask(m: "torch.Tensor", expect: str, side: str, name: str, p: str):
+    """``(kind, polarity, alignment, allow, trap)`` of a mask; ``allow`` is its allow-polarity reading or None."""
     import torch
 
+    if m.dtype == torch.bool:
+        pol, align = _match(m, expect, side)
+        return "bool", pol, align, None if pol is None else (m if pol == ALLOW else ~m), False
+    if m.is_floating_point():
+        if bool(torch.isnan(m).any()):
+            raise TensorFileError(f"{name}: got NaN values in {p!r}, expected a boolean or additive mask")
+        values = set(torch.unique(m).tolist())
+        if values <= {0.0, 1.0} and 1.0 in values:
+            pol, align = _match(m == 1.0, expect, side)
+            return "float 0/1", pol, align, None if pol is None else ((m == 1.0) if pol == ALLOW else (m == 0.0)), True
+        if all(v == 0.0 or v <= LARGE_NEGATIVE for v in values):
+            blocked_value = "-inf" if float("-inf") in values else (f"{min(values):.3g}" if len(values) > 1 else "none")
+            pol, align = _match(m == 0.0, expect, side)
+            pol = ALLOW if pol == ALLOW else None  # an additive mask has one meaning: 0 takes part
+            return f"float additive (0 / {blocked_value})", pol, align, (m == 0.0) if pol else None, False
+        return "float other", None, None, None, False
+    if m.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        values = set(torch.unique(m).tolist())
+        if not values <= {0, 1}:
+            raise TensorFileError(f"{name}: got integer values {sorted(values)[:6]} in {p!r}, expected 0/1, bool or float")
+        pol, align = _match(m == 1, expect, side)
+        return "integer 0/1", pol, align, None if pol is None else ((m == 1) if pol == ALLOW else (m == 0)), False
+    raise TensorFileError(f"{name}: got dtype {m.dtype} in {p!r}, expected bool, an integer 0/1 or a float mask")
+
+
+def classify_mask(path: str | Path, expect: str, padding_side: str = "right") -> MaskFingerprint:
+    """Read a saved mask and measure it against the expected relation."""
     from attn_ledger.tensorio import load_tensor_file
 
     if expect not in ("causal", "padding"):
@@ -779,56 +777,29 @@ def fingerprint(path: str | Path, expect: str, padding_side: str = "right") -> M
         m = m[:, 0, 0, :]  # [B, Tk]
     if expect == "padding" and (m.dim() != 2 or 0 in m.shape):
         raise TensorFileError(f"{name}: got shape {list(shape)} in {p!r}, expected [B, Tk] or [B, 1, 1, Tk] for a padding mask")
-    dtype = str(m.dtype).replace("torch.", "")
-    trap = False
-    if m.dtype == torch.bool:
-        kind = "bool"
-        pol, align = _match(m, expect, padding_side)
-        allow = None if pol is None else (m if pol == ALLOW else ~m)
-    elif m.is_floating_point():
-        if bool(torch.isnan(m).any()):
-            raise TensorFileError(f"{name}: got NaN values in {p!r}, expected a boolean or additive mask")
-        values = set(torch.unique(m).tolist())
-        if values <= {0.0, 1.0} and 1.0 in values:
-            kind, trap = "float 0/1", True
-            pol, align = _match(m == 1.0, expect, padding_side)
-            allow = None if pol is None else ((m == 1.0) if pol == ALLOW else (m == 0.0))
-        elif all(v == 0.0 or v <= LARGE_NEGATIVE for v in values):
-            kind = "float additive"
-            blocked_value = "-inf" if float("-inf") in values else (f"{min(values):.3g}" if len(values) > 1 else "none")
-            pol, align = _match(m == 0.0, expect, padding_side)
-            pol = ALLOW if pol == ALLOW else None  # an additive mask has one meaning: 0 takes part
-            allow = (m == 0.0) if pol else None
-            kind = f"float additive (0 / {blocked_value})"
-        else:
-            kind = "float other"
-            pol, align, allow = None, None, None
-    elif m.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
-        values = set(torch.unique(m).tolist())
-        if not values <= {0, 1}:
-            raise TensorFileError(f"{name}: got integer values {sorted(values)[:6]} in {p!r}, expected 0/1, bool or float")
-        kind = "integer 0/1"
-        pol, align = _match(m == 1, expect, padding_side)
-        allow = None if pol is None else ((m == 1) if pol == ALLOW else (m == 0))
-    else:
-        raise TensorFileError(f"{name}: got dtype {m.dtype} in {p!r}, expected bool, an integer 0/1 or a float mask")
+    kind, pol, align, allow, trap = _read_mask(m, expect, padding_side, name, p)
     if allow is not None:
         dead = ~allow.reshape(-1, allow.shape[-1]).any(dim=-1)  # [rows]
         fully_rows, total_rows = int(dead.sum()), int(dead.numel())  # padding: one row per example
     else:
         fully_rows, total_rows = 0, int(m.reshape(-1, m.shape[-1]).shape[0])
     base_kind = "float additive" if kind.startswith("float additive") else kind
-    advice = _advice(base_kind, pol, expect, align)
-    if trap:
-        summary = (f"float 0/1 trap: reads as the {expect} relation in {pol} polarity if cast to bool, "
-                   "but an API that adds float masks to the scores would add 0 or 1 and block nothing"
-                   if pol else "float 0/1 mask that matches neither polarity of the relation; as a float it blocks nothing")
-    elif pol is None:
-        summary = f"matches neither polarity of the expected {expect} relation"
-    else:
-        summary = f"{expect} relation in {pol} polarity ({MEANING.get(pol, pol)})" if base_kind != "float additive" else \
-            f"{expect} relation as an additive bias: 0 takes part, large negative is blocked"
-    if expect == "padding" and fully_rows:
-        summary += f"; {fully_rows} example(s) have no valid key, so every query in them is fully blocked"
-    return MaskReport(p, name, shape, dtype, expect, padding_side, kind, pol, align, fully_rows, total_rows,
-                      trap, summary, advice)
+    return MaskFingerprint(p, name, shape, str(m.dtype).replace("torch.", ""), expect, padding_side, kind, pol, align,
+                           fully_rows, total_rows, trap, _advice(base_kind, pol, expect, align))
+
+
+def fingerprint(path: str | Path, expect: str, padding_side: str = "right") -> Report:
+    """Classify a saved mask against the expected relation and say how each API can take it."""
+    return mask_report(classify_mask(path, expect, padding_side))
+
+
+def polarity(mask: str | Path | None = None, expect: str | None = None, padding_side: str = "right",
+             progress: Callable[[int, int], None] | None = None) -> Report:
+    """``attn-ledger polarity``: the API conventions, or with ``mask`` and ``expect``, a mask's fingerprint."""
+    if mask is None and expect is None:
+        return run_polarity(progress=progress)
+    if mask is None:
+        raise field_error("--expect", expect, "it together with --mask FILE")
+    if expect is None:
+        raise field_error("--mask", str(mask), "it together with --expect causal|padding")
+    return fingerprint(mask, expect, padding_side)
