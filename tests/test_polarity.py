@@ -337,6 +337,9 @@ def test_fully_blocked_rows_are_counted(tmp_path):
     assert doc["details"]["fully_blocked_rows"] == doc["rows"][0]["fields"]["fully_blocked_rows"] == 2
     _, doc = mask_doc(tmp_path, {"mask": _causal()}, "--expect", "causal")
     assert doc["details"]["fully_blocked_rows"] == 0
+    # a mask that matches neither polarity has no reading to count with
+    _, doc = mask_doc(tmp_path, {"mask": torch.eye(4, dtype=torch.bool)}, "--expect", "causal")
+    assert doc["details"]["fully_blocked_rows"] is None and doc["details"]["total_rows"] == 4
 
 
 def test_advice_names_the_conversion(tmp_path):

@@ -572,7 +572,7 @@ class MaskFingerprint:
         polarity: ``allow``, ``block`` or None (matches neither).
         alignment: for causal masks: ``bottom-right``, ``top-left`` or ``both (Tq == Tk)``.
         fully_blocked_rows: query rows (over every leading axis; one per example for padding)
-            with no allowed key, of ``total_rows``.
+            with no allowed key, of ``total_rows``; None when the mask matches neither polarity.
         trap: the float 0/1 case: an additive API would add it and mask nothing.
         advice: how each API can take the mask.
     """
@@ -586,7 +586,7 @@ class MaskFingerprint:
     kind: str
     polarity: str | None
     alignment: str | None
-    fully_blocked_rows: int
+    fully_blocked_rows: int | None
     total_rows: int
     trap: bool
     advice: tuple[Advice, ...]
@@ -629,7 +629,8 @@ def mask_report(fp: MaskFingerprint) -> Report:
         fields["alignment"] = fp.alignment
     axes = "..., Tq, Tk" if fp.expect == "causal" else ("B, 1, 1, Tk" if len(fp.shape) == 4 else "B, Tk")
     row = Row(fp.name, row_status(checks), checks, shape=fp.shape, axes=axes, fields=fields)
-    notes = [f"{a.api} {'takes it unchanged' if a.unchanged else 'needs a conversion'}: {a.how}" for a in fp.advice]
+    notes = [f"{a.api} {'takes it unchanged' if a.unchanged else 'needs a conversion'}: {a.how}" if a.api != "any"
+             else f"every API: {a.how}" for a in fp.advice]
     details = {
         "mode": "mask", "path": fp.path, "tensor": fp.name, "shape": list(fp.shape), "dtype": fp.dtype,
         "expect": fp.expect, "padding_side": fp.padding_side if fp.expect == "padding" else None,
@@ -781,8 +782,8 @@ def classify_mask(path: str | Path, expect: str, padding_side: str = "right") ->
     if allow is not None:
         dead = ~allow.reshape(-1, allow.shape[-1]).any(dim=-1)  # [rows]
         fully_rows, total_rows = int(dead.sum()), int(dead.numel())  # padding: one row per example
-    else:
-        fully_rows, total_rows = 0, int(m.reshape(-1, m.shape[-1]).shape[0])
+    else:  # no reading of the mask to count with
+        fully_rows, total_rows = None, int(m.reshape(-1, m.shape[-1]).shape[0])
     base_kind = "float additive" if kind.startswith("float additive") else kind
     return MaskFingerprint(p, name, shape, str(m.dtype).replace("torch.", ""), expect, padding_side, kind, pol, align,
                            fully_rows, total_rows, trap, _advice(base_kind, pol, expect, align))
