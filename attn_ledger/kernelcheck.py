@@ -28,20 +28,25 @@ Only what is visible from outside is checked, at the levels of the ledger:
 
 Tolerance rule: the implementation's largest error against the float64 reference may be
 at most ``FACTOR`` times the error of the same reference computed plainly in the case's
-dtype, plus a small floor per dtype scaled by the largest value magnitude.
+dtype, plus a small floor per dtype scaled by the largest value magnitude. Every measured
+check carries that tolerance as its ``limit``, the measured number as its ``value`` and the
+first row past it as its ``location`` (``{"example": b, "head": h, "query": i}``).
+
+:func:`check_kernel` returns a :class:`~attn_ledger.report.Report` with one row per case;
+its first finding is the smallest failing case's first failing check, and its details
+carry the lines that reproduce that case. :func:`check_case` returns one case's checks.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import time
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from attn_ledger.errors import InputError
-from attn_ledger.report import LEVEL_NAMES, Check, envelope, find_check, json_number
+from attn_ledger.report import Check, Finding, Report, Row, bounded, counted, find_check, row_status, unjudged
 
 if TYPE_CHECKING:
     import torch
@@ -218,11 +223,7 @@ def _grid() -> tuple[Case, ...]:
 
 
 DEFAULT_GRID: tuple[Case, ...] = _grid()
-
-
-def default_grid() -> tuple[Case, ...]:
-    """The default grid of cases (ids are stable between releases unless noted in the changelog)."""
-    return DEFAULT_GRID
+"""The default grid of cases (ids are stable between releases unless noted in the changelog)."""
 
 
 def select_cases(ids: Sequence[str] | None) -> tuple[Case, ...]:
@@ -304,7 +305,7 @@ def case_inputs(case: Case | str, seed: int = 0) -> tuple["Tensor", "Tensor", "T
 
 @dataclass(frozen=True)
 class CaseResult:
-    """Every check on one case, in level order."""
+    """Every check on one case, in level order, and the tolerance they were judged with."""
 
     case: Case
     checks: tuple[Check, ...]
@@ -322,115 +323,102 @@ class CaseResult:
     def check(self, name: str) -> Check:
         return find_check(self.checks, name)
 
-    def to_json(self) -> dict[str, Any]:
-        first = self.first_failure
-        return {
-            "case": self.case.to_json(),
-            "verdict": "pass" if first is None else "fail",
-            "first_failure": None if first is None else {"level": first.level, "check": first.name, "detail": first.detail},
-            "tolerance": json_number(self.tolerance),
-            "checks": [c.to_json() for c in self.checks],
-        }
+
+def smallest_failing(results: Iterable[CaseResult]) -> CaseResult | None:
+    """The failing case with the fewest input elements (ties: lowest first level, then id)."""
+    failing = [r for r in results if not r.passed]
+    if not failing:
+        return None
+    return min(failing, key=lambda r: (r.case.size, r.first_failure.level, r.case.id))  # type: ignore[union-attr]
 
 
-@dataclass(frozen=True)
-class KernelCheckReport:
-    """The result of ``attn-ledger check`` on a kernel-protocol function."""
+def reproduction(case: Case, target: str, *, empty_rows: str = "zeros", seed: int = 0) -> tuple[str, tuple[str, ...]]:
+    """The CLI line and the Python lines that rerun one case of ``attn-ledger check TARGET``."""
+    seed_opt = f" --seed {seed}" if seed else ""
+    rows_opt = f" --empty-rows {empty_rows}" if empty_rows != "zeros" else ""
+    cli = f"attn-ledger check {target} --case {case.id}{seed_opt}{rows_opt}"
+    name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
+    seed_arg = f", seed={seed}" if seed else ""
+    python = (
+        "from attn_ledger.kernelcheck import case_inputs",
+        f"q, k, v, kw = case_inputs({case.id!r}{seed_arg})",
+        f"out = {name}(q, k, v, **kw)",
+    )
+    return cli, python
 
-    target: str
-    empty_rows: str
-    results: tuple[CaseResult, ...]
-    skipped: tuple[str, ...] = ()
-    elapsed_s: float = 0.0
-    seed: int = 0
 
-    @property
-    def failing(self) -> tuple[CaseResult, ...]:
-        return tuple(r for r in self.results if not r.passed)
+def _decode_text(decode: dict[str, Any]) -> str:
+    """The index-decode facts of a check's ``data`` as the line a reader needs."""
+    may = decode["may_mix"]
+    keys = f"keys {may['keys'][0]}..{may['keys'][1]}" if may["keys"] else "no key"
+    allowed = f"example {may['example']}, kv head {may['kv_head']}, {keys}"
+    src = decode["source"]
+    if src is None:
+        return f"index decode: the row lies outside every value row's range; it may mix only {allowed}"
+    return (f"index decode: the row reads as a mix from example {src['example']}, kv head {src['kv_head']}, "
+            f"near key {src['key']:.1f}; it may mix only {allowed}")
 
-    @property
-    def smallest_failing(self) -> CaseResult | None:
-        """The failing case with the fewest input elements (ties: lowest first level, then id)."""
-        failing = self.failing
-        if not failing:
-            return None
-        return min(failing, key=lambda r: (r.case.size, r.first_failure.level, r.case.id))  # type: ignore[union-attr]
 
-    @property
-    def first_level(self) -> int | None:
-        """The lowest level at which any case fails."""
-        levels = [r.first_failure.level for r in self.failing]  # type: ignore[union-attr]
-        return min(levels) if levels else None
+def _case_row(result: CaseResult) -> Row:
+    """One case as a report row: its checks, its size, and where index inputs tell it, the source of a wrong row."""
+    first = result.first_failure
+    note = _decode_text(first.data["index_decode"]) if first is not None and "index_decode" in first.data else ""
+    return Row(result.case.id, row_status(result.checks), result.checks, fields={"elements": result.case.size},
+               note=note)
 
-    @property
-    def verdict(self) -> str:
-        return "pass" if not self.failing else "fail"
 
-    @property
-    def exit_code(self) -> int:
-        return 0 if not self.failing else 1
+def kernel_report(
+    results: Sequence[CaseResult], *, target: str, empty_rows: str = "zeros", seed: int = 0,
+    skipped: Sequence[str] = (),
+) -> Report:
+    """The report of ``attn-ledger check`` on a kernel-protocol function: one row per case.
 
-    def reproduction(self, result: CaseResult | None = None) -> tuple[str, str] | None:
-        """The CLI line and the Python lines that rerun a failing case (default: the smallest)."""
-        result = result or self.smallest_failing
-        if result is None:
-            return None
-        seed = f" --seed {self.seed}" if self.seed else ""
-        rows = f" --empty-rows {self.empty_rows}" if self.empty_rows != "zeros" else ""
-        cli = f"attn-ledger check {self.target} --case {result.case.id}{seed}{rows}"
-        name = self.target.rsplit(":", 1)[-1] if ":" in self.target else "attention"
-        seed_arg = f", seed={self.seed}" if self.seed else ""
-        py = (
-            f"q, k, v, kw = case_inputs({result.case.id!r}{seed_arg})\n"
-            f"out = {name}(q, k, v, **kw)  # {result.case.call_text(name)}"
-        )
-        return cli, py
-
-    def passes_through(self) -> tuple[str, ...]:
-        """Checks evaluated on at least one case and failed on none, in level order."""
-        seen: dict[str, bool] = {}
-        for r in self.results:
-            for c in r.checks:
-                if c.ok is None:
-                    continue
-                seen[c.name] = seen.get(c.name, True) and not c.failed
-        return tuple(name for _, name in CHECK_ORDER if seen.get(name))
-
-    def to_json(self) -> dict[str, Any]:
-        small = self.smallest_failing
-        repro = self.reproduction()
-        return envelope(
-            "check",
-            self.verdict,
-            target=self.target,
-            protocol="kernel",
-            empty_rows=self.empty_rows,
-            seed=self.seed,
-            cases_total=len(self.results),
-            cases_failed=len(self.failing),
-            first_level=self.first_level,
-            smallest_failing=None if small is None else {
-                "case": small.case.id,
-                "level": small.first_failure.level,  # type: ignore[union-attr]
-                "check": small.first_failure.name,  # type: ignore[union-attr]
-                "detail": small.first_failure.detail,  # type: ignore[union-attr]
-                "reproduce_cli": repro[0] if repro else None,
-                "reproduce_python": repro[1] if repro else None,
-            },
-            skipped=list(self.skipped),
-            elapsed_s=json_number(round(self.elapsed_s, 3)),
-            cases=[r.to_json() for r in self.results],
-        )
-
-    def to_markdown(self) -> str:
-        return report_markdown(self)
-
-    def to_rich(self) -> Any:
-        return report_rich(self)
-
-    def diagnosis(self) -> str:
-        """Plain text: the summary line, each failing case's ledger, and the reproduction."""
-        return report_text(self)
+    The first finding is the smallest failing case's first failing check; ``details`` holds
+    the counts and the reproduction of that case, which the notes repeat for the table.
+    """
+    failing = [r for r in results if not r.passed]
+    small = smallest_failing(results)
+    name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
+    notes = list(skipped)
+    repro = None
+    if small is None:
+        notes.append(f"all {len(results)} cases pass")
+    else:
+        cli, python = reproduction(small.case, target, empty_rows=empty_rows, seed=seed)
+        command, _, options = cli.partition(" --case ")
+        repro = {"case": small.case.id, "cli": cli, "python": "\n".join(python)}
+        notes += [
+            f"{len(failing)} of {len(results)} cases fail; the first finding is the smallest failing case",
+            f"its call: {small.case.call_text(name)}",
+            "reproduce it:",
+            # two lines joined by a shell continuation: the table wraps a long note, and this stays pasteable
+            f"{command} \\",
+            f"    --case {options}",
+            *python,
+        ]
+    levels = [r.first_failure.level for r in failing]  # type: ignore[union-attr]
+    details = {
+        "target": target,
+        "protocol": "kernel",
+        "empty_rows": empty_rows,
+        "seed": seed,
+        "cases_total": len(results),
+        "cases_failed": len(failing),
+        "first_level": min(levels) if levels else None,
+        "skipped": list(skipped),
+        "reproduce": repro,
+    }
+    return Report(
+        command="check",
+        title=f"check {target} (kernel protocol, empty rows: {empty_rows})",
+        rows=tuple(_case_row(r) for r in results),
+        first_finding=None if small is None else Finding(small.case.id, small.first_failure),  # type: ignore[arg-type]
+        notes=tuple(notes),
+        details=details,
+        unit="row",
+        row_label="case",
+        show_passing=False,
+    )
 
 
 # --- checking one case ----------------------------------------------------------------
@@ -453,19 +441,15 @@ def _maxdiff(a: "Tensor", b: "Tensor", where: "Tensor | None" = None) -> float:
     return float(d.max()) if d.numel() else 0.0
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.2e}" if math.isfinite(x) else str(x)
-
-
-def _where_first(mask: "Tensor") -> str:
-    """Coordinates ``[b, h, i]`` of the first True entry of a ``[B, Nh, Tq]`` mask."""
+def _first_row(mask: "Tensor") -> dict[str, int] | None:
+    """The first True entry of a ``[B, Nh, Tq]`` mask as a location, or None."""
     import torch
 
     idx = torch.nonzero(mask)
     if idx.numel() == 0:
-        return "-"
+        return None
     b, h, i = (int(x) for x in idx[0][:3])
-    return f"[b={b}, h={h}, i={i}]"
+    return {"example": b, "head": h, "query": i}
 
 
 class _Kernel:
@@ -487,35 +471,43 @@ class _Kernel:
         return out
 
 
+def _raised(level: int, name: str, exc: BaseException, where: str, data: dict[str, Any] | None = None) -> Check:
+    """A failing check for a call of the user's function that raised."""
+    message = _first_line(exc)
+    return Check(level, name, "fail", reason=f"{where} raised {type(exc).__name__}: {message}",
+                 data={**(data or {}), "exception": type(exc).__name__, "message": message})
+
+
 def _probe(
-    name: str, kernel: _Kernel, args: tuple["Tensor", "Tensor", "Tensor"], base: "Tensor",
-    stay: "Tensor", move: "Tensor | None", tol: float, what: str,
+    name: str, measure: str, kernel: _Kernel, args: tuple["Tensor", "Tensor", "Tensor"], base: "Tensor",
+    stay: "Tensor", move: "Tensor | None", tol: float, perturbed: dict[str, Any],
 ) -> Check:
-    """Run the kernel on perturbed inputs: ``stay`` outputs must not move, some ``move`` output must."""
+    """Run the kernel on perturbed inputs: ``stay`` outputs must not move, some ``move`` output must.
+
+    The value is the largest move of a row in ``stay``, judged against ``tol``; ``data`` says
+    what was perturbed and how far the ``move`` rows moved. A probe whose ``move`` rows barely
+    moved is inconclusive: it proves nothing either way.
+    """
     level = LEVEL_OF[name]
+    data: dict[str, Any] = {"perturbed": perturbed}
     try:
         out = _f64(kernel(*args))
     except Exception as exc:  # the user's code: any exception is a finding
-        return Check(level, name, False, None, f"{what}: the call raised {type(exc).__name__}: {_first_line(exc)}")
+        return _raised(level, name, exc, "the call on perturbed inputs", data)
     if tuple(out.shape) != tuple(base.shape):
-        return Check(level, name, False, None, f"{what}: output shape changed to {list(out.shape)}")
+        return Check(level, name, "fail", reason="the output shape changed on perturbed inputs",
+                     data={**data, "expected": list(base.shape), "got": list(out.shape)})
     per_row = _row_diff(out, base)  # [B, Nh, Tq]
     leaked = float(per_row[stay].max()) if stay.any() else 0.0
     if leaked > tol:
-        where = _where_first(stay & (per_row > tol))
-        return Check(level, name, False, leaked,
-                     f"{what}: output {where} moved by {_fmt(leaked)} but should not (tolerance {_fmt(tol)})")
+        return bounded(level, name, measure, leaked, tol, location=_first_row(stay & (per_row > tol)), data=data)
     if move is not None and move.any():
-        moved = float(per_row[move].max())
-        if moved <= max(10 * tol, 1e-12):
-            # A probe that moved nothing proves nothing either way: report it, do not judge on it.
-            return Check(level, name, None, moved,
-                         f"{what}: inconclusive, the outputs that should move changed by only {_fmt(moved)} "
-                         f"and nothing that should stay moved")
-        return Check(level, name, True, leaked,
-                     f"{what}: outputs that should stay moved {_fmt(leaked)} (tolerance {_fmt(tol)}); "
-                     f"the ones that should move moved {_fmt(moved)}")
-    return Check(level, name, True, leaked, f"{what}: outputs that should stay moved {_fmt(leaked)} (tolerance {_fmt(tol)})")
+        data["moved"] = float(per_row[move].max())
+        data["moved_min"] = max(10 * tol, 1e-12)
+        if data["moved"] <= data["moved_min"]:
+            return Check(level, name, "inconclusive", measure, leaked, tol, "<=", data=data,
+                         reason="the outputs that should move did not move either, so the probe proves nothing")
+    return bounded(level, name, measure, leaked, tol, data=data)
 
 
 def _row_diff(a: "Tensor", b: "Tensor") -> "Tensor":
@@ -532,45 +524,78 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else "(no message)"
 
 
-def _index_source(case: Case, out: "Tensor", allow_full: "Tensor", rows: "Tensor") -> str:
-    """For index-encoded inputs: say where the worst output row's values came from.
+def _index_decode(case: Case, out: "Tensor", allow_full: "Tensor", rows: "Tensor") -> dict[str, Any]:
+    """For index-encoded inputs: where the first marked output row's values came from.
 
     Each value of v is its own flat index (b, kv head, t, d) spread over [-1, 1), and each
     (b, kv head) owns a contiguous range, so coordinate 0 of an output row, a convex
-    combination of value rows, decodes to the batch element and kv head it was mixed from
-    and to a (weighted) key position.
+    combination of value rows, decodes to the example and kv head it was mixed from and to
+    a (weighted) key position. Returns ``{"index_decode": {"source": ..., "may_mix": ...}}``
+    (``source`` None when the row lies outside every value row's range), or ``{}`` when the
+    inputs are not index-encoded or the row is not finite.
     """
     import torch
 
     if case.inputs != "index" or not bool(rows.any()):
-        return ""
+        return {}
     b, h, i = (int(x) for x in torch.nonzero(rows)[0][:3])
     n_total = case.b * case.nkv * case.tk * case.dv
     x = float(out[b, h, i, 0])
     if not math.isfinite(x):
-        return ""
+        return {}
     n0 = (x + 1.0) * n_total / 2.0  # fractional flat index of coordinate 0
-    group = case.nh // case.nkv
     allowed = torch.nonzero(allow_full[b, h, i]).flatten().tolist()
-    own = (f"batch {b}, kv head {h // group}, keys "
-           + (f"{allowed[0]}..{allowed[-1]}" if allowed else "none"))
-    if not -0.5 <= n0 < n_total:
-        return f"; out[b={b}, h={h}, i={i}] lies outside every value row's range (it may mix {own})"
-    block = int(n0 // (case.tk * case.dv))
-    pos = (n0 - block * case.tk * case.dv) / case.dv
-    return (f"; index decode: read as a mix of value rows, out[b={b}, h={h}, i={i}] comes from batch {block // case.nkv}, "
-            f"kv head {block % case.nkv}, near key {pos:.1f} (it may mix only {own})")
+    may = {"example": b, "kv_head": h // (case.nh // case.nkv), "keys": [allowed[0], allowed[-1]] if allowed else []}
+    source = None
+    if -0.5 <= n0 < n_total:
+        block = int(n0 // (case.tk * case.dv))
+        key = (n0 - block * case.tk * case.dv) / case.dv
+        source = {"example": block // case.nkv, "kv_head": block % case.nkv, "key": round(key, 2)}
+    return {"index_decode": {"source": source, "may_mix": may}}
 
 
-def _not_run(name: str, why: str) -> Check:
-    return Check(LEVEL_OF[name], name, None, None, why)
+def _not_applicable(name: str, why: str) -> Check:
+    return unjudged(LEVEL_OF[name], name, "not_applicable", why)
+
+
+def _not_reached(names: Iterable[tuple[int, str]], why: str) -> list[Check]:
+    return [unjudged(level, name, "not_reached", why) for level, name in names]
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What the checks of one case read: the inputs, the kernel's output, the relation and the tolerance."""
+
+    case: Case
+    kernel: _Kernel
+    q: "Tensor"  # [B, Nh, Tq, Dh]
+    k: "Tensor"  # [B, Nkv, Tk, Dh]
+    v: "Tensor"  # [B, Nkv, Tk, Dv]
+    out: "Tensor"  # [B, Nh, Tq, Dv] float64
+    allow: "Tensor"  # [B, Nh, Tq, Tk] True = may attend (allow_mask and is_causal together)
+    tol: float
+    gen: "torch.Generator"
+
+    @property
+    def empty(self) -> "Tensor":
+        return ~self.allow.any(dim=-1)  # [B, Nh, Tq]: every key blocked
+
+    @property
+    def qk_scale(self) -> float:
+        return _LARGE if self.case.inputs == "large" else 1.0
+
+    def fresh(self, t: "Tensor", scale: float) -> "Tensor":
+        """New random values of ``t``'s shape and dtype."""
+        import torch
+
+        return (torch.randn(t.shape, generator=self.gen, dtype=torch.float64) * scale).to(self.q.dtype)
 
 
 def check_case(fn: Callable[..., Any], case: Case, *, empty_rows: str = "zeros", seed: int = 0) -> CaseResult:
     """Run every check on one case. Never raises for the user's mistakes; they become checks."""
     import torch
 
-    from attn_ledger.reference import combined_allow, reference_attention, repeat_kv
+    from attn_ledger.reference import combined_allow, reference_attention
 
     if empty_rows not in EMPTY_ROWS:
         raise InputError(f"empty_rows: got {empty_rows!r}, expected one of {', '.join(EMPTY_ROWS)}")
@@ -578,174 +603,206 @@ def check_case(fn: Callable[..., Any], case: Case, *, empty_rows: str = "zeros",
     kernel = _Kernel(fn, kwargs)
     gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 7919 * (seed + 1))
     dt = q.dtype
-    checks: list[Check] = []
 
     try:
         raw = kernel(q, k, v)
     except Exception as exc:
-        checks.append(Check(1, "call", False, None,
-                            f"{case.call_text()} raised {type(exc).__name__}: {_first_line(exc)}"))
-        checks += [_not_run(n, "not evaluated: the call raised") for _, n in CHECK_ORDER[1:]]
-        return CaseResult(case, tuple(checks))
-    checks.append(Check(1, "call", True, None, f"{case.call_text()} returned"))
-    want = (case.b, case.nh, case.tq, case.dv)
-    shape_ok = tuple(raw.shape) == want
-    checks.append(Check(1, "shape", shape_ok, None,
-                        f"output {list(raw.shape)}, expected [B, Nh, Tq, Dv] = {list(want)}"))
-    checks.append(Check(1, "dtype", raw.dtype == dt, None,
-                        f"output {str(raw.dtype).removeprefix('torch.')}, expected {case.dtype_name} (the inputs' dtype)"))
+        called = _raised(1, "call", exc, case.call_text())
+        return CaseResult(case, (called, *_not_reached(CHECK_ORDER[1:], "the call raised")))
+    want = [case.b, case.nh, case.tq, case.dv]
+    shape_ok = list(raw.shape) == want
+    got_dtype = str(raw.dtype).removeprefix("torch.")
+    checks = [
+        Check(1, "call", "pass"),
+        Check(1, "shape", "pass" if shape_ok else "fail", data={"expected": want, "got": list(raw.shape)},
+              reason="" if shape_ok else f"output {list(raw.shape)}, expected [B, Nh, Tq, Dv] = {want}"),
+        Check(1, "dtype", "pass" if raw.dtype == dt else "fail", data={"expected": case.dtype_name, "got": got_dtype},
+              reason="" if raw.dtype == dt else f"output {got_dtype}, expected {case.dtype_name} (the inputs' dtype)"),
+    ]
     if not shape_ok:
-        checks += [_not_run(n, "not evaluated: wrong output shape") for _, n in CHECK_ORDER[3:]]
-        return CaseResult(case, tuple(checks))
+        return CaseResult(case, (*checks, *_not_reached(CHECK_ORDER[3:], "wrong output shape")))
 
     out = _f64(raw)  # [B, Nh, Tq, Dv]
     allow = combined_allow(case.b, case.nh, case.tq, case.tk, kwargs["allow_mask"], kwargs["is_causal"])
     full = torch.ones(case.b, case.nh, case.tq, case.tk, dtype=torch.bool)
     allow_full = full if allow is None else (full & allow)  # [B, Nh, Tq, Tk]
-    empty = ~allow_full.any(dim=-1)  # [B, Nh, Tq]
-    live = ~empty
+    live = allow_full.any(dim=-1)  # [B, Nh, Tq]
     ref64 = reference_attention(q, k, v, **kwargs)  # [B, Nh, Tq, Dv] float64
-    plain = _f64(reference_attention(q, k, v, **kwargs, dtype=dt))
+    plain = _f64(reference_attention(q, k, v, **kwargs, dtype=dt))  # [B, Nh, Tq, Dv]
     vmax = float(v.abs().max().double()) if v.numel() else 0.0
     plain_err = _maxdiff(plain, ref64, live[..., None])
-    tol = FACTOR * plain_err + _FLOOR[case.dtype_name] * (1.0 + vmax)
-    x64 = lambda t: t.double()  # noqa: E731
+    floor = _FLOOR[case.dtype_name] * (1.0 + vmax)
+    tol = FACTOR * plain_err + floor
+    s = _Setup(case, kernel, q, k, v, out, allow_full, tol, gen)
 
-    def fresh(t: "Tensor", scale: float) -> "Tensor":
-        return (torch.randn(t.shape, generator=gen, dtype=torch.float64) * scale).to(dt)
+    checks += _isolation_checks(s)
+    checks += [_finite_check(s), _convex_check(s), _forbidden_probe(s), _empty_rows_check(s, empty_rows)]
+    err = _maxdiff(out, ref64, live[..., None])
+    wrong_rows = (_row_diff(out, ref64) > tol) & live  # [B, Nh, Tq]
+    tolerance = {"factor": FACTOR, "plain_error": plain_err, "floor": floor, "dtype": case.dtype_name}
+    checks.append(bounded(4, "reference", "max |out - float64 reference|", err, tol,
+                          location=_first_row(wrong_rows) if err > tol else None,
+                          data={"tolerance": tolerance, **(_index_decode(case, out, allow_full, wrong_rows) if err > tol else {})}))
+    checks.append(_causal_probe(s))
+    return CaseResult(case, tuple(checks), tol)
 
-    qk_scale = _LARGE if case.inputs == "large" else 1.0
 
-    # L2: isolation probes.
+def _isolation_checks(s: _Setup) -> list[Check]:
+    """L2: perturb one example, one kv head, one query head's q; only the outputs that should move do."""
+    import torch
+
+    case, q, k, v, out = s.case, s.q, s.k, s.v, s.out
+    live = ~s.empty
+    checks = []
     if case.b >= 2:
         q2, k2, v2 = q.clone(), k.clone(), v.clone()
-        q2[0], k2[0], v2[0] = fresh(q[0], qk_scale), fresh(k[0], qk_scale), fresh(v[0], 1.0)
-        stay = torch.zeros_like(empty)
+        q2[0], k2[0], v2[0] = s.fresh(q[0], s.qk_scale), s.fresh(k[0], s.qk_scale), s.fresh(v[0], 1.0)
+        stay = torch.zeros_like(live)
         stay[1:] = True
-        checks.append(_probe("batch_isolation", kernel, (q2, k2, v2), out, stay, live & ~stay, tol,
-                             "new q, k, v for batch element 0"))
+        checks.append(_probe("batch_isolation", "largest move of another example's output", s.kernel, (q2, k2, v2),
+                             out, stay, live & ~stay, s.tol, {"example": 0, "inputs": "q, k, v"}))
     else:
-        checks.append(_not_run("batch_isolation", "not applicable: B = 1"))
+        checks.append(_not_applicable("batch_isolation", "B = 1"))
     group = case.nh // case.nkv
     if case.nkv >= 2:
         g = case.nkv - 1
         k2, v2 = k.clone(), v.clone()
-        k2[:, g], v2[:, g] = fresh(k[:, g], qk_scale), fresh(v[:, g], 1.0)
-        served = torch.zeros_like(empty)
+        k2[:, g], v2[:, g] = s.fresh(k[:, g], s.qk_scale), s.fresh(v[:, g], 1.0)
+        served = torch.zeros_like(live)
         served[:, g * group:(g + 1) * group] = True  # query heads h with h // (Nh // Nkv) == g
-        checks.append(_probe("kv_head_isolation", kernel, (q, k2, v2), out, ~served, live & served, tol,
-                             f"new k, v for kv head {g} (serves query heads {g * group}..{(g + 1) * group - 1})"))
+        checks.append(_probe("kv_head_isolation", "largest move of a query head the kv head does not serve",
+                             s.kernel, (q, k2, v2), out, ~served, live & served, s.tol,
+                             {"kv_head": g, "inputs": "k, v", "serves": list(range(g * group, (g + 1) * group))}))
     else:
-        checks.append(_not_run("kv_head_isolation", "not applicable: Nkv = 1"))
+        checks.append(_not_applicable("kv_head_isolation", "Nkv = 1"))
     if case.nh >= 2:
         h = case.nh - 1
         q2 = q.clone()
-        q2[:, h] = fresh(q[:, h], qk_scale)
-        mine = torch.zeros_like(empty)
+        q2[:, h] = s.fresh(q[:, h], s.qk_scale)
+        mine = torch.zeros_like(live)
         mine[:, h] = True
-        checks.append(_probe("q_head_isolation", kernel, (q2, k, v), out, ~mine,
-                             live & mine & (allow_full.sum(-1) >= 2), tol, f"new q for query head {h}"))
+        # a row with one allowed key returns that key's value whatever q is: it cannot move
+        checks.append(_probe("q_head_isolation", "largest move of another query head's output", s.kernel, (q2, k, v),
+                             out, ~mine, live & mine & (s.allow.sum(-1) >= 2), s.tol, {"head": h, "inputs": "q"}))
     else:
-        checks.append(_not_run("q_head_isolation", "not applicable: Nh = 1"))
-
-    # L3: numerical invariants.
-    nonfinite = int((~torch.isfinite(out) & live[..., None]).sum())
-    checks.append(Check(3, "finite", nonfinite == 0, float(nonfinite),
-                        f"{nonfinite} non-finite values in rows with at least one allowed key"
-                        + (f", first at {_where_first((~torch.isfinite(out)).any(-1) & live)}" if nonfinite else "")))
-    vv = repeat_kv(x64(v), case.nh)[:, :, None, :, :]  # [B, Nh, 1, Tk, Dv]
-    a5 = allow_full[..., None]  # [B, Nh, Tq, Tk, 1]
-    lo = torch.where(a5, vv, math.inf).amin(dim=-2)  # [B, Nh, Tq, Dv]
-    hi = torch.where(a5, vv, -math.inf).amax(dim=-2)
-    outside = torch.clamp(torch.maximum(lo - out, out - hi), min=0.0)
-    outside = torch.nan_to_num(outside, nan=0.0).amax(dim=-1).masked_fill(empty, 0.0)  # [B, Nh, Tq]
-    worst = float(outside.max()) if outside.numel() else 0.0
-    checks.append(Check(3, "convex_range", worst <= tol, worst,
-                        f"largest distance of an output row outside the range of the value rows it may mix: "
-                        f"{_fmt(worst)} (tolerance {_fmt(tol)})"
-                        + (f", at {_where_first(outside > tol)}" + _index_source(case, out, allow_full, outside > tol)
-                           if worst > tol else "")))
-    checks.append(_forbidden_probe(kernel, case, q, k, v, out, allow_full, fresh, qk_scale, tol))
-    if empty.any():
-        rows = out[empty]  # [n_empty, Dv]
-        n = int(empty.sum())
-        if empty_rows == "zeros":
-            n_nan = int(torch.isnan(rows).any(dim=-1).sum())
-            bad = float(torch.nan_to_num(rows.abs(), nan=0.0).max())
-            ok = bad == 0.0 and n_nan == 0
-            nonzero = empty & ((out.abs() > 0) | torch.isnan(out)).any(-1)
-            detail = (f"{n} rows have every key blocked; contract 'zeros': {n_nan} rows hold NaN, "
-                      f"largest finite |value| {_fmt(bad)}" + ("" if ok else f", first at {_where_first(nonzero)}"))
-            checks.append(Check(3, "empty_rows", ok, float(n_nan) if n_nan else bad, detail))
-        elif empty_rows == "nan":
-            n_nan = int(torch.isnan(rows).all(dim=-1).sum())
-            checks.append(Check(3, "empty_rows", n_nan == n, float(n - n_nan),
-                                f"{n} rows have every key blocked; contract 'nan': {n - n_nan} of them are not all NaN"))
-        else:
-            checks.append(Check(3, "empty_rows", None, None,
-                                f"{n} rows have every key blocked; contract 'any': not judged"))
-    else:
-        checks.append(_not_run("empty_rows", "not applicable: every query has an allowed key"))
-
-    # L4: behaviour.
-    err = _maxdiff(out, ref64, live[..., None])
-    wrong_rows = _row_diff(out, ref64).masked_fill(empty, 0) > tol  # [B, Nh, Tq]
-    checks.append(Check(4, "reference", err <= tol, err,
-                        f"max |out - float64 reference| {_fmt(err)}; tolerance {_fmt(tol)} = {FACTOR:g} x "
-                        f"plain {case.dtype_name} reference error {_fmt(plain_err)} + floor"
-                        + (f"; first wrong row {_where_first(wrong_rows)}" + _index_source(case, out, allow_full, wrong_rows)
-                           if err > tol else "")))
-    checks.append(_causal_probe(kernel, case, q, k, v, out, live, fresh, qk_scale, tol))
-    return CaseResult(case, tuple(checks), tol)
+        checks.append(_not_applicable("q_head_isolation", "Nh = 1"))
+    return checks
 
 
-def _forbidden_probe(kernel, case, q, k, v, out, allow_full, fresh, qk_scale, tol) -> Check:
+def _finite_check(s: _Setup) -> Check:
+    """L3: no NaN or infinity in a row that has at least one allowed key."""
     import torch
 
+    bad = (~torch.isfinite(s.out)).any(-1) & ~s.empty  # [B, Nh, Tq]
+    n = int((~torch.isfinite(s.out) & ~s.empty[..., None]).sum())
+    return counted(3, "finite", "non-finite values in rows with an allowed key", n, location=_first_row(bad))
+
+
+def _convex_check(s: _Setup) -> Check:
+    """L3: each output row lies inside the per-coordinate range of the value rows it may mix."""
+    import torch
+
+    from attn_ledger.reference import repeat_kv
+
+    vv = repeat_kv(s.v.double(), s.case.nh)[:, :, None, :, :]  # [B, Nh, 1, Tk, Dv]
+    a5 = s.allow[..., None]  # [B, Nh, Tq, Tk, 1]
+    lo = torch.where(a5, vv, math.inf).amin(dim=-2)  # [B, Nh, Tq, Dv]
+    hi = torch.where(a5, vv, -math.inf).amax(dim=-2)  # [B, Nh, Tq, Dv]
+    outside = torch.clamp(torch.maximum(lo - s.out, s.out - hi), min=0.0)  # [B, Nh, Tq, Dv]
+    outside = torch.nan_to_num(outside, nan=0.0).amax(dim=-1).masked_fill(s.empty, 0.0)  # [B, Nh, Tq]
+    worst = float(outside.max()) if outside.numel() else 0.0
+    wrong = outside > s.tol  # [B, Nh, Tq]
+    return bounded(3, "convex_range", "largest distance of an output outside its value rows' range", worst, s.tol,
+                   location=_first_row(wrong), data=_index_decode(s.case, s.out, s.allow, wrong))
+
+
+def _empty_rows_check(s: _Setup, contract: str) -> Check:
+    """L3: a query whose every key is blocked returns what the contract says (zeros, NaN or anything)."""
+    import torch
+
+    empty = s.empty
+    if not empty.any():
+        return _not_applicable("empty_rows", "every query has an allowed key")
+    n = int(empty.sum())
+    rows = s.out[empty]  # [n_empty, Dv]
+    facts: dict[str, Any] = {"contract": contract, "empty_rows": n}
+    if contract == "any":
+        return Check(3, "empty_rows", "skipped", reason="the contract 'any' lets such a row hold anything", data=facts)
+    if contract == "zeros":
+        wrong = empty & ((s.out != 0) | torch.isnan(s.out)).any(-1)  # [B, Nh, Tq]
+        facts["rows_with_nan"] = int(torch.isnan(rows).any(dim=-1).sum())
+        facts["largest_finite_abs"] = float(torch.nan_to_num(rows.abs(), nan=0.0).max())
+        return counted(3, "empty_rows", "rows with every key blocked that are not all zeros", int(wrong.sum()),
+                       location=_first_row(wrong), data=facts)
+    wrong = empty & ~torch.isnan(s.out).all(-1)  # [B, Nh, Tq]
+    return counted(3, "empty_rows", "rows with every key blocked that are not all NaN", int(wrong.sum()),
+                   location=_first_row(wrong), data=facts)
+
+
+def _forbidden_probe(s: _Setup) -> Check:
+    """L3: new k and v at keys a row may not use move nothing in that row."""
+    import torch
+
+    case, allow_full = s.case, s.allow
     if bool(allow_full.all()):
-        return _not_run("forbidden_keys", "not applicable: no key is forbidden in this case")
+        return _not_applicable("forbidden_keys", "no key is forbidden in this case")
     # Probe 1: keys no query of an example may use (padding). Probe 2: the last key (the future, if causal).
     padded = ~allow_full.any(dim=1).any(dim=1)  # [B, Tk]
-    last = torch.zeros(case.b, case.tk, dtype=torch.bool)
+    last = torch.zeros(case.b, case.tk, dtype=torch.bool)  # [B, Tk]
     last[:, -1] = True
     worst_ok: Check | None = None
-    for keys, what in ((padded, "padded keys"), (last, f"key {case.tk - 1}")):
+    for keys, which in ((padded, {"keys": "padded"}), (last, {"keys": "last", "key": case.tk - 1})):
         if not keys.any():
             continue
         uses = (allow_full & keys[:, None, None, :]).any(dim=-1)  # [B, Nh, Tq]: may use a perturbed key
         stay = ~uses
         if not stay.any():
             continue
-        k2, v2 = k.clone(), v.clone()
+        k2, v2 = s.k.clone(), s.v.clone()
         sel = keys[:, None, :].expand(case.b, case.nkv, case.tk)  # [B, Nkv, Tk]
-        k2[sel] = fresh(k2[sel], qk_scale)
-        v2[sel] = fresh(v2[sel], 1.0)
-        c = _probe("forbidden_keys", kernel, (q, k2, v2), out, stay, None, tol,
-                   f"new k, v at {what}, forbidden for {int(stay.sum())} query rows")
+        k2[sel] = s.fresh(k2[sel], s.qk_scale)
+        v2[sel] = s.fresh(v2[sel], 1.0)
+        c = _probe("forbidden_keys", "largest move of a row that may not use the changed keys", s.kernel,
+                   (s.q, k2, v2), s.out, stay, None, s.tol, {**which, "inputs": "k, v", "rows": int(stay.sum())})
         if c.failed:
             return c
         worst_ok = c
-    return worst_ok or _not_run("forbidden_keys", "not applicable: no probe leaves a row that must stay")
+    return worst_ok or _not_applicable("forbidden_keys", "no probe leaves a row that must stay")
 
 
-def _causal_probe(kernel, case, q, k, v, out, live, fresh, qk_scale, tol) -> Check:
+def _causal_probe(s: _Setup) -> Check:
+    """L4: changing the future (later queries, keys after the kept query) moves no earlier output."""
     import torch
 
+    case = s.case
     if not case.causal:
-        return _not_run("causal_intervention", "not applicable: the case is not causal")
+        return _not_applicable("causal_intervention", "the case is not causal")
     if case.tq < 2:
-        return _not_run("causal_intervention", "not applicable: Tq = 1 has no later query")
+        return _not_applicable("causal_intervention", "Tq = 1 has no later query")
     c = (case.tq - 1) // 2  # last query kept
     p = c + case.tk - case.tq  # its position on the key axis (bottom-right)
-    q2, k2, v2 = q.clone(), k.clone(), v.clone()
-    q2[:, :, c + 1:] = fresh(q[:, :, c + 1:], qk_scale)
+    q2, k2, v2 = s.q.clone(), s.k.clone(), s.v.clone()
+    q2[:, :, c + 1:] = s.fresh(s.q[:, :, c + 1:], s.qk_scale)
     j0 = max(p + 1, 0)
-    k2[:, :, j0:] = fresh(k[:, :, j0:], qk_scale)
-    v2[:, :, j0:] = fresh(v[:, :, j0:], 1.0)
+    k2[:, :, j0:] = s.fresh(s.k[:, :, j0:], s.qk_scale)
+    v2[:, :, j0:] = s.fresh(s.v[:, :, j0:], 1.0)
+    live = ~s.empty
     before = torch.zeros_like(live)
     before[:, :, :c + 1] = True
-    return _probe("causal_intervention", kernel, (q2, k2, v2), out, before, live & ~before, tol,
-                  f"new q at queries > {c} and k, v at keys >= {j0}")
+    return _probe("causal_intervention", "largest move of an output before the changed future", s.kernel,
+                  (q2, k2, v2), s.out, before, live & ~before, s.tol,
+                  {"queries_from": c + 1, "keys_from": j0, "inputs": "q, k, v"})
+
+
+def _runnable(cases: Iterable[Case]) -> tuple[list[Case], list[str]]:
+    """The cases this torch build can run on the CPU, and a note for each dtype it cannot."""
+    todo = list(cases)
+    skipped: list[str] = []
+    for name in ("f16", "bf16"):
+        if any(c.dtype == name for c in todo) and not half_supported(DTYPES[name]):
+            skipped.append(f"{DTYPES[name]} cases skipped: this torch build cannot run them on the CPU")
+            todo = [c for c in todo if c.dtype != name]
+    return todo, skipped
 
 
 def check_kernel(
@@ -756,7 +813,7 @@ def check_kernel(
     empty_rows: str = "zeros",
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
-) -> KernelCheckReport:
+) -> Report:
     """Run a kernel-protocol function over a grid of cases.
 
     Args:
@@ -768,143 +825,15 @@ def check_kernel(
         progress: ``callback(done, total)``.
 
     Returns:
-        A :class:`KernelCheckReport`; its ``exit_code`` is 0 when every case passes, else 1.
+        A :class:`~attn_ledger.report.Report` with one row per case (see :func:`kernel_report`);
+        its ``exit_code`` is 0 when every case passes, else 1.
     """
     if empty_rows not in EMPTY_ROWS:
         raise InputError(f"empty_rows: got {empty_rows!r}, expected one of {', '.join(EMPTY_ROWS)}")
-    todo = list(DEFAULT_GRID if cases is None else cases)
-    skipped: list[str] = []
-    for name in ("f16", "bf16"):
-        if any(c.dtype == name for c in todo) and not half_supported(DTYPES[name]):
-            skipped.append(f"{DTYPES[name]} cases skipped: this torch build cannot run them on the CPU")
-            todo = [c for c in todo if c.dtype != name]
-    start = time.perf_counter()
+    todo, skipped = _runnable(DEFAULT_GRID if cases is None else cases)
     results = []
     for i, case in enumerate(todo):
         results.append(check_case(fn, case, empty_rows=empty_rows, seed=seed))
         if progress is not None:
             progress(i + 1, len(todo))
-    return KernelCheckReport(target, empty_rows, tuple(results), tuple(skipped), time.perf_counter() - start, seed)
-
-
-# --- rendering (formatting only) ----------------------------------------------------------
-
-
-def _status(c: Check) -> str:
-    return "pass" if c.ok else ("-" if c.ok is None else ("FAIL" if c.severity == "error" else "warn"))
-
-
-def _indent(text: str) -> str:
-    return "\n".join("  " + ln for ln in text.splitlines())
-
-
-def _mark(c: Check, res: CaseResult) -> str:
-    return "FIRST" if c is res.first_failure else _status(c)
-
-
-def _summary_line(r: KernelCheckReport) -> str:
-    n, nf = len(r.results), len(r.failing)
-    if not nf:
-        return f"{r.target}: all {n} cases pass (empty rows: {r.empty_rows})"
-    s = r.smallest_failing
-    f = s.first_failure  # type: ignore[union-attr]
-    return (f"{r.target}: {nf} of {n} cases fail; first level reached: L{r.first_level}; "
-            f"smallest failing case {s.case.id}: L{f.level} {f.name}")  # type: ignore[union-attr]
-
-
-def _ordered(res: CaseResult) -> list[Check]:
-    """The first failing check first, then the rest in level order."""
-    first = res.first_failure
-    rest = [c for c in res.checks if c is not first]
-    return ([first] if first else []) + rest
-
-
-def report_text(r: KernelCheckReport, max_cases: int = 3) -> str:
-    """Plain text diagnosis (what the pytest helper puts in its AssertionError)."""
-    lines = [_summary_line(r)]
-    failing = sorted(r.failing, key=lambda x: (x.case.size, x.case.id))
-    for res in failing[:max_cases]:
-        lines.append("")
-        lines.append(f"case {res.case.id}   {res.case.call_text()}")
-        for c in _ordered(res):
-            if c.ok is None:
-                continue
-            lines.append(f"  L{c.level} {c.name:<20} {_mark(c, res):<5} {c.detail}")
-    if len(failing) > max_cases:
-        lines.append(f"\n... and {len(failing) - max_cases} more failing cases")
-    repro = r.reproduction()
-    if repro:
-        lines += ["", "reproduce:", f"  {repro[0]}", "  from attn_ledger.kernelcheck import case_inputs",
-                  _indent(repro[1])]
-    return "\n".join(lines)
-
-
-def report_markdown(r: KernelCheckReport) -> str:
-    out = [f"# attn-ledger check: {r.target}", "", _summary_line(r), ""]
-    for res in sorted(r.failing, key=lambda x: (x.case.size, x.case.id)):
-        out += [f"## Case `{res.case.id}`", "", f"`{res.case.call_text()}`", "",
-                "| level | check | status | value | detail |", "|---|---|---|---|---|"]
-        for c in _ordered(res):
-            val = "" if c.value is None else _fmt(c.value)
-            out.append(f"| L{c.level} | {c.name} | {_mark(c, res)} | {val} | {c.detail.replace('|', chr(92) + '|')} |")
-        out.append("")
-    out += ["## Cases", "", "| case | elements | result | first failure |", "|---|---|---|---|"]
-    for res in r.results:
-        f = res.first_failure
-        out.append(f"| `{res.case.id}` | {res.case.size} | {'pass' if f is None else 'FAIL'} | "
-                   f"{'' if f is None else f'L{f.level} {f.name}'} |")
-    out.append("")
-    for note in r.skipped:
-        out.append(f"- {note}")
-    repro = r.reproduction()
-    if repro:
-        out += ["## Reproduce the smallest failing case", "", "```", repro[0], "```", "", "```python",
-                "from attn_ledger.kernelcheck import case_inputs", repro[1], "```", ""]
-    return "\n".join(out)
-
-
-def report_rich(r: KernelCheckReport) -> Any:
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    def line(text: str, style: str = "") -> Text:
-        # never wrapped, so a reproduction line stays one line to copy
-        return Text(text, style=style, no_wrap=True, overflow="ignore")
-
-    parts: list[Any] = []
-    smallest = r.smallest_failing
-    for res in sorted(r.failing, key=lambda x: (x is not smallest, x.case.size, x.case.id)):
-        # The smallest failing case gets its whole ledger; the others show only their failing checks.
-        full = res is smallest
-        passed = sum(1 for c in res.checks if c.ok)
-        title = f"case {res.case.id}   {res.case.call_text()}"
-        t = Table(title=Text(title if full else f"{title}   ({passed} checks pass)"), title_justify="left",
-                  show_edge=False, expand=False)
-        for col in ("level", "check", "status", "detail"):
-            t.add_column(col, no_wrap=col != "detail", overflow="fold")
-        for c in _ordered(res):
-            if not full and not c.failed:
-                continue
-            first = c is res.first_failure
-            t.add_row(f"L{c.level}", c.name, "FIRST" if first else _status(c), Text(c.detail),
-                      style="bold red" if first else ("dim" if c.ok is None else None))
-        parts += [t, Text("")]
-    summary = Table(title="cases", title_justify="left", show_edge=False)
-    for col in ("case", "elements", "result", "first failure"):
-        summary.add_column(col, no_wrap=col != "first failure", overflow="fold")
-    for res in r.results:
-        f = res.first_failure
-        summary.add_row(res.case.id, str(res.case.size), "pass" if f is None else "FAIL",
-                        "" if f is None else f"L{f.level} {f.name} ({LEVEL_NAMES[f.level]})",
-                        style=None if f is None else "red")
-    parts.append(summary)
-    for note in r.skipped:
-        parts.append(Text(note, style="yellow"))
-    parts.append(Text(_summary_line(r), style="bold"))
-    repro = r.reproduction()
-    if repro:
-        cli = repro[0].replace(" --case ", " \\\n      --case ", 1)
-        py = "from attn_ledger.kernelcheck import case_inputs\n" + repro[1]
-        parts += [Text("reproduce the smallest failing case:"), line(_indent(cli)), line(_indent(py))]
-    return Group(*parts)
+    return kernel_report(results, target=target, empty_rows=empty_rows, seed=seed, skipped=skipped)

@@ -17,9 +17,12 @@ command and Python call that reproduce the smallest one.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-__all__ = ["assert_attention_matches"]
+if TYPE_CHECKING:
+    from attn_ledger.report import Report
+
+__all__ = ["assert_attention_matches", "diagnosis"]
 
 
 def assert_attention_matches(
@@ -50,4 +53,36 @@ def assert_attention_matches(
     target = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     report = check_kernel(fn, select_cases(ids), target=target, empty_rows=empty_rows, seed=seed)
     if report.exit_code:
-        raise AssertionError(report.diagnosis())
+        raise AssertionError(diagnosis(report))
+
+
+def diagnosis(report: "Report", max_cases: int = 3) -> str:
+    """Plain text from a ``check`` report: the summary, the failing checks of the smallest failing
+    cases (smallest first, at most ``max_cases``), and the lines that reproduce the smallest one."""
+    from attn_ledger.kernelcheck import parse_case
+    from attn_ledger.render.text import STATUS_WORD, describe
+
+    d = report.details
+    target = d["target"]
+    name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
+    failing = sorted((r for r in report.rows if r.failing()), key=lambda r: (r.fields["elements"], r.name))
+    if report.first_finding is None:
+        return f"{target}: all {d['cases_total']} cases pass (empty rows: {d['empty_rows']})"
+    first = report.first_finding
+    lines = [f"{target}: {d['cases_failed']} of {d['cases_total']} cases fail; first level reached: "
+             f"L{d['first_level']}; smallest failing case {first.row}: L{first.level} {first.name}"]
+    lines += list(d["skipped"])
+    for row in failing[:max_cases]:
+        lines += ["", f"case {row.name}   {parse_case(row.name).call_text(name)}"]
+        head = row.first_failing()
+        for c in sorted(row.checks, key=lambda c: c is not head):  # the first failure first, then level order
+            if c.failed or c.status in ("warn", "inconclusive"):
+                mark = "FIRST" if c is head else STATUS_WORD[c.status]
+                lines.append(f"  L{c.level} {c.name:<20} {mark:<12} {describe(c)}")
+        if row.note:  # where index inputs decode the first wrong row's source
+            lines.append(f"  {row.note}")
+    if len(failing) > max_cases:
+        lines.append(f"\n... and {len(failing) - max_cases} more failing cases")
+    repro = d["reproduce"]
+    lines += ["", "reproduce:", f"  {repro['cli']}"] + [f"  {ln}" for ln in repro["python"].splitlines()]
+    return "\n".join(lines)

@@ -6,8 +6,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from attn_ledger.errors import InputError
+from attn_ledger.kernelcheck import case_inputs, check_kernel, parse_case
+from attn_ledger.render.text import describe
 from attn_ledger.testing import assert_attention_matches
 from attn_ledger.userload import load_object
 
@@ -37,6 +40,29 @@ def test_failure_message_is_the_diagnosis():
     case = re.search(r"--case (\S+)", msg).group(1)
     with pytest.raises(AssertionError, match="L3 convex_range"):
         assert_attention_matches(sdpa_is_causal, case)
+
+
+def test_failure_message_holds_each_failing_check_and_reproduces_in_python():
+    case = "b1-h3kv3-tq6tk3-dh4dv6-causal-flag-rand-f32"
+    with pytest.raises(AssertionError) as info:
+        assert_attention_matches(sdpa_is_causal, case, name="sdpa_is_causal")
+    msg = str(info.value)
+    # every failing check of the case, as the report's sentence (value, limit, location)
+    failing = check_kernel(sdpa_is_causal, [parse_case(case)]).rows[0].failing()
+    assert {c.name for c in failing} == {"convex_range", "forbidden_keys", "empty_rows", "reference",
+                                         "causal_intervention"}
+    for c in failing:
+        assert describe(c) in msg, c.name
+    # the Python lines after the CLI line rerun the exact call
+    python = [ln.strip() for ln in msg[msg.index("reproduce:"):].splitlines()[2:]]
+    scope = {"attention": sdpa_is_causal}
+    exec("\n".join(python), scope)
+    q, k, v, kw = case_inputs(case)
+    assert torch.equal(scope["out"], sdpa_is_causal(q, k, v, **kw))
+
+
+def test_the_helper_frame_is_hidden_from_pytest_tracebacks():
+    assert "__tracebackhide__" in assert_attention_matches.__code__.co_varnames
 
 
 def test_empty_rows_contract():

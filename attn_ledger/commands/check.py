@@ -40,6 +40,7 @@ def check(
     seed: Annotated[int, typer.Option("--seed", help="Seed for the random inputs and perturbations.")] = 0,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
 ) -> None:
     """Check an attention function or module from outside and name the first level where it goes wrong.
 
@@ -75,4 +76,4 @@ def check(
         with Progress("checking cases") as bar:
             return check_kernel(fn, cases, target=target, empty_rows=empty_rows.value, seed=seed, progress=bar)
 
-    execute(build, output_format, output)
+    execute(build, output_format, output, command="check", timings=timings)
