@@ -79,6 +79,7 @@ class _OneLineErrors(TyperGroup):
         import sys
 
         from typer._click import exceptions as cx
+        from typer.exceptions import Abort
 
         argv = list(sys.argv[1:] if args is None else args)
         if "--debug" in argv[1:]:  # accepted after the command name too
@@ -90,7 +91,7 @@ class _OneLineErrors(TyperGroup):
 
             say(f"error: {usage_line(exc, argv)}")
             rv = getattr(exc, "exit_code", 2) if not isinstance(exc, cx.UsageError) else 2
-        except cx.Abort:
+        except Abort:
             rv = 130
         if standalone_mode:
             sys.exit(rv if isinstance(rv, int) else 0)

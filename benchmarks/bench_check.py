@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from attn_ledger.kernelcheck import DEFAULT_GRID, check_kernel
+from attn_ledger.testing import diagnosis
 from attn_ledger.userload import load_object
 
 GOOD = Path(__file__).resolve().parents[1] / "fixtures" / "kernels" / "good.py"
@@ -33,7 +34,7 @@ def main() -> None:
         report = check_kernel(fn)
         times.append(time.perf_counter() - start)
         if report.exit_code:
-            raise SystemExit("the good kernel failed the grid:\n" + report.diagnosis())
+            raise SystemExit("the good kernel failed the grid:\n" + diagnosis(report))
     print(f"default grid: {len(DEFAULT_GRID)} cases, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"median {statistics.median(times):.3f} s over {args.runs} runs "
           f"(min {min(times):.3f} s, max {max(times):.3f} s)")

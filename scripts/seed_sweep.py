@@ -27,13 +27,13 @@ def main() -> None:
     worst: dict[str, float] = {}
     for seed in range(args.seeds):
         report = sweep(dh, args.queries, args.keys, seed)
-        for c in report.checks:
+        for _, c in report.checks():
             if c.value is not None and c.name != "raw_entropy_falling":
                 worst[c.name] = max(worst.get(c.name, 0.0), c.value)
-        if report.ok:
+        if report.verdict == "pass":
             passed += 1
         else:
-            failed = [c.name for c in report.checks if c.failed]
+            failed = [c.name for _, c in report.failures()]
             print(f"seed {seed}: failed {', '.join(failed)}")
     elapsed = time.perf_counter() - start
     print(f"Tq={args.queries} Tk={args.keys} Dh={','.join(map(str, dh))}: "

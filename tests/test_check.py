@@ -385,8 +385,6 @@ def test_table_at_80_columns_keeps_every_token_whole():
     assert all(i in narrow.split() for i in ids)
 
 
-@pytest.mark.xfail(strict=True, reason="the table keeps its checks column at least 28 wide beside a 44-50 "
-                                       "character case id, so at 80 columns lines reach 82-88")
 def test_table_at_80_columns_stays_within_80():
     report = check_kernel(catalogue.scale_ignored, [parse_case("b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32-s0.125")])
     assert max(len(ln) for ln in render(report, "table", 80).splitlines()) <= 80

@@ -112,17 +112,22 @@ def emit(report: Any, fmt: Format, output: Path | None) -> None:
     if output is not None:
         write_atomic(output, render_text(report, fmt))
         return
-    if fmt is Format.table:
-        from rich.console import Console
+    from rich.console import Console
 
+    console = Console(soft_wrap=True)
+    if fmt is Format.table and console.is_terminal:
         from attn_ledger.render.table import layout, rich_lines
 
-        console = Console(soft_wrap=True)
         for line in rich_lines(layout(report, console.width)):
             console.print(line)
-    else:
-        sys.stdout.write(render_text(report, fmt))
+        return
+    text = render_text(report, fmt, width=console.width if fmt is Format.table else None)
+    try:
+        sys.stdout.write(text)
         sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (`| head`): say nothing more, keep the status
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def internal_error(command: str, exc: BaseException, fmt: Format) -> typer.Exit:

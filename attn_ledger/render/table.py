@@ -45,29 +45,52 @@ def wrap_words(text: str, width: int, indent: str = "  ") -> list[str]:
     return out
 
 
-def _check_cell(row: Row, report: Report, width: int, fields_inline: bool) -> list[Line]:
+def _field_text(value: object) -> str:
+    return "-" if value is None else fmt_value(value)
+
+
+def _check_cell(row: Row, report: Report, width: int, folded: Sequence[str]) -> list[Line]:
+    """The last column: folded fields, then the checks shown, then the row's note.
+
+    The ledger (``show_passing``) lists every check as ``L2 pass name = value``; reports over
+    many rows list only what did not pass, each with its sentence, and count the rest.
+    """
     lines: list[Line] = []
-    if fields_inline:
-        for key, value in row.fields.items():
-            for ln in wrap_words(f"{key} {fmt_value(value)}", width):
-                lines.append([(ln, "")])
-    shown = [] if row.status == "not_reached" else [c for c in row.checks if report.show_passing or not c.passed]
+    for key in folded:
+        value = row.fields.get(key)
+        if value is None:
+            continue
+        for ln in wrap_words(f"{key} {fmt_value(value)}", width):
+            lines.append([(ln, "dim")])
+    if row.status == "not_reached":
+        shown: list[Check] = []
+    elif report.show_passing:
+        shown = list(row.checks)
+    else:
+        shown = [c for c in row.checks if c.status in ("fail", "warn", "inconclusive", "downstream")]
     for c in shown:
-        text = check_line(c)
-        if not report.show_passing and c.status not in ("not_applicable", "not_reached", "skipped"):
+        if report.show_passing:
+            text = check_line(c)
+        else:
             sentence = describe(c)
-            text = f"{text}: {sentence}" if sentence else text
-        style = _check_style(c)
+            text = f"L{c.level} {STATUS_WORD[c.status]} {c.name}" + (f": {sentence}" if sentence else "")
         for ln in wrap_words(text, width):
-            lines.append([(ln, style)])
-    if not report.show_passing:
-        n_pass = sum(1 for c in row.checks if c.passed)
-        if n_pass and shown:
-            lines.append([(f"({n_pass} checks pass)", "dim")])
+            lines.append([(ln, _check_style(c))])
+    if not report.show_passing and shown:
+        counts = _tally(c.status for c in row.checks if c not in shown)
+        if counts:
+            lines.append([(f"({counts})", "dim")])
     if row.note:
         for ln in wrap_words(row.note, width):
             lines.append([(ln, "dim")])
     return lines
+
+
+def _tally(statuses) -> str:
+    counts: dict[str, int] = {}
+    for s in statuses:
+        counts[s] = counts.get(s, 0) + 1
+    return ", ".join(f"{n} {STATUS_WORD[s]}" for s, n in counts.items())
 
 
 def _check_style(c: Check) -> str:
@@ -90,7 +113,12 @@ def _field_columns(report: Report) -> list[str]:
 
 
 def layout(report: Report, width: int = 100) -> list[Line]:
-    """Every line of the table view, as styled segments."""
+    """Every line of the table view, as styled segments.
+
+    Side by side (name, status, shape, fields, then the checks column) while the checks
+    column keeps at least ``MIN_WRAP`` characters; otherwise stacked: each row's checks on
+    the lines under it, indented.
+    """
     rows = report.rows
     has_shape = any(r.shape is not None or r.axes for r in rows)
     fields = _field_columns(report)
@@ -98,13 +126,20 @@ def layout(report: Report, width: int = 100) -> list[Line]:
     name_w = max([len(label)] + [len(r.name) for r in rows])
     status_w = max([len("status")] + [len(STATUS_WORD[r.status]) for r in rows])
     shape_w = max([len("shape / axes")] + [max(len(shape_text(r.shape)), len(r.axes)) for r in rows]) if has_shape else 0
-    field_w = {k: max([len(k)] + [len(fmt_value(r.fields.get(k))) for r in rows]) for k in fields}
+    field_w = {k: max([len(k)] + [len(_field_text(r.fields.get(k))) for r in rows]) for k in fields}
     fixed = name_w + len(GAP) + status_w + len(GAP) + (shape_w + len(GAP) if has_shape else 0)
-    with_fields = fixed + sum(w + len(GAP) for w in field_w.values())
-    fields_inline = bool(fields) and width - with_fields < MIN_WRAP
-    if not fields_inline:
-        fixed = with_fields
-    wrap_w = max(MIN_WRAP, width - fixed)
+    stacked = width - fixed < MIN_WRAP
+    # as many field columns as leave the checks column room; the rest fold into it, one per line
+    columns: list[str] = []
+    for k in fields:
+        room = width - (fixed + field_w[k] + len(GAP))
+        if room < (0 if stacked else MIN_WRAP):
+            break
+        columns.append(k)
+        fixed += field_w[k] + len(GAP)
+    folded = fields[len(columns):]
+    indent = "    "
+    wrap_w = width - len(indent) if stacked else max(MIN_WRAP, width - fixed)
 
     out: list[Line] = []
     for ln in wrap_words(report.title, width):
@@ -112,35 +147,40 @@ def layout(report: Report, width: int = 100) -> list[Line]:
     header: Line = [(label.ljust(name_w) + GAP, "bold"), ("status".ljust(status_w) + GAP, "bold")]
     if has_shape:
         header.append(("shape / axes".ljust(shape_w) + GAP, "bold"))
-    if not fields_inline:
-        header += [(k.rjust(field_w[k]) + GAP, "bold") for k in fields]
+    header += [(k.rjust(field_w[k]) + GAP, "bold") for k in columns]
     header.append(("checks", "bold"))
     out.append(header)
     rule_at = len(out)
     for r in rows:
-        left: list[list[Segment]] = []
-        check_lines = _check_cell(r, report, wrap_w, fields_inline)
+        check_lines = _check_cell(r, report, wrap_w, folded)
         shape_lines = [shape_text(r.shape), r.axes] if has_shape else []
-        n = max(1, len(check_lines), len(shape_lines) if has_shape else 1)
+        side = [] if stacked else check_lines
+        n = max(1, len(side), len(shape_lines))
         for i in range(n):
-            line: Line = []
-            line.append(((r.name if i == 0 else "").ljust(name_w) + GAP, "bold" if i == 0 else ""))
+            line: Line = [((r.name if i == 0 else "").ljust(name_w) + GAP, "bold" if i == 0 else "")]
             word = STATUS_WORD[r.status] if i == 0 else ""
             line.append((word.ljust(status_w) + GAP, STATUS_STYLE[r.status] if i == 0 else ""))
             if has_shape:
                 text = shape_lines[i] if i < len(shape_lines) else ""
                 line.append((text.ljust(shape_w) + GAP, "dim" if i == 1 else ""))
-            if not fields_inline:
-                for k in fields:
-                    text = fmt_value(r.fields.get(k)) if i == 0 and k in r.fields else ""
-                    line.append((text.rjust(field_w[k]) + GAP, ""))
-            if i < len(check_lines):
-                line += check_lines[i]
-            left.append(line)
-        out += left
-    widest = max((sum(len(t) for t, _ in ln) for ln in out[rule_at:]), default=0)
-    out.insert(rule_at, [("-" * min(width, max(widest, fixed + len("checks"))), "dim")])
+            for k in columns:
+                text = _field_text(r.fields.get(k)) if i == 0 and k in r.fields else ""
+                line.append((text.rjust(field_w[k]) + GAP, ""))
+            if i < len(side):
+                line += side[i]
+            out.append(line)
+        if stacked:
+            out += [[(indent, "")] + ln for ln in check_lines]
+    widest = max((len("".join(t for t, _ in ln).rstrip()) for ln in out[rule_at:]), default=0)
+    out.insert(rule_at, [("-" * min(width, max(widest, len("checks"))), "dim")])
     out.append([])
+    out += _tail(report, width)
+    return out
+
+
+def _tail(report: Report, width: int) -> list[Line]:
+    """Notes, coverage, warnings and the first finding, under the table."""
+    out: list[Line] = []
     for note in report.notes:
         for ln in wrap_words(note, width):
             out.append([(ln, "dim")])
