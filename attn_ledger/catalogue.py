@@ -14,11 +14,10 @@ undetected.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from attn_ledger.report import LEVEL_NAMES, Check, envelope
+from attn_ledger.report import LEVEL_NAMES, Check, Report, Row
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -243,6 +242,8 @@ def _batch_first_module(embed_dim: int, num_heads: int) -> "nn.Module":
 
 # --- the catalogue ----------------------------------------------------------------------
 
+MODULE_EMBED_DIM, MODULE_HEADS = 12, 3  # the sizes the module faults are built and checked at
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -290,215 +291,126 @@ CATALOGUE: tuple[Fault, ...] = (
 )
 
 
+def _passes(checks: Iterable[Check]) -> list[dict[str, Any]]:
+    """Checks judged at least once and never failed, by level (first-seen order within a level)."""
+    seen: dict[tuple[int, str], bool] = {}
+    for c in checks:
+        if c.judged:
+            seen[(c.level, c.name)] = seen.get((c.level, c.name), True) and not c.failed
+    held = sorted((key for key, ok in seen.items() if ok), key=lambda key: key[0])
+    return [{"level": level, "check": name} for level, name in held]
+
+
+def _clean(checks: Iterable[Check]) -> list[int]:
+    """Levels with at least one judged check and no failure."""
+    judged, failed = set(), set()
+    for c in checks:
+        if c.judged:
+            judged.add(c.level)
+        if c.failed:
+            failed.add(c.level)
+    return sorted(judged - failed)
+
+
 @dataclass(frozen=True)
-class FaultResult:
-    """What each view saw of one fault.
+class _BlackBox:
+    """What ``check`` saw of one fault: the lowest failing level, its check and case, and every check judged."""
 
-    Attributes:
-        fault: the catalogue entry.
-        level, check: the lowest level at which the black-box check detects it, and the check
-            (None when undetected).
-        case: the smallest failing case id (kernels) or None (modules).
-        passes_through: ``(level, check)`` for each check that was evaluated and never failed.
-        clean_levels: levels at which every evaluated check passed on every case.
-        white_level, white_stage, white_check: the white-box ledger's first divergence on the
-            built-in pipeline with the same fault, or None where it has no such fault.
-        note: anything that stopped a view from running.
-    """
-
-    fault: Fault
     level: int | None
     check: str | None
     case: str | None
-    passes_through: tuple[tuple[int, str], ...]
-    clean_levels: tuple[int, ...] = ()
-    white_level: int | None = None
-    white_stage: str | None = None
-    white_check: str | None = None
-    note: str = ""
-
-    @property
-    def detected(self) -> bool:
-        return self.level is not None
-
-    def passes_text(self) -> str:
-        """``L1 all, L2 all, L3 finite``: whole levels where nothing failed, else the checks that held."""
-        parts = []
-        for level in sorted({lv for lv, _ in self.passes_through}):
-            if level in self.clean_levels:
-                parts.append(f"L{level} all")
-            else:
-                parts.append(", ".join(f"L{lv} {n}" for lv, n in self.passes_through if lv == level))
-        return ", ".join(parts) or "-"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fault": self.fault.name,
-            "kind": self.fault.kind,
-            "summary": self.fault.summary,
-            "detected": self.detected,
-            "black_box": {"level": self.level, "check": self.check, "smallest_case": self.case},
-            "white_box": None if self.fault.pipeline_fault is None else {
-                "fault": self.fault.pipeline_fault, "level": self.white_level,
-                "stage": self.white_stage, "check": self.white_check,
-            },
-            "passes_through": [name for _, name in self.passes_through],
-            "clean_levels": list(self.clean_levels),
-            "note": self.note,
-        }
+    checks: tuple[Check, ...]
 
 
-@dataclass(frozen=True)
-class CatalogueReport:
-    """The result of ``attn-ledger faults``."""
+def _kernel_view(fault: Fault, seed: int) -> _BlackBox:
+    """The lowest level any case fails at, and the check that fails there on the smallest such case."""
+    from attn_ledger.kernelcheck import check_kernel, parse_case
 
-    results: tuple[FaultResult, ...]
-    elapsed_s: float = 0.0
-
-    @property
-    def undetected(self) -> tuple[FaultResult, ...]:
-        return tuple(r for r in self.results if not r.detected)
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if not self.undetected else "undetected"
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if not self.undetected else 1
-
-    def result(self, name: str) -> FaultResult:
-        for r in self.results:
-            if r.fault.name == name:
-                return r
-        raise KeyError(name)
-
-    def to_json(self) -> dict[str, Any]:
-        return envelope(
-            "faults", self.verdict,
-            faults_total=len(self.results),
-            undetected=[r.fault.name for r in self.undetected],
-            elapsed_s=round(self.elapsed_s, 3),
-            faults=[r.to_json() for r in self.results],
-        )
-
-    def _rows(self) -> list[list[str]]:
-        rows = []
-        for r in self.results:
-            black = f"L{r.level} {r.check}" if r.detected else "UNDETECTED"
-            if r.fault.pipeline_fault is None:
-                white = "-"
-            elif r.white_level is None:
-                white = "none" if not r.note else "not run"
-            else:
-                white = f"L{r.white_level} {r.white_stage}.{r.white_check}"
-            rows.append([r.fault.name, r.fault.kind, black, white, r.passes_text()])
-        return rows
-
-    _HEAD = ("fault", "kind", "black box (check)", "white box (run --fault)", "passes all the way through")
-
-    def _tail(self) -> list[str]:
-        lines = [f"{len(self.results) - len(self.undetected)} of {len(self.results)} faults detected"]
-        if self.undetected:
-            lines.append("undetected: " + ", ".join(r.fault.name for r in self.undetected))
-        lines += [f"{r.fault.name}: {r.fault.summary}" for r in self.results]
-        lines += [f"{r.fault.name}: {r.note}" for r in self.results if r.note]
-        lines.append("levels: " + ", ".join(f"L{k} {v}" for k, v in LEVEL_NAMES.items()))
-        return lines
-
-    def to_markdown(self) -> str:
-        out = ["| " + " | ".join(self._HEAD) + " |", "|" + "---|" * len(self._HEAD)]
-        out += ["| " + " | ".join(row) + " |" for row in self._rows()]
-        out += [""] + [f"- {line}" for line in self._tail()]
-        return "\n".join(out) + "\n"
-
-    def to_rich(self) -> Any:
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
-
-        table = Table(title="FAULT CATALOGUE: which level first sees each fault", title_justify="left")
-        for i, col in enumerate(self._HEAD):
-            table.add_column(col, no_wrap=i < 2, overflow="fold")
-        for row in self._rows():
-            table.add_row(*row, style="bold red" if row[2] == "UNDETECTED" else None)
-        return Group(table, *(Text(line) for line in self._tail()))
+    report = check_kernel(fault.target, target=f"attn_ledger.catalogue:{fault.target.__name__}", seed=seed)
+    failing = [(row.name, c) for row in report.rows if (c := row.first_failing()) is not None]
+    checks = tuple(c for _, c in report.checks())
+    if not failing:
+        return _BlackBox(None, None, None, checks)
+    level = min(c.level for _, c in failing)
+    case, first = min(((name, c) for name, c in failing if c.level == level),
+                      key=lambda item: (parse_case(item[0]).size, item[0]))
+    return _BlackBox(level, first.name, case, checks)
 
 
-def _passes(checks: Iterable[Check]) -> tuple[tuple[int, str], ...]:
-    """Checks evaluated at least once and never failed, in first-seen order."""
-    seen: dict[tuple[int, str], bool] = {}
-    for c in checks:
-        if c.ok is not None:
-            seen[(c.level, c.name)] = seen.get((c.level, c.name), True) and not c.failed
-    return tuple(key for key, ok in seen.items() if ok)
+def _module_view(fault: Fault, seed: int) -> _BlackBox:
+    from attn_ledger.modulecheck import check_module
+
+    report = check_module(fault.target, MODULE_EMBED_DIM, MODULE_HEADS, causal=fault.module_causal, seed=seed,
+                          subject=fault.name)
+    first = report.first_finding
+    checks = tuple(c for _, c in report.checks())
+    return _BlackBox(None if first is None else first.level, None if first is None else first.name, None, checks)
 
 
-def _clean(checks: Iterable[Check]) -> tuple[int, ...]:
-    """Levels with at least one evaluated check and no failure."""
-    evaluated, failed = set(), set()
-    for c in checks:
-        if c.ok is not None:
-            evaluated.add(c.level)
-        if c.failed:
-            failed.add(c.level)
-    return tuple(sorted(evaluated - failed))
+def _white_box(pipeline_fault: str) -> dict[str, Any]:
+    """The ledger's first finding on the built-in pipeline with the same fault (``run --fault``)."""
+    from attn_ledger.config import load_config
+    from attn_ledger.ledger import run_ledger
+
+    f = run_ledger(load_config(overrides={"fault": pipeline_fault})).first_finding
+    found = {"level": None, "stage": None, "check": None} if f is None else {"level": f.level, "stage": f.row,
+                                                                            "check": f.name}
+    return {"fault": pipeline_fault, **found}
 
 
-def _white_box(pipeline_fault: str) -> tuple[int | None, str | None, str | None, str]:
-    try:
-        from attn_ledger.config import load_config
-        from attn_ledger.ledger import run_ledger
+def check_fault(fault: Fault, seed: int = 0) -> Row:
+    """Run one fault through ``check`` (and the white-box ledger where the pipeline has it).
 
-        d = run_ledger(load_config(overrides={"fault": pipeline_fault})).first_divergence
-    except Exception as exc:  # the white-box view is a comparison column; its absence is a note
-        return None, None, None, f"white-box ledger did not run: {type(exc).__name__}: {exc}"
-    if d is None:
-        return None, None, None, ""
-    return d.level, d.stage, d.check, ""
-
-
-def check_fault(fault: Fault, seed: int = 0) -> FaultResult:
-    """Run one fault through ``check`` (and the white-box ledger where the pipeline has it)."""
-    if fault.kind == "kernel":
-        from attn_ledger.kernelcheck import check_kernel
-
-        report = check_kernel(fault.target, target=f"attn_ledger.catalogue:{fault.target.__name__}", seed=seed)
-        small = report.smallest_failing
-        first = None if small is None else min(
-            (r.first_failure for r in report.failing), key=lambda c: c.level  # type: ignore[union-attr]
-        )
-        level = None if first is None else first.level
-        case = None
-        if first is not None:
-            at_level = [r for r in report.failing if r.first_failure.level == level]  # type: ignore[union-attr]
-            best = min(at_level, key=lambda r: (r.case.size, r.case.id))
-            first, case = best.first_failure, best.case.id
-        result = FaultResult(fault, level, None if first is None else first.name, case,
-                             _passes(c for r in report.results for c in r.checks), _clean(
-                                 c for r in report.results for c in r.checks))
+    Returns:
+        A passing row when some check fails on the fault (its ``detected`` check at the level
+        it was seen, naming that check and, for kernels, the smallest case), a failing row when
+        none does. The check's ``data`` holds the white-box view, the checks that passed all
+        the way through and the levels where nothing failed.
+    """
+    view = _kernel_view(fault, seed) if fault.kind == "kernel" else _module_view(fault, seed)
+    white = None if fault.pipeline_fault is None else _white_box(fault.pipeline_fault)
+    data = {"kind": fault.kind, "check": view.check, "case": view.case, "white_box": white,
+            "passes_through": _passes(view.checks), "clean_levels": _clean(view.checks)}
+    if view.level is None:
+        check = Check(4, "detected", "fail", reason="no check failed at any level", data=data)
     else:
-        from attn_ledger.modulecheck import check_module
-
-        report = check_module(fault.target, 12, 3, causal=fault.module_causal, seed=seed, subject=fault.name)
-        first = report.first_finding
-        result = FaultResult(fault, None if first is None else first.level, None if first is None else first.check,
-                             None, _passes(report.checks), _clean(report.checks))
-    if fault.pipeline_fault is not None:
-        wl, ws, wc, note = _white_box(fault.pipeline_fault)
-        result = replace(result, white_level=wl, white_stage=ws, white_check=wc, note=note)
-    return result
+        check = Check(view.level, "detected", "pass", f"first failing check {view.check}",
+                      location=None if view.case is None else {"case": view.case}, data=data)
+    fields: dict[str, Any] = {"level": view.level, "check": view.check or "-", "ledger level": None,
+                              "ledger stage": "-"}
+    if white is not None:
+        fields.update({"ledger level": white["level"], "ledger stage": white["stage"] or "none"})
+    return Row(fault.name, check.status, (check,), fields=fields)
 
 
 def run_catalogue(
     faults: Sequence[Fault] | None = None, *, seed: int = 0, progress: Callable[[int, int], None] | None = None
-) -> CatalogueReport:
-    """Run every fault of the catalogue (or the given ones); exit code 1 if any goes undetected."""
+) -> Report:
+    """Run every fault of the catalogue (or the given ones): one row per fault.
+
+    The first finding is the first undetected fault; exit code 1 if any goes undetected.
+    """
     todo = CATALOGUE if faults is None else tuple(faults)
-    start = time.perf_counter()
-    results = []
+    rows = []
     for i, fault in enumerate(todo):
-        results.append(check_fault(fault, seed))
+        rows.append(check_fault(fault, seed))
         if progress is not None:
             progress(i + 1, len(todo))
-    return CatalogueReport(tuple(results), time.perf_counter() - start)
+    undetected = [r.name for r in rows if r.status == "fail"]
+    notes = [f"{len(rows) - len(undetected)} of {len(rows)} faults detected"]
+    if undetected:
+        notes.append("undetected: " + ", ".join(undetected))
+    notes += [f"{f.name}: {f.summary}" for f in todo]
+    notes.append("level, check: where check (black box) first sees the fault; ledger level, stage: where "
+                 "run --fault (the white-box ledger) first sees it, for the faults the built-in pipeline has; "
+                 + ", ".join(f"L{k} {v}" for k, v in LEVEL_NAMES.items()))
+    details = {
+        "faults_total": len(rows),
+        "undetected": undetected,
+        "faults": [{"name": f.name, "kind": f.kind, "summary": f.summary, "pipeline_fault": f.pipeline_fault}
+                   for f in todo],
+        "module_sizes": {"E": MODULE_EMBED_DIM, "Nh": MODULE_HEADS},
+        "seed": seed,
+    }
+    return Report("faults", "FAULT CATALOGUE: which level first sees each fault", tuple(rows), notes=tuple(notes),
+                  details=details, unit="row", row_label="fault", show_passing=False)

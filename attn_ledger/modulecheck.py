@@ -5,17 +5,21 @@ The factory protocol: ``factory(embed_dim, num_heads)`` returns an ``nn.Module``
 It may come back in training mode with dropout; the checks that compare outputs run it
 in eval mode, the gradient checks in training mode.
 
-Checks, ordered by level so the first failure is the lowest level that shows a problem:
+The checks, in rows by aspect and ordered by level, so the first failure is the lowest
+level that shows a problem:
 
-* L1 shape: the output keeps ``[B, T, E]``; T = 1 and B = 1 inputs work too.
-* L2 axis semantics: each example's output is the one it gets alone (batch independence;
+* ``shape`` (L1): the output keeps ``[B, T, E]``; T = 1 and B = 1 inputs work too.
+* ``axes`` (L2): each example's output is the one it gets alone (batch independence;
   this is what catches ``nn.MultiheadAttention(batch_first=False)`` fed ``[B, T, E]``);
   without ``causal``, permuting positions permutes the output.
-* L3 numerical invariants: finite output; finite gradients reach the input and every
-  parameter after one backward pass.
-* L4 behaviour: eval-mode determinism; with ``causal``, the intervention on both grad
-  paths, its controls and the gradient form of causality; a float64 rebuild from the
-  module's own weights where the projection layout is recognised.
+* ``numerics`` (L3): finite output; finite gradients reach the input and every parameter
+  after one backward pass.
+* ``determinism`` (L4): two eval-mode calls agree bitwise.
+* ``causality`` (L4, with ``causal``): the intervention on both grad paths, its controls
+  and the gradient form of causality.
+* ``reference`` (L4): a float64 rebuild from the module's own weights, where the
+  projection layout is recognised; where it is not, the report's coverage says the
+  verdict rests on black-box checks only.
 
 Only a factory that raises or returns no module is an error (:class:`SetupError`); every
 other problem is a result.
@@ -26,20 +30,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from attn_ledger.errors import SetupError, field_error
-from attn_ledger.experiments.intervene import (
-    Finding,
+from attn_ledger.errors import field_error
+from attn_ledger.intervention import (
     ForwardError,
-    abs_delta,
+    build_module,
     builtin_controls,
     call_forward,
     causal_intervention,
+    closeness,
+    determinism_check,
     eval_determinism,
+    forward_failure,
+    module_dtype,
     module_forward,
-    output_scale,
+    path_check,
     relative_tolerance,
 )
-from attn_ledger.report import LEVEL_NAMES, Check, envelope, find_check
+from attn_ledger.report import Check, Coverage, Report, Row, Status, bounded, counted, row_status, unjudged
 
 if TYPE_CHECKING:
     import torch
@@ -49,147 +56,28 @@ if TYPE_CHECKING:
 # permutation probe inconclusive rather than failed.
 _POSITIONAL_HINTS = ("pos", "rotary", "rope", "alibi", "position", "wpe", "relative")
 
+# Why checks were not judged.
+FORWARD_FAILED = "the forward on [B, T, E] failed (level 1)"
+NOISY = "eval-mode calls differ (see eval_determinism), so output comparisons would measure noise"
 
-@dataclass(frozen=True)
-class ModuleCheckReport:
-    """The result of :func:`check_module`.
+# Which row each check belongs to, in order; the rows in order.
+ASPECTS: dict[str, tuple[tuple[int, str], ...]] = {
+    "shape": ((1, "output_layout"), (1, "single_position"), (1, "single_example"), (1, "single_example_position")),
+    "axes": ((2, "batch_independence"), (2, "permutation_equivariance")),
+    "numerics": ((3, "finite_output"), (3, "input_gradient"), (3, "parameter_gradients")),
+    "determinism": ((4, "eval_determinism"),),
+    "causality": ((4, "causal_intervention_no_grad"), (4, "causal_intervention_autograd"),
+                  (4, "intervention_controls"), (4, "causal_gradient_form")),
+    "reference": ((4, "reference_rebuild"),),
+}
+CAUSAL_ONLY = frozenset({"causal_intervention_no_grad", "causal_intervention_autograd", "intervention_controls",
+                         "causal_gradient_form"})
+NOT_CAUSAL_ONLY = frozenset({"permutation_equivariance"})
 
-    Attributes:
-        subject: how the module was named (for output only).
-        embed_dim: E; num_heads: Nh; batch_size: B; seq_len: T; causal: the claim checked.
-        checks: every check, ordered by level (1-4), then by the order they are listed above.
-        layout: the projection layout recognised for the float64 rebuild, or None.
-        notes: lines a reader needs (mode on entry, why a check could not run, ...).
-    """
-
-    subject: str
-    embed_dim: int
-    num_heads: int
-    batch_size: int
-    seq_len: int
-    causal: bool
-    checks: tuple[Check, ...]
-    layout: str | None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def findings(self) -> tuple[Finding, ...]:
-        return tuple(Finding(c.level, c.name, c.detail) for c in self.checks if c.failed)
-
-    @property
-    def first_finding(self) -> Finding | None:
-        f = self.findings
-        return f[0] if f else None
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if not self.findings else "finding"
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if not self.findings else 1
-
-    def check(self, name: str) -> Check:
-        return find_check(self.checks, name)
-
-    def to_json(self) -> dict[str, Any]:
-        first = self.first_finding
-        return envelope(
-            "check",
-            self.verdict,
-            subject=self.subject,
-            protocol="module",
-            sizes={"B": self.batch_size, "T": self.seq_len, "E": self.embed_dim, "Nh": self.num_heads},
-            causal=self.causal,
-            layout=self.layout,
-            first_finding=first.to_json() if first else None,
-            findings=[f.to_json() for f in self.findings],
-            checks=[c.to_json() for c in self.checks],
-            notes=list(self.notes),
-        )
-
-    def _title(self) -> str:
-        return (
-            f"MODULE CHECK  {self.subject}  B={self.batch_size} T={self.seq_len} E={self.embed_dim} "
-            f"Nh={self.num_heads} {'causal' if self.causal else 'not causal'}"
-        )
-
-    def _rows(self) -> list[list[str]]:
-        rows = []
-        for c in self.checks:
-            status = "pass" if c.ok else ("not run" if c.ok is None else "FAIL")
-            rows.append([f"L{c.level} {LEVEL_NAMES[c.level]}", c.name, status, c.detail])
-        return rows
-
-    def _tail(self) -> list[str]:
-        first = self.first_finding
-        lines = [f"layout: {self.layout or 'not recognised'}"] + list(self.notes)
-        lines.append(f"first finding: L{first.level} {first.check}: {first.detail}" if first else "first finding: none")
-        return lines
-
-    def to_markdown(self) -> str:
-        out = [f"## {self._title()}", "", "| level | check | result | detail |", "|---|---|---|---|"]
-        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in self._rows()]
-        out += [""] + [f"- {line}" for line in self._tail()]
-        return "\n".join(out) + "\n"
-
-    def to_rich(self) -> Any:
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
-
-        table = Table(title=self._title(), title_justify="left")
-        table.add_column("level", no_wrap=True)
-        table.add_column("check", no_wrap=True)
-        table.add_column("result", no_wrap=True)
-        table.add_column("detail")
-        for row in self._rows():
-            style = "bold red" if row[2] == "FAIL" else ("dim" if row[2] == "not run" else "")
-            table.add_row(*row, style=style)
-        lines = [Text(line, style="bold red" if line.startswith("first finding: L") else "") for line in self._tail()]
-        return Group(table, *lines)
-
-
-# --- helpers -------------------------------------------------------------------------
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else "(no message)"
-
-
-def build_module(factory: Callable[..., Any], embed_dim: int, num_heads: int) -> "nn.Module":
-    """Call ``factory(embed_dim, num_heads)``; a raise or a non-module is a :class:`SetupError`."""
-    from torch import nn
-
-    try:
-        module = factory(embed_dim, num_heads)
-    except Exception as exc:  # the user's factory may raise anything
-        raise SetupError(
-            f"module: factory({embed_dim}, {num_heads}) raised {type(exc).__name__}: {_first_line(exc)}"
-        ) from None
-    if not isinstance(module, nn.Module):
-        raise SetupError(f"module: factory({embed_dim}, {num_heads}) returned {type(module).__name__}, expected an nn.Module")
-    return module
-
-
-def _module_dtype(module: "nn.Module") -> "torch.dtype":
-    import torch
-
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
-
-
-def _close(a: "torch.Tensor", b: "torch.Tensor", dtype: "torch.dtype") -> tuple[bool, float, float]:
-    """``(ok, max |a - b|, tolerance)`` with the tolerance relative to b's scale."""
-    delta = float(abs_delta(a, b).max()) if a.numel() else 0.0
-    tol = relative_tolerance(dtype) * output_scale(b)
-    return delta <= tol, delta, tol
-
-
-def _not_run(level: int, name: str, why: str) -> Check:
-    return Check(level, name, None, detail=f"not run: {why}")
 
 
 # --- layout recognition and the float64 rebuild ---------------------------------------
@@ -223,6 +111,50 @@ def _qualified(prefix: str, names: list[str]) -> frozenset[str]:
     return frozenset(f"{prefix}.{n}" if prefix else n for n in names)
 
 
+def _batch_first_hint(prefix: str, mha: "nn.MultiheadAttention") -> str:
+    if mha.batch_first:
+        return ""
+    return f"nn.MultiheadAttention at {prefix or '(root)'} has batch_first=False: it reads [B, T, E] as [T, B, E]"
+
+
+def _mha_projections(prefix: str, sub: "nn.MultiheadAttention") -> _Projections:
+    if sub._qkv_same_embed_dim:
+        wq, wk, wv = sub.in_proj_weight.chunk(3, dim=0)
+    else:
+        wq, wk, wv = sub.q_proj_weight, sub.k_proj_weight, sub.v_proj_weight
+    bq = bk = bv = None
+    if sub.in_proj_bias is not None:
+        bq, bk, bv = sub.in_proj_bias.chunk(3, dim=0)
+    names = [n for n, _ in sub.named_parameters()]
+    return _Projections("nn.MultiheadAttention", prefix, wq, wk, wv, sub.out_proj.weight, bq, bk, bv, sub.out_proj.bias,
+                        sub.num_heads, _qualified(prefix, names), _batch_first_hint(prefix, sub))
+
+
+def _named_projections(prefix: str, sub: "nn.Module", num_heads: int) -> _Projections | None:
+    """q_proj/k_proj/v_proj with out_proj/o_proj, or a fused qkv/c_attn with c_proj/proj/out_proj."""
+    children = dict(sub.named_children())
+    out_name = next((n for n in ("out_proj", "o_proj", "c_proj", "proj") if _linear(children.get(n))), None)
+    if out_name is None:
+        return None
+    out = children[out_name]
+    if all(_linear(children.get(n)) for n in ("q_proj", "k_proj", "v_proj")) and out_name in ("out_proj", "o_proj"):
+        q, k, v = children["q_proj"], children["k_proj"], children["v_proj"]
+        names = [f"{c}.{n}" for c in ("q_proj", "k_proj", "v_proj", out_name) for n, _ in children[c].named_parameters()]
+        return _Projections(f"q_proj/k_proj/v_proj + {out_name}", prefix, q.weight, k.weight, v.weight, out.weight,
+                            q.bias, k.bias, v.bias, out.bias, num_heads, _qualified(prefix, names))
+    fused = next((n for n in ("qkv", "c_attn") if _linear(children.get(n))), None)
+    if fused is None or children[fused].out_features % 3:
+        return None
+    lin = children[fused]
+    wq, wk, wv = lin.weight.chunk(3, dim=0)
+    bq = bk = bv = None
+    if lin.bias is not None:
+        bq, bk, bv = lin.bias.chunk(3, dim=0)
+    names = [f"{c}.{n}" for c in (fused, out_name) for n, _ in children[c].named_parameters()]
+    return _Projections(f"fused {fused} + {out_name}", prefix, wq, wk, wv, out.weight, bq, bk, bv, out.bias, num_heads,
+                        _qualified(prefix, names))
+
+
 def recognise_layout(module: "nn.Module", num_heads: int) -> tuple[_Projections | None, str]:
     """Find the projections of a common layout, or say why none was recognised.
 
@@ -234,65 +166,36 @@ def recognise_layout(module: "nn.Module", num_heads: int) -> tuple[_Projections 
     """
     from torch import nn
 
-    all_params = frozenset(n for n, _ in module.named_parameters())
     candidates: list[_Projections] = []
     for prefix, sub in module.named_modules():
         if isinstance(sub, nn.MultiheadAttention):
             if sub.bias_k is not None or sub.add_zero_attn:
                 return None, f"nn.MultiheadAttention at {prefix or '(root)'} uses add_bias_kv or add_zero_attn, which the rebuild does not model"
-            if sub._qkv_same_embed_dim:
-                wq, wk, wv = sub.in_proj_weight.chunk(3, dim=0)
-            else:
-                wq, wk, wv = sub.q_proj_weight, sub.k_proj_weight, sub.v_proj_weight
-            bq = bk = bv = None
-            if sub.in_proj_bias is not None:
-                bq, bk, bv = sub.in_proj_bias.chunk(3, dim=0)
-            hint = "" if sub.batch_first else (
-                f"nn.MultiheadAttention at {prefix or '(root)'} has batch_first=False: it reads [B, T, E] as [T, B, E]"
-            )
-            names = [n for n, _ in sub.named_parameters()]
-            candidates.append(_Projections(
-                "nn.MultiheadAttention", prefix, wq, wk, wv, sub.out_proj.weight, bq, bk, bv, sub.out_proj.bias,
-                sub.num_heads, _qualified(prefix, names), hint,
-            ))
+            candidates.append(_mha_projections(prefix, sub))
             continue
-        children = dict(sub.named_children())
-        out_name = next((n for n in ("out_proj", "o_proj", "c_proj", "proj") if _linear(children.get(n))), None)
-        if out_name is None:
-            continue
-        out = children[out_name]
-        if all(_linear(children.get(n)) for n in ("q_proj", "k_proj", "v_proj")) and out_name in ("out_proj", "o_proj"):
-            q, k, v = children["q_proj"], children["k_proj"], children["v_proj"]
-            names = [f"{c}.{n}" for c in ("q_proj", "k_proj", "v_proj", out_name) for n, _ in children[c].named_parameters()]
-            candidates.append(_Projections(
-                f"q_proj/k_proj/v_proj + {out_name}", prefix, q.weight, k.weight, v.weight, out.weight,
-                q.bias, k.bias, v.bias, out.bias, num_heads, _qualified(prefix, names),
-            ))
-            continue
-        fused = next((n for n in ("qkv", "c_attn") if _linear(children.get(n))), None)
-        if fused is not None:
-            lin = children[fused]
-            if lin.out_features % 3:
-                continue
-            wq, wk, wv = lin.weight.chunk(3, dim=0)
-            bq = bk = bv = None
-            if lin.bias is not None:
-                bq, bk, bv = lin.bias.chunk(3, dim=0)
-            names = [f"{c}.{n}" for c in (fused, out_name) for n, _ in children[c].named_parameters()]
-            candidates.append(_Projections(
-                f"fused {fused} + {out_name}", prefix, wq, wk, wv, out.weight, bq, bk, bv, out.bias, num_heads,
-                _qualified(prefix, names),
-            ))
+        found = _named_projections(prefix, sub, num_heads)
+        if found is not None:
+            candidates.append(found)
     if not candidates:
         return None, "no nn.MultiheadAttention, q_proj/k_proj/v_proj with out_proj/o_proj, or fused qkv/c_attn with c_proj/proj/out_proj"
     if len(candidates) > 1:
         return None, f"{len(candidates)} attention layouts found ({', '.join(c.layout for c in candidates)}); the rebuild needs exactly one"
     found = candidates[0]
-    extra = sorted(all_params - found.covered)
+    extra = sorted(frozenset(n for n, _ in module.named_parameters()) - found.covered)
     if extra:
         shown = ", ".join(extra[:4]) + (", ..." if len(extra) > 4 else "")
         return None, f"{found.layout} found, but the module has parameters outside it ({shown}), so a rebuild would compute something else"
     return found, ""
+
+
+def _mha_hint(module: "nn.Module") -> str:
+    """The batch_first hint for any nn.MultiheadAttention inside, where no layout was recognised."""
+    from torch import nn
+
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, nn.MultiheadAttention) and not sub.batch_first:
+            return _batch_first_hint(prefix, sub)
+    return ""
 
 
 def rebuild_reference(p: _Projections, x: "torch.Tensor", causal: bool) -> "torch.Tensor":
@@ -323,52 +226,60 @@ def rebuild_reference(p: _Projections, x: "torch.Tensor", causal: bool) -> "torc
 
 # --- the checks -------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class _Subject:
+    """What the checks after level 1 read: the module (in eval mode), its forward, the input and output."""
+
+    module: "nn.Module"
+    fwd: Callable[[Any], Any]
+    x: "torch.Tensor"  # [B, T, E]
+    y: "torch.Tensor"  # [B, T, E], the eval-mode output
+    seed: int
+    causal: bool
+
+
+def _not_reached(level: int, name: str, why: str) -> Check:
+    return unjudged(level, name, "not_reached", why)
+
+
 def _shape_checks(fwd: Callable, x: "torch.Tensor") -> tuple[list[Check], "torch.Tensor | None"]:
     import torch
 
     checks: list[Check] = []
-    b, t, e = x.shape
     y = None
     try:
         with torch.no_grad():
-            y = call_forward(fwd, x)
-        checks.append(Check(1, "output_layout", True, detail=f"input {tuple(x.shape)} [B, T, E] -> output {tuple(y.shape)} [B, T, E]"))
+            y = call_forward(fwd, x)  # [B, T, E]
+        checks.append(Check(1, "output_layout", "pass", data={"input": list(x.shape), "output": list(y.shape)}))
     except ForwardError as exc:
-        checks.append(Check(1, "output_layout", False, detail=str(exc)))
-    for name, xi, what in (
-        ("single_position", x[:, :1], "T = 1"),
-        ("single_example", x[:1], "B = 1"),
-        ("single_example_position", x[:1, :1], "B = 1, T = 1"),
-    ):
+        checks.append(forward_failure(1, "output_layout", exc))
+    for name, xi in (("single_position", x[:, :1]), ("single_example", x[:1]), ("single_example_position", x[:1, :1])):
         try:
             with torch.no_grad():
                 call_forward(fwd, xi.contiguous())
-            checks.append(Check(1, name, True, detail=f"{what}: input {tuple(xi.shape)} -> same shape"))
+            checks.append(Check(1, name, "pass", data={"input": list(xi.shape)}))
         except ForwardError as exc:
-            checks.append(Check(1, name, False, detail=f"{what}: {exc}"))
+            checks.append(forward_failure(1, name, exc))
     return checks, y
 
 
-def _batch_independence(fwd: Callable, x: "torch.Tensor", y: "torch.Tensor", hint: str) -> Check:
+def _batch_independence(s: _Subject, hint: str) -> Check:
     import torch
 
-    worst, tol_used = 0.0, 0.0
+    measure = "max |f(x)[b]-f(x[b])|"
+    worst = None
     with torch.no_grad():
-        for b in range(x.shape[0]):
-            alone = call_forward(fwd, x[b : b + 1].clone())  # [1, T, E]
-            ok, delta, tol = _close(y[b : b + 1], alone, y.dtype)
-            if delta > worst or b == 0:
-                worst, tol_used = max(worst, delta), tol
-            if not ok:
-                detail = (
-                    f"example {b}'s output in the batch differs from its output alone: max |delta| {delta:.3g} > "
-                    f"tolerance {tol:.3g}; the module mixes examples (is the batch axis read as positions?)"
-                )
-                if hint:
-                    detail += f"; {hint}"
-                return Check(2, "batch_independence", False, delta, detail)
-    return Check(2, "batch_independence", True, worst,
-                 f"each example's output equals its output alone: max |delta| {worst:.3g} <= tolerance {tol_used:.3g}")
+        for b in range(s.x.shape[0]):
+            alone = call_forward(s.fwd, s.x[b : b + 1].clone())  # [1, T, E]
+            c = closeness(s.y[b : b + 1], alone, s.y.dtype)
+            if not c.ok:
+                reason = "the module mixes examples (is the batch axis read as positions?)"
+                return bounded(2, "batch_independence", measure, c.delta, c.tolerance, location={"example": b},
+                               reason=f"{reason}; {hint}" if hint else reason, data={**c.data(), "hint": hint})
+            if worst is None or c.delta > worst[1].delta:
+                worst = (b, c)
+    b, c = worst  # type: ignore[misc]
+    return bounded(2, "batch_independence", measure, c.delta, c.tolerance, location={"example": b}, data=c.data())
 
 
 def _positional_names(module: "nn.Module") -> list[str]:
@@ -376,146 +287,254 @@ def _positional_names(module: "nn.Module") -> list[str]:
     return [n for n in names if any(h in n.lower() for h in _POSITIONAL_HINTS)]
 
 
-def _permutation(fwd: Callable, module: "nn.Module", x: "torch.Tensor", y: "torch.Tensor", seed: int) -> Check:
+def _permutation(s: _Subject) -> Check:
     import torch
 
-    t = x.shape[1]
-    g = torch.Generator().manual_seed(seed + 5)
+    t = s.x.shape[1]
+    g = torch.Generator().manual_seed(s.seed + 5)
     perm = torch.randperm(t, generator=g)
     if t > 1 and torch.equal(perm, torch.arange(t)):
         perm = torch.roll(perm, 1)
     with torch.no_grad():
-        yp = call_forward(fwd, x[:, perm].clone())  # [B, T, E], positions permuted
-    ok, delta, tol = _close(yp, y[:, perm], y.dtype)
-    order = perm.tolist()
-    if ok:
-        return Check(2, "permutation_equivariance", True, delta,
-                     f"permuting positions {order} permutes the output: max |delta| {delta:.3g} <= tolerance {tol:.3g}")
-    positional = _positional_names(module)
+        yp = call_forward(s.fwd, s.x[:, perm].clone())  # [B, T, E], positions permuted
+    c = closeness(yp, s.y[:, perm], s.y.dtype)
+    measure = "max |f(x[:,p])-f(x)[:,p]|"
+    data = {**c.data(), "permutation": perm.tolist()}
+    if c.ok:
+        return bounded(2, "permutation_equivariance", measure, c.delta, c.tolerance, data=data)
+    positional = _positional_names(s.module)
     if positional:
-        return Check(2, "permutation_equivariance", None, delta,
-                     f"inconclusive: output not permuted with the input (max |delta| {delta:.3g}), but the module has "
-                     f"positional state ({', '.join(positional[:3])}), so order may legitimately matter")
-    return Check(2, "permutation_equivariance", False, delta,
-                 f"permuting positions {order} does not permute the output: max |delta| {delta:.3g} > tolerance {tol:.3g}; "
-                 "without a causal mask or positional encoding, attention should not care about order "
-                 "(if the module encodes positions under names this probe does not know, this is inconclusive)")
+        return Check(2, "permutation_equivariance", "inconclusive", measure, c.delta, c.tolerance, "<=",
+                     reason="the module has positional state, so order may legitimately matter",
+                     data={**data, "positional": positional[:3]})
+    return bounded(2, "permutation_equivariance", measure, c.delta, c.tolerance, data=data,
+                   reason="without a causal mask or positional encoding, attention should not care about order "
+                          "(a module that encodes positions under names this probe does not know makes this inconclusive)")
+
+
+def _axis_checks(s: _Subject, hint: str, noisy: bool) -> list[Check]:
+    """L2: batch independence; without ``causal``, permutation equivariance."""
+    probes: list[tuple[str, Callable[[], Check]]] = [("batch_independence", lambda: _batch_independence(s, hint))]
+    if not s.causal:
+        probes.append(("permutation_equivariance", lambda: _permutation(s)))
+    checks = []
+    for name, probe in probes:
+        if noisy:
+            checks.append(_not_reached(2, name, NOISY))
+            continue
+        try:
+            checks.append(probe())
+        except ForwardError as exc:
+            checks.append(forward_failure(2, name, exc))
+    return checks
+
+
+def _parameter_gradients(module: "nn.Module") -> Check:
+    import torch
+
+    missing, nonfinite, count = [], [], 0
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        count += 1
+        if p.grad is None:
+            missing.append(name)
+        elif not bool(torch.isfinite(p.grad).all()):
+            nonfinite.append(name)
+    if count == 0:
+        return unjudged(3, "parameter_gradients", "not_applicable", "the module has no trainable parameters")
+    return counted(3, "parameter_gradients", "trainable parameters without a finite gradient", len(missing) + len(nonfinite),
+                   data={"of": count, "no_gradient": missing, "non_finite": nonfinite})
+
+
+def _input_gradient(g: "torch.Tensor | None") -> Check:
+    import torch
+
+    if g is None:
+        return Check(3, "input_gradient", "fail", reason="no gradient reached the input (the graph was detached)")
+    bad = int((~torch.isfinite(g)).sum())
+    if bad:
+        return counted(3, "input_gradient", "non-finite input gradient values", bad)
+    return Check(3, "input_gradient", "pass", "input gradient norm", float(g.norm()))
 
 
 def _gradient_checks(module: "nn.Module", x: "torch.Tensor") -> list[Check]:
+    """L3, in training mode: one backward pass of ``out.square().mean()`` reaches the input and every parameter."""
     import torch
 
     was_training = module.training
     module.train()
-    checks: list[Check] = []
     try:
         module.zero_grad(set_to_none=True)
         x_in = x.detach().clone().requires_grad_(True)
         with torch.enable_grad():
             try:
-                y = call_forward(module_forward(module), x_in)
-                loss = y.square().mean()
-                loss.backward()
+                y = call_forward(module_forward(module), x_in)  # [B, T, E]
+                y.square().mean().backward()
             except ForwardError as exc:
-                return [Check(3, "input_gradient", False, detail=f"training mode: {exc}"),
-                        _not_run(3, "parameter_gradients", "the training-mode forward failed")]
-            except Exception as exc:
-                msg = f"backward raised {type(exc).__name__}: {_first_line(exc)}"
-                return [Check(3, "input_gradient", False, detail=msg), Check(3, "parameter_gradients", False, detail=msg)]
-        g = x_in.grad
-        if g is None:
-            checks.append(Check(3, "input_gradient", False, detail="no gradient reached the input (the graph was detached)"))
-        elif not bool(torch.isfinite(g).all()):
-            checks.append(Check(3, "input_gradient", False, detail=f"the input gradient holds {int((~torch.isfinite(g)).sum())} non-finite values"))
-        else:
-            norm = float(g.norm())
-            checks.append(Check(3, "input_gradient", True, norm, f"finite gradient reaches the input, norm {norm:.3g}"))
-        missing, nonfinite, count = [], [], 0
-        for name, p in module.named_parameters():
-            if not p.requires_grad:
-                continue
-            count += 1
-            if p.grad is None:
-                missing.append(name)
-            elif not bool(torch.isfinite(p.grad).all()):
-                nonfinite.append(name)
-        if missing or nonfinite:
-            parts = []
-            if missing:
-                parts.append(f"no gradient: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}")
-            if nonfinite:
-                parts.append(f"non-finite gradient: {', '.join(nonfinite[:4])}")
-            checks.append(Check(3, "parameter_gradients", False, float(len(missing) + len(nonfinite)),
-                                f"{len(missing) + len(nonfinite)} of {count} parameters: " + "; ".join(parts)))
-        elif count == 0:
-            checks.append(Check(3, "parameter_gradients", None, 0.0, "not applicable: the module has no trainable parameters"))
-        else:
-            checks.append(Check(3, "parameter_gradients", True, float(count),
-                                f"finite gradients reach all {count} trainable parameters after one backward pass"))
+                return [forward_failure(3, "input_gradient", exc, "training mode: "),
+                        _not_reached(3, "parameter_gradients", "the training-mode forward failed")]
+            except Exception as exc:  # the user's backward may raise anything
+                why = f"backward raised {type(exc).__name__}: {_first_line(exc)}"
+                data = {"exception": type(exc).__name__}
+                return [Check(3, "input_gradient", "fail", reason=why, data=data),
+                        Check(3, "parameter_gradients", "fail", reason=why, data=data)]
+        return [_input_gradient(x_in.grad), _parameter_gradients(module)]
     finally:
         module.zero_grad(set_to_none=True)
         module.train(was_training)
+
+
+def _numeric_checks(s: _Subject) -> list[Check]:
+    """L3: finite output, then the gradient checks (which leave the module in eval mode)."""
+    import torch
+
+    finite = counted(3, "finite_output", "non-finite output values", int((~torch.isfinite(s.y)).sum()))
+    checks = [finite] + _gradient_checks(s.module, s.x)
+    s.module.eval()
     return checks
 
 
-def _gradient_form(fwd: Callable, x: "torch.Tensor", seed: int) -> Check:
+def _gradient_form(s: _Subject) -> Check:
     """d out_i / d x_j must vanish for every j > i and be nonzero somewhere for j <= i."""
     import torch
 
-    b, t, e = x.shape
-    g = torch.Generator().manual_seed(seed + 9)
-    r = torch.randn(b, t, e, generator=g, dtype=torch.float64).to(x.dtype)  # [B, T, E] probe direction
-    x_in = x.detach().clone().requires_grad_(True)
+    b, t, e = s.x.shape
+    g = torch.Generator().manual_seed(s.seed + 9)
+    r = torch.randn(b, t, e, generator=g, dtype=torch.float64).to(s.x.dtype)  # [B, T, E] probe direction
+    x_in = s.x.detach().clone().requires_grad_(True)
     with torch.enable_grad():
-        y = call_forward(fwd, x_in)  # [B, T, E]
+        y = call_forward(s.fwd, x_in)  # [B, T, E]
         grads = []
         for i in range(t):
             (gi,) = torch.autograd.grad((y[:, i] * r[:, i]).sum(), x_in, retain_graph=True, allow_unused=True)
             grads.append(torch.zeros_like(x_in) if gi is None else gi.detach())  # [B, T, E]
     per = torch.stack([gi.to(torch.float64).abs().amax(dim=(0, 2)) for gi in grads])  # [T_out, T_in]
-    scale = float(per[torch.isfinite(per)].max()) if bool(torch.isfinite(per).any()) else 0.0
-    tol = relative_tolerance(x.dtype) * scale
-    future = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
-    if not bool(torch.isfinite(per).all()):
-        return Check(4, "causal_gradient_form", False, None, "the gradients d out_i / d x_j hold non-finite values")
+    finite = torch.isfinite(per)
+    if not bool(finite.all()):
+        return counted(4, "causal_gradient_form", "non-finite entries of max |d out_i / d x_j|", int((~finite).sum()))
+    tol = relative_tolerance(s.x.dtype) * float(per.max())
+    future = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)  # [T_out, T_in], j > i
+    worst = float(per[future].max()) if t > 1 else 0.0
+    data = {"max_future": worst, "rel_tolerance": relative_tolerance(s.x.dtype), "scale": float(per.max())}
     leaks = (per > tol) & future
     if bool(leaks.any()):
         i, j = (int(v) for v in leaks.nonzero()[0])
-        worst = float(per[future].max())
-        return Check(4, "causal_gradient_form", False, worst,
-                     f"d out_{i} / d x_{j} is nonzero ({float(per[i, j]):.3g} > tolerance {tol:.3g}) with j > i: "
-                     "the output depends on a future position")
-    past_dead = [i for i in range(t) if not float(per[i, : i + 1].max()) > tol]
-    if past_dead:
-        return Check(4, "causal_gradient_form", False, 0.0,
-                     f"d out_{past_dead[0]} / d x_j is zero for every j <= {past_dead[0]}: the gradient form is vacuous there")
-    worst = float(per[future].max()) if t > 1 else 0.0
-    return Check(4, "causal_gradient_form", True, worst,
-                 f"d out_i / d x_j <= {worst:.3g} for all j > i (tolerance {tol:.3g}) and nonzero for some j <= i at every i")
-
-
-def _intervention_check(result: Any, name: str) -> Check:
-    if result.error is not None:
-        return Check(4, name, False, None, result.error)
-    value = result.max_prefix_delta
-    return Check(4, name, result.ok, value, result.summary())
+        return bounded(4, "causal_gradient_form", "max |d out_i / d x_j|, j > i", float(per[i, j]), tol,
+                       location={"output": i, "input": j}, reason="the output depends on a future position", data=data)
+    dead = [i for i in range(t) if not float(per[i, : i + 1].max()) > tol]
+    if dead:
+        i = dead[0]
+        return Check(4, "causal_gradient_form", "fail", "max |d out_i / d x_j|, j <= i", float(per[i, : i + 1].max()),
+                     tol, ">=", location={"output": i},
+                     reason="no past position reaches this output: the gradient form is vacuous there", data=data)
+    return bounded(4, "causal_gradient_form", "max |d out_i / d x_j|, j > i", worst, tol, data=data)
 
 
 def _controls_check(embed_dim: int, num_heads: int, x: "torch.Tensor", seed: int) -> Check:
+    """L4: the built-in pipeline at these sizes, built to leak two ways, must be reported as leaking."""
     import torch
 
     if embed_dim % num_heads:
-        return _not_run(4, "intervention_controls", f"the built-in controls need embed_dim divisible by num_heads: {embed_dim}, {num_heads}")
+        return Check(4, "intervention_controls", "not_applicable",
+                     reason="the built-in controls need embed_dim divisible by num_heads",
+                     data={"embed_dim": embed_dim, "num_heads": num_heads})
     dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    parts, ok = [], True
+    results = {}
     for name, _desc, control in builtin_controls(embed_dim, num_heads, seed, dtype):
-        r = causal_intervention(module_forward(control), x.to(dtype), grad_mode="no_grad", seed=seed)
-        leaked = r.verdict == "leak"
-        ok = ok and leaked
-        parts.append(f"{name}: {r.verdict} (max prefix |delta| {r.max_prefix_delta:.3g})")
-    detail = "built-in pipeline at these sizes, " + "; ".join(parts)
-    detail += ": both leak, so the probe can fail here" if ok else ": a control did not leak, so the probe has no power here"
-    return Check(4, "intervention_controls", ok, None, detail)
+        results[name] = causal_intervention(module_forward(control), x.to(dtype), grad_mode="no_grad", seed=seed)
+    leaked = sum(r.verdict == "leak" for r in results.values())
+    data = {name: {"verdict": r.verdict, "max_prefix_delta": r.max_prefix_delta, "tolerance": r.tolerance}
+            for name, r in results.items()}
+    return bounded(4, "intervention_controls", "controls on the built-in pipeline reported as leaks", leaked,
+                   len(results), op="==", data={"controls": data},
+                   reason="" if leaked == len(results) else "a control did not leak, so the probe has no power here")
+
+
+def _causal_checks(s: _Subject, embed_dim: int, num_heads: int, noisy: bool) -> list[Check]:
+    """L4 with ``causal``: the intervention on both grad paths, its controls, the gradient form."""
+    checks = []
+    for mode in ("no_grad", "autograd"):
+        name = f"causal_intervention_{mode}"
+        checks.append(_not_reached(4, name, NOISY) if noisy
+                      else path_check(causal_intervention(s.fwd, s.x, grad_mode=mode, seed=s.seed), name))
+    checks.append(_controls_check(embed_dim, num_heads, s.x, s.seed))
+    if noisy:
+        checks.append(_not_reached(4, "causal_gradient_form", NOISY))
+        return checks
+    try:
+        checks.append(_gradient_form(s))
+    except ForwardError as exc:
+        checks.append(forward_failure(4, "causal_gradient_form", exc))
+    except Exception as exc:  # the user's backward may raise anything
+        checks.append(Check(4, "causal_gradient_form", "fail", reason=f"backward raised {type(exc).__name__}: {_first_line(exc)}",
+                            data={"exception": type(exc).__name__}))
+    return checks
+
+
+def _rebuild_check(s: _Subject, layout: _Projections | None, why_not: str, noisy: bool) -> Check:
+    """L4: the output against a float64 rebuild from the module's own weights."""
+    if layout is None:
+        return unjudged(4, "reference_rebuild", "skipped", f"layout not recognised: {why_not}")
+    if noisy:
+        return _not_reached(4, "reference_rebuild", NOISY)
+    ref = rebuild_reference(layout, s.x, s.causal)  # [B, T, E] float64
+    c = closeness(s.y, ref, s.y.dtype)
+    return bounded(4, "reference_rebuild", "max |f(x)-f64_rebuild(x)|",
+                   c.delta, c.tolerance, reason="" if c.ok else layout.hint,
+                   data={**c.data(), "layout": layout.layout, "mask": "causal" if s.causal else "none"})
+
+
+# --- the report ----------------------------------------------------------------------------
+
+def _validate(**sizes: tuple[int, int]) -> None:
+    for name, (value, low) in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise field_error(name, value, f"an integer >= {low}")
+
+
+def _expected(causal: bool) -> list[tuple[int, str]]:
+    """Every check this run makes, in row order."""
+    skip = NOT_CAUSAL_ONLY if causal else CAUSAL_ONLY
+    return [(level, name) for members in ASPECTS.values() for level, name in members if name not in skip]
+
+
+def _run_checks(module: "nn.Module", x: "torch.Tensor", layout: _Projections | None, why_not: str, embed_dim: int,
+                num_heads: int, causal: bool, seed: int, tick: Callable[[], None]) -> list[Check]:
+    """Every check, in level order; after a failed level-1 forward, the rest are not reached.
+
+    Eval determinism is a behaviour (L4) check, but it runs first: every later comparison
+    of outputs (batch independence, permutation, rebuild, intervention) assumes an eval-mode
+    output is a function of the input. When it is not, those comparisons would report
+    dropout noise as a finding of their own, so they are not reached and the first finding
+    is eval_determinism itself. The intervention comes before the rebuild: when both fail,
+    "position 0 moved when position 1 changed" says more than "the outputs differ".
+    """
+    fwd = module_forward(module)
+    l1, y = _shape_checks(fwd, x)
+    tick()
+    if y is None:
+        return l1 + [_not_reached(level, name, FORWARD_FAILED) for level, name in _expected(causal)[len(l1):]]
+    s = _Subject(module, fwd, x, y, seed, causal)
+    det = eval_determinism(fwd, x)
+    noisy = not det.identical
+    tick()
+    checks = l1 + _axis_checks(s, layout.hint if layout else _mha_hint(module), noisy)
+    tick()
+    checks += _numeric_checks(s)
+    tick()
+    checks.append(determinism_check(det))
+    if causal:
+        checks += _causal_checks(s, embed_dim, num_heads, noisy)
+        tick()
+    checks.append(_rebuild_check(s, layout, why_not, noisy))
+    tick()
+    return checks
+
+
+def _row(name: str, checks: tuple[Check, ...]) -> Row:
+    status: Status = "not_reached" if all(c.status == "not_reached" for c in checks) else row_status(checks)
+    return Row(name, status, checks)
 
 
 def check_module(
@@ -529,7 +548,7 @@ def check_module(
     seq_len: int = 6,
     progress: Callable[[int, int], None] | None = None,
     subject: str = "module",
-) -> ModuleCheckReport:
+) -> Report:
     """Check a module built by ``factory(embed_dim, num_heads)`` against the attention contract.
 
     Args:
@@ -545,7 +564,8 @@ def check_module(
         subject: a name for the output.
 
     Returns:
-        A :class:`ModuleCheckReport`; ``exit_code`` 0 when every check passes, 1 on a finding.
+        A :class:`~attn_ledger.report.Report` (command ``check``), one row per aspect
+        (:data:`ASPECTS`); ``exit_code`` 0 when every check passes, 1 on a finding.
 
     Raises:
         InputError: sizes out of range.
@@ -553,11 +573,8 @@ def check_module(
     """
     import torch
 
-    for fname, value, low in (("embed_dim", embed_dim, 1), ("num_heads", num_heads, 1), ("batch_size", batch_size, 2), ("seq_len", seq_len, 2)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise field_error(fname, value, f"an integer >= {low}")
-    total = 7
-    done = 0
+    _validate(embed_dim=(embed_dim, 1), num_heads=(num_heads, 1), batch_size=(batch_size, 2), seq_len=(seq_len, 2))
+    total, done = (6 if causal else 5), 0
 
     def tick() -> None:
         nonlocal done
@@ -569,115 +586,35 @@ def check_module(
         torch.manual_seed(seed)
         module = build_module(factory, embed_dim, num_heads)
         training_on_entry = bool(module.training)
-        dtype = _module_dtype(module)
+        dtype = module_dtype(module)
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(batch_size, seq_len, embed_dim, generator=g, dtype=torch.float64).to(dtype)  # [B, T, E]
-        fwd = module_forward(module)
-        notes: list[str] = []
-        if training_on_entry:
-            notes.append("the module came back in training mode: output comparisons ran in eval mode, gradients in training mode")
         module.eval()
-
-        l1, y = _shape_checks(fwd, x)
-        tick()
         layout, why_not = recognise_layout(module, num_heads)
-        if y is None:
-            reason = "the forward on [B, T, E] failed (level 1)"
-            names = [(2, "batch_independence")]
-            names += [] if causal else [(2, "permutation_equivariance")]
-            names += [(3, "finite_output"), (3, "input_gradient"), (3, "parameter_gradients"), (4, "eval_determinism")]
-            if causal:
-                names += [(4, "causal_intervention_no_grad"), (4, "causal_intervention_autograd"),
-                          (4, "intervention_controls"), (4, "causal_gradient_form")]
-            names += [(4, "reference_rebuild")]
-            rest = [_not_run(level, name, reason) for level, name in names]
-            return _finish(subject, embed_dim, num_heads, batch_size, seq_len, causal, l1 + rest,
-                           layout.layout if layout else None, notes, progress, total)
-
-        # Eval determinism is a behaviour (L4) check, but it runs first: every later
-        # comparison of outputs (batch independence, permutation, rebuild, intervention)
-        # assumes an eval-mode output is a function of the input. When it is not, those
-        # comparisons would report dropout noise as a finding of their own, so they are
-        # marked not run and the first finding is eval_determinism itself.
-        det = eval_determinism(fwd, x)
-        det_check = Check(4, "eval_determinism", det.identical, det.max_delta, det.summary())
-        noisy = "eval-mode calls differ (see eval_determinism), so output comparisons would measure noise"
-        tick()
-
-        l2: list[Check] = []
-        if det.identical:
-            try:
-                l2.append(_batch_independence(fwd, x, y, layout.hint if layout else _mha_hint(module)))
-            except ForwardError as exc:
-                l2.append(Check(2, "batch_independence", False, detail=str(exc)))
-        else:
-            l2.append(_not_run(2, "batch_independence", noisy))
-        if not causal:
-            if det.identical:
-                try:
-                    l2.append(_permutation(fwd, module, x, y, seed))
-                except ForwardError as exc:
-                    l2.append(Check(2, "permutation_equivariance", False, detail=str(exc)))
-            else:
-                l2.append(_not_run(2, "permutation_equivariance", noisy))
-        tick()
-
-        finite = bool(torch.isfinite(y).all())
-        l3 = [Check(3, "finite_output", finite, float((~torch.isfinite(y)).sum()),
-                    "every output value is finite" if finite else f"{int((~torch.isfinite(y)).sum())} output values are not finite")]
-        l3 += _gradient_checks(module, x)
-        module.eval()
-        tick()
-
-        l4: list[Check] = [det_check]
-        # The intervention comes before the rebuild: when both fail, "position 0 moved when
-        # position 1 changed" says more than "the outputs differ".
-        if causal:
-            if det.identical:
-                for mode in ("no_grad", "autograd"):
-                    r = causal_intervention(fwd, x, grad_mode=mode, seed=seed)
-                    l4.append(_intervention_check(r, f"causal_intervention_{mode}"))
-            else:
-                l4 += [_not_run(4, "causal_intervention_no_grad", noisy), _not_run(4, "causal_intervention_autograd", noisy)]
-            tick()
-            l4.append(_controls_check(embed_dim, num_heads, x, seed))
-            try:
-                l4.append(_gradient_form(fwd, x, seed) if det.identical else _not_run(4, "causal_gradient_form", noisy))
-            except ForwardError as exc:
-                l4.append(Check(4, "causal_gradient_form", False, detail=str(exc)))
-            except Exception as exc:
-                l4.append(Check(4, "causal_gradient_form", False, detail=f"backward raised {type(exc).__name__}: {_first_line(exc)}"))
-        if layout is None:
-            l4.append(_not_run(4, "reference_rebuild", f"layout not recognised: {why_not}"))
-        elif not det.identical:
-            l4.append(_not_run(4, "reference_rebuild", noisy))
-        else:
-            ref = rebuild_reference(layout, x, causal)  # [B, T, E] float64
-            ok, delta, tol = _close(y, ref, y.dtype)
-            detail = (f"{layout.layout}: output vs float64 rebuild from the module's weights "
-                      f"({'causal' if causal else 'no'} mask), max |delta| {delta:.3g} {'<=' if ok else '>'} tolerance {tol:.3g}")
-            if not ok and layout.hint:
-                detail += f"; {layout.hint}"
-            l4.append(Check(4, "reference_rebuild", ok, delta, detail))
-        tick()
-    return _finish(subject, embed_dim, num_heads, batch_size, seq_len, causal, l1 + l2 + l3 + l4,
-                   layout.layout if layout else None, notes, progress, total)
-
-
-def _mha_hint(module: "nn.Module") -> str:
-    from torch import nn
-
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, nn.MultiheadAttention) and not sub.batch_first:
-            return f"nn.MultiheadAttention at {prefix or '(root)'} has batch_first=False: it reads [B, T, E] as [T, B, E]"
-    return ""
-
-
-def _finish(subject, embed_dim, num_heads, batch_size, seq_len, causal, checks, layout, notes, progress, total) -> ModuleCheckReport:
+        checks = _run_checks(module, x, layout, why_not, embed_dim, num_heads, causal, seed, tick)
     if progress:
         progress(total, total)
-    ordered = tuple(sorted(checks, key=lambda c: c.level))  # stable: keeps the listed order within a level
-    return ModuleCheckReport(subject, embed_dim, num_heads, batch_size, seq_len, causal, ordered, layout, tuple(notes))
+    sizes = {"B": batch_size, "T": seq_len, "E": embed_dim, "Nh": num_heads}
+    return _module_report(checks, subject, sizes, causal, layout, why_not, dtype, training_on_entry)
 
 
-__all__ = ["ModuleCheckReport", "check_module", "build_module", "recognise_layout", "rebuild_reference"]
+def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], causal: bool,
+                   layout: _Projections | None, why_not: str, dtype: "torch.dtype", training_on_entry: bool) -> Report:
+    """The checks in rows by aspect; coverage says so where the float64 rebuild could not run."""
+    by_name = {c.name: c for c in checks}
+    rows = [_row(aspect, found) for aspect, members in ASPECTS.items()
+            if (found := tuple(by_name[n] for _, n in members if n in by_name))]
+    notes = [f"rebuild layout: {layout.layout}"] if layout else []
+    if training_on_entry:
+        notes.append("the module came back in training mode: output comparisons ran in eval mode, gradients in training mode")
+    coverage = None if layout else Coverage("black-box", ("reference_rebuild",), f"layout not recognised: {why_not}")
+    details = {"subject": subject, "protocol": "module", "sizes": sizes, "causal": causal,
+               "layout": layout.layout if layout else None, "dtype": str(dtype).removeprefix("torch."),
+               "training_mode_on_entry": training_on_entry}
+    title = (f"MODULE CHECK {subject} B={sizes['B']} T={sizes['T']} E={sizes['E']} Nh={sizes['Nh']} "
+             f"{'causal' if causal else 'not causal'}")
+    return Report("check", title, tuple(rows), coverage=coverage, notes=tuple(notes), details=details,
+                  unit="check", row_label="aspect")
+
+
+__all__ = ["ASPECTS", "check_module", "build_module", "recognise_layout", "rebuild_reference"]

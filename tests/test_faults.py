@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from xml.etree import ElementTree as ET
 
 import pytest
 from typer.testing import CliRunner
@@ -20,14 +21,22 @@ def report():
     return catalogue.run_catalogue()
 
 
-def test_cli_every_fault_detected_exit_0():
+def detected(report, name):
+    """The one check of a fault's row: detected at level L by a check, or not."""
+    (check,) = report.row(name).checks
+    return check
+
+
+def test_cli_every_fault_detected_exit_0(monkeypatch):
+    # two faults, a kernel and a module, keep the command quick; the whole catalogue runs in `report`
+    monkeypatch.setattr(catalogue, "CATALOGUE", (catalogue.CATALOGUE[4], catalogue.CATALOGUE[8]))
     res = runner.invoke(app, ["faults", "--format", "json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["command"] == "faults" and data["verdict"] == "pass" and data["undetected"] == []
-    names = {f["fault"] for f in data["faults"]}
-    assert set(FAULTS) <= names
-    assert {"dropout-at-eval", "batch-first", "gqa-repeat", "causal-top-left", "float-mask-bias"} <= names
+    assert (data["command"], data["verdict"], data["first_finding"]) == ("faults", "pass", None)
+    assert data["details"]["undetected"] == [] and "elapsed_s" not in data["details"]
+    assert [(r["name"], r["status"]) for r in data["rows"]] == [("no-scale", "pass"), ("batch-first", "pass")]
+    assert res.stdout == runner.invoke(app, ["faults", "--format", "json"]).stdout  # byte-identical
 
 
 def test_an_undetectable_fault_makes_the_self_test_fail(monkeypatch):
@@ -36,9 +45,16 @@ def test_an_undetectable_fault_makes_the_self_test_fail(monkeypatch):
 
     fake = catalogue.Fault("not-a-fault", "kernel", "a correct kernel labelled as faulty", correct)
     monkeypatch.setattr(catalogue, "CATALOGUE", (catalogue.CATALOGUE[4], fake))
-    res = runner.invoke(app, ["faults"], env={"COLUMNS": "100"})
+    res = runner.invoke(app, ["faults", "--format", "json", "--timings"])
     assert res.exit_code == 1, res.output
-    assert "UNDETECTED" in res.output and "undetected: not-a-fault" in res.output
+    data = json.loads(res.stdout)
+    assert data["verdict"] == "fail" and data["details"]["undetected"] == ["not-a-fault"]
+    assert (data["first_finding"]["row"], data["first_finding"]["check"]) == ("not-a-fault", "detected")
+    assert [r["status"] for r in data["rows"]] == ["pass", "fail"]
+    assert data["details"]["elapsed_s"] >= 0  # only with --timings
+    junit = runner.invoke(app, ["faults", "--format", "junit"])
+    suite = ET.fromstring(junit.stdout).find("testsuite")
+    assert (suite.get("tests"), suite.get("failures")) == ("2", "1")
 
 
 # Levels from what each fault is: where the computation first stops meaning what was intended,
@@ -61,20 +77,41 @@ EXPECTED_BLACK_BOX = {
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_BLACK_BOX))
 def test_black_box_level(report, name):
-    level, check = EXPECTED_BLACK_BOX[name]
-    r = report.result(name)
-    assert r.level == level, (r.level, r.check)
-    if check is not None:
-        assert r.check == check
+    level, check_name = EXPECTED_BLACK_BOX[name]
+    check = detected(report, name)
+    row = report.row(name)
+    assert check.status == "pass" and row.status == "pass"
+    assert check.level == level == row.fields["level"], (check.level, check.data["check"])
+    assert row.fields["check"] == check.data["check"]
+    if check_name is not None:
+        assert check.data["check"] == check_name
+
+
+def test_kernel_faults_name_their_smallest_case(report):
+    check = detected(report, "no-scale")
+    case = parse_case(check.data["case"])
+    assert check.location == {"case": case.id}
+    assert check_case(catalogue.no_scale, case).first_failure.name == "reference"
+    assert detected(report, "batch-first").data["case"] is None  # modules have no cases
 
 
 def test_every_fault_detected(report):
-    assert report.exit_code == 0 and not report.undetected
+    assert report.exit_code == 0 and report.first_finding is None
+    assert report.details["undetected"] == []
+    names = [r.name for r in report.rows]
+    assert names == [f.name for f in catalogue.CATALOGUE]
+    assert set(FAULTS) <= set(names)
+    assert {"dropout-at-eval", "batch-first", "gqa-repeat", "causal-top-left", "float-mask-bias"} <= set(names)
+    assert all(r.status == "pass" for r in report.rows)
 
 
 def test_no_scale_passes_every_local_check(report):
-    r = report.result("no-scale")
-    assert r.clean_levels == (1, 2, 3)
+    data = detected(report, "no-scale").data
+    assert data["clean_levels"] == [1, 2, 3]
+    assert {"level": 4, "check": "causal_intervention"} in data["passes_through"]
+    assert {"level": 4, "check": "reference"} not in data["passes_through"]
+    levels = [p["level"] for p in data["passes_through"]]
+    assert levels == sorted(levels)
 
 
 def test_causal_top_left_is_a_behaviour_error_for_decode_shapes():
@@ -87,11 +124,14 @@ def test_causal_top_left_is_a_behaviour_error_for_decode_shapes():
 
 @pytest.mark.parametrize("name", FAULTS)
 def test_white_box_sees_pipeline_faults_no_later_than_black_box(report, name):
-    r = report.result(name)
-    assert r.white_level is not None, r.note
-    assert r.white_level <= r.level
+    check = detected(report, name)
+    white = check.data["white_box"]
+    assert white["fault"] == name and white["level"] is not None
+    assert white["level"] <= check.level
+    fields = report.row(name).fields
+    assert (fields["ledger level"], fields["ledger stage"]) == (white["level"], white["stage"])
 
 
-def test_markdown_table(report):
-    md = report.to_markdown()
-    assert md.startswith("| fault | kind |") and f"{len(catalogue.CATALOGUE)} of {len(catalogue.CATALOGUE)} faults detected" in md
+def test_faults_outside_the_pipeline_have_no_white_box(report):
+    assert detected(report, "gqa-repeat").data["white_box"] is None
+    assert (report.row("gqa-repeat").fields["ledger level"], report.row("gqa-repeat").fields["ledger stage"]) == (None, "-")

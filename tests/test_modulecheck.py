@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from xml.etree import ElementTree as ET
 
 import pytest
 
 import modules_for_tests as bad
 from attn_ledger.commands.common import Format, render_text
 from attn_ledger.errors import InputError, SetupError
-from attn_ledger.modulecheck import check_module, recognise_layout
+from attn_ledger.modulecheck import ASPECTS, check_module, recognise_layout
+from attn_ledger.report import Report
 from attn_ledger.userload import load_object
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "attention_modules.py"
@@ -21,8 +23,17 @@ def fixture(name: str):
     return load_object(f"{FIXTURES}:{name}")
 
 
-def run(factory, causal: bool = True, **kw):
+def run(factory, causal: bool = True, **kw) -> Report:
     return check_module(factory, E, NH, causal=causal, **kw)
+
+
+def check(report: Report, name: str):
+    """A check by name, wherever its row."""
+    return next(c for _, c in report.checks() if c.name == name)
+
+
+def names(report: Report) -> set[str]:
+    return {c.name for _, c in report.checks()}
 
 
 @pytest.mark.parametrize(
@@ -37,33 +48,42 @@ def run(factory, causal: bool = True, **kw):
 )
 def test_healthy_modules_pass_every_check(name, causal, layout):
     report = run(fixture(name), causal)
-    assert report.exit_code == 0, report.findings
-    assert report.first_finding is None
-    assert report.layout == layout
-    assert all(c.ok is True for c in report.checks), [c for c in report.checks if c.ok is not True]
-    names = {c.name for c in report.checks}
-    assert {"output_layout", "single_position", "single_example", "batch_independence", "finite_output",
-            "input_gradient", "parameter_gradients", "eval_determinism", "reference_rebuild"} <= names
+    assert report.exit_code == 0 and report.verdict == "pass", report.failures()
+    assert report.first_finding is None and report.coverage is None
+    assert report.details["layout"] == layout
+    assert all(c.status == "pass" for _, c in report.checks()), [c for _, c in report.checks() if not c.passed]
+    assert {"output_layout", "single_position", "single_example", "single_example_position", "batch_independence",
+            "finite_output", "input_gradient", "parameter_gradients", "eval_determinism", "reference_rebuild"} <= names(report)
     if causal:
         assert {"causal_intervention_no_grad", "causal_intervention_autograd", "intervention_controls",
-                "causal_gradient_form"} <= names
-        assert report.check("causal_intervention_no_grad").value == 0.0  # the past does not move at all
+                "causal_gradient_form"} <= names(report)
+        assert "permutation_equivariance" not in names(report)
+        assert check(report, "causal_intervention_no_grad").value == 0.0  # the past does not move at all
+        controls = check(report, "intervention_controls")
+        assert (controls.value, controls.limit, controls.op) == (2, 2, "==")
     else:
-        assert "permutation_equivariance" in names
-    assert report.check("reference_rebuild").value < 1e-5
-    levels = [c.level for c in report.checks]
+        assert "permutation_equivariance" in names(report)
+        assert "causal_intervention_no_grad" not in names(report)
+    rebuild = check(report, "reference_rebuild")
+    assert rebuild.value < 1e-5 and rebuild.value <= rebuild.limit
+    assert rebuild.data["layout"] == layout
+    levels = [c.level for _, c in report.checks()]
     assert levels == sorted(levels)
-    assert "came back in training mode" in " ".join(report.notes)
+    assert [r.name for r in report.rows] == [a for a in ASPECTS if a != "causality" or causal]
+    assert report.details["training_mode_on_entry"] is True
 
 
 def test_tiny_outputs_are_judged_on_their_own_scale():
     report = run(bad.scaled)
-    assert report.exit_code == 0, report.findings
-    assert report.check("causal_intervention_no_grad").value == 0.0
-    assert report.check("reference_rebuild").ok is True
+    assert report.exit_code == 0, report.failures()
+    assert check(report, "causal_intervention_no_grad").value == 0.0
+    assert check(report, "reference_rebuild").status == "pass"
+    assert check(report, "reference_rebuild").limit < 1e-9  # the tolerance follows the tiny output scale
     leak = run(bad.tiny_leak)
-    assert leak.first_finding.check == "causal_intervention_no_grad"
-    assert "moved the output at position 0" in leak.first_finding.detail
+    first = leak.first_finding
+    assert (first.row, first.name) == ("causality", "causal_intervention_no_grad")
+    assert first.check.location == {"cut": 0, "position": 0}
+    assert first.check.limit < first.check.value < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -89,49 +109,69 @@ def test_tiny_outputs_are_judged_on_their_own_scale():
 def test_broken_module_first_finding(source, name, causal, first_check, level):
     factory = fixture(name) if source == "fixture" else getattr(bad, name)
     report = run(factory, causal)
-    assert report.exit_code == 1
+    assert report.exit_code == 1 and report.verdict == "fail"
     first = report.first_finding
-    assert (first.check, first.level) == (first_check, level), report.findings
-    assert report.check(first_check).ok is False
+    assert (first.name, first.level) == (first_check, level), report.failures()
+    assert check(report, first_check).status == "fail"
+
+
+def test_numbers_of_the_level_one_to_three_failures():
+    shape = check(run(bad.wrong_shape), "output_layout")
+    assert shape.data == {"input": [2, 6, 12], "output": [2, 12, 6]}
+    finite = check(run(bad.non_finite), "finite_output")
+    assert (finite.value, finite.limit) == (2 * 12, 0)  # the last position of both examples
+    grads = check(run(bad.detached_value), "parameter_gradients")
+    assert grads.value == 2 and grads.data["no_gradient"] == ["v_proj.weight", "v_proj.bias"]
+    assert grads.data["of"] == 8
+    assert check(run(bad.input_detached), "input_gradient").value is None  # nothing reached the input
 
 
 def test_batch_first_confusion_is_named_and_the_rebuild_disagrees():
     report = run(fixture("batch_first_confused"), causal=False)
-    detail = report.check("batch_independence").detail
-    assert "batch_first=False" in detail
-    assert report.check("batch_independence").value > 0.1
-    assert report.check("reference_rebuild").ok is False
-    assert "batch_first=False" in report.check("reference_rebuild").detail
+    batch = check(report, "batch_independence")
+    assert batch.value > 0.1 and batch.value > batch.limit and batch.location == {"example": 0}
+    assert "batch_first=False" in batch.data["hint"]
+    rebuild = check(report, "reference_rebuild")
+    assert rebuild.status == "fail" and rebuild.value > rebuild.limit
+    assert "batch_first=False" in rebuild.reason
     # positions never meet in this module, so permutation cannot see the bug
-    assert report.check("permutation_equivariance").ok is True
+    assert check(report, "permutation_equivariance").status == "pass"
 
 
-def test_dropout_at_eval_skips_comparisons_that_would_measure_noise():
+def test_dropout_at_eval_leaves_comparisons_that_would_measure_noise_not_reached():
     report = run(fixture("dropout_at_eval"))
-    assert report.check("eval_determinism").value > 0.01
+    det = check(report, "eval_determinism")
+    assert det.value > 0.01 and det.limit == 0.0
     for name in ("batch_independence", "reference_rebuild", "causal_intervention_no_grad", "causal_gradient_form"):
-        assert report.check(name).ok is None
-        assert "not run" in report.check(name).detail
+        assert check(report, name).status == "not_reached"
+    assert report.row("axes").status == "not_reached"
 
 
 def test_hint_only_causal_leaks_only_on_the_inference_path():
     report = run(fixture("hint_only_causal"))
-    assert report.check("causal_intervention_no_grad").ok is False
-    assert report.check("causal_intervention_autograd").ok is True
-    assert report.check("causal_gradient_form").ok is True
+    assert check(report, "causal_intervention_no_grad").status == "fail"
+    assert check(report, "causal_intervention_autograd").status == "pass"
+    assert check(report, "causal_gradient_form").status == "pass"
 
 
 @pytest.mark.parametrize("name", ["not_causal", "wrong_polarity"])
-def test_gradient_form_fails_on_a_leaking_module(name):
-    check = run(fixture(name)).check("causal_gradient_form")
-    assert check.ok is False
-    assert "d out_0 / d x_1" in check.detail
+def test_intervention_and_gradient_form_fail_on_a_leaking_module(name):
+    report = run(fixture(name))
+    form = check(report, "causal_gradient_form")
+    assert form.status == "fail" and form.location == {"output": 0, "input": 1}
+    assert form.value > form.limit
+    for mode in ("no_grad", "autograd"):
+        leak = check(report, f"causal_intervention_{mode}")
+        assert leak.status == "fail" and leak.location == {"cut": 0, "position": 0} and leak.value > leak.limit
 
 
-def test_forward_failure_leaves_later_checks_not_run():
+def test_forward_failure_leaves_later_checks_not_reached():
     report = run(bad.always_raises)
-    assert "forward raised ValueError on input (2, 6, 12): forward is broken" in report.check("output_layout").detail
-    assert all(c.ok is None for c in report.checks if c.level > 1)
+    shape = report.row("shape")
+    assert [c.status for c in shape.checks] == ["fail"] * 4
+    assert shape.checks[0].data == {"input": [2, 6, 12], "exception": "ValueError"}
+    assert all(c.status == "not_reached" for _, c in report.checks() if c.level > 1)
+    assert [r.status for r in report.rows[1:]] == ["not_reached"] * (len(report.rows) - 1)
 
 
 def test_intervention_controls_fail_when_they_do_not_leak(monkeypatch):
@@ -140,24 +180,34 @@ def test_intervention_controls_fail_when_they_do_not_leak(monkeypatch):
 
     monkeypatch.setattr(mc, "builtin_controls", lambda e, n, seed, dtype: [
         ("causal-off", "not really off", BuiltinAttention(e, n, causal=True, seed=seed).eval())])
-    check = run(fixture("sdpa_causal")).check("intervention_controls")
-    assert check.ok is False
-    assert "no power" in check.detail
+    report = run(fixture("sdpa_causal"))
+    controls = check(report, "intervention_controls")
+    assert controls.status == "fail" and (controls.value, controls.limit) == (0, 1)
+    assert controls.data["controls"]["causal-off"]["verdict"] == "causal"
+    assert report.first_finding.name == "intervention_controls"
 
 
-def test_layout_not_recognised_says_why():
+def test_intervention_controls_not_applicable_when_heads_do_not_divide():
+    report = check_module(bad.zeros, 12, 5)  # the module ignores num_heads; the built-in controls cannot
+    controls = check(report, "intervention_controls")
+    assert controls.status == "not_applicable" and controls.data == {"embed_dim": 12, "num_heads": 5}
+
+
+def test_layout_not_recognised_makes_coverage_black_box():
     report = run(bad.with_norm)
     assert report.exit_code == 0
-    assert report.layout is None
-    check = report.check("reference_rebuild")
-    assert check.ok is None and "norm.weight" in check.detail
+    assert report.details["layout"] is None
+    rebuild = check(report, "reference_rebuild")
+    assert rebuild.status == "skipped"
+    assert report.coverage.scope == "black-box" and report.coverage.missing == ("reference_rebuild",)
+    assert "norm.weight" in report.coverage.reason
 
 
 def test_positional_module_makes_permutation_inconclusive():
     report = run(bad.positional, causal=False)
-    check = report.check("permutation_equivariance")
-    assert check.ok is None
-    assert "inconclusive" in check.detail and "pos_embedding" in check.detail
+    perm = check(report, "permutation_equivariance")
+    assert perm.status == "inconclusive" and perm.value > perm.limit
+    assert perm.data["positional"] == ["pos_embedding"]
     assert report.exit_code == 0
 
 
@@ -178,17 +228,19 @@ def test_sizes_out_of_range_are_input_errors(kw):
         run(fixture("sdpa_causal"), **kw)
 
 
-def test_renderings_carry_the_same_findings():
+def test_json_and_junit_carry_the_same_finding():
     report = run(fixture("wrong_polarity"), subject="wrong_polarity")
-    data = json.loads(render_text(report, Format.json))
-    assert data["command"] == "check" and data["verdict"] == "finding" and data["protocol"] == "module"
-    assert data["first_finding"]["check"] == "causal_intervention_no_grad"
-    assert data["layout"] == "q_proj/k_proj/v_proj + out_proj"
-    assert {c["level"] for c in data["checks"]} == {1, 2, 3, 4}
-    md = report.to_markdown()
-    assert "| L4 behaviour | causal_intervention_no_grad | FAIL |" in md
-    table = render_text(report, Format.table, width=100)
-    assert "first finding: L4 causal_intervention_no_grad" in table
+    text = render_text(report, Format.json)
+    assert text == render_text(run(fixture("wrong_polarity"), subject="wrong_polarity"), Format.json)  # byte-identical
+    data = json.loads(text)
+    assert (data["command"], data["verdict"]) == ("check", "fail")
+    assert data["details"]["protocol"] == "module" and data["details"]["sizes"] == {"B": 2, "T": 6, "E": 12, "Nh": 2}
+    assert (data["first_finding"]["row"], data["first_finding"]["check"]) == ("causality", "causal_intervention_no_grad")
+    assert data["details"]["layout"] == "q_proj/k_proj/v_proj + out_proj"
+    assert {c["level"] for r in data["rows"] for c in r["checks"]} == {1, 2, 3, 4}
+    suite = ET.fromstring(render_text(report, Format.junit)).find("testsuite")
+    assert int(suite.get("tests")) == len(report.checks())
+    assert int(suite.get("failures")) == len(report.failures()) == 4
 
 
 def test_progress_reaches_the_total():

@@ -14,6 +14,7 @@ def faults(
     seed: Annotated[int, typer.Option("--seed", help="Seed for the random inputs and perturbations.")] = 0,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
 ) -> None:
     """Run every catalogued fault through check; show the first level that sees each one.
 
@@ -26,4 +27,4 @@ def faults(
         with Progress("running the fault catalogue") as bar:
             return run_catalogue(seed=seed, progress=bar)
 
-    execute(build, output_format, output)
+    execute(build, output_format, output, command="faults", timings=timings)

@@ -9,8 +9,6 @@ import typer
 
 from attn_ledger.commands.common import Format, Progress, execute
 
-_CAUSAL_MASKS = ("causal", "causal-top-left")
-
 
 def intervene(
     config: Annotated[Optional[Path], typer.Argument(help="TOML or JSON config for the built-in pipeline; omitted: the embedded default.")] = None,
@@ -34,72 +32,11 @@ def intervene(
     """
 
     def build() -> Any:
-        return _build(config, module, embed_dim, heads, seq_len, batch_size, seed, at, controls)
+        from attn_ledger.experiments.intervene import run_intervene
 
-    execute(build, output_format, output)
+        overrides = {"embed_dim": embed_dim, "num_heads": heads, "seq_len": seq_len, "batch_size": batch_size, "seed": seed}
+        with Progress("intervening") as bar:
+            return run_intervene(config, module_spec=module, overrides=overrides, at=at, with_controls=controls,
+                                 progress=bar)
 
-
-def _build(config, module_spec, embed_dim, heads, seq_len, batch_size, seed, at, with_controls) -> Any:
-    import torch
-
-    from attn_ledger.config import load_config
-    from attn_ledger.errors import InputError
-    from attn_ledger.experiments.intervene import builtin_controls, intervene_report
-    from attn_ledger.pipeline import make_input
-
-    if module_spec is not None and (embed_dim is None or heads is None):
-        raise InputError("--module needs --embed-dim and --heads: the factory is called as FACTORY(embed_dim, num_heads)")
-    overrides = {"embed_dim": embed_dim, "num_heads": heads, "seq_len": seq_len, "batch_size": batch_size, "seed": seed}
-    cfg = load_config(config, overrides)
-    if cfg.tq != cfg.tk:
-        raise InputError(f"intervene needs self-attention: got query_len={cfg.tq}, key_len={cfg.tk}, expected seq_len")
-    t = cfg.tq
-    if t < 2:
-        raise InputError(f"seq_len: got {t}, expected at least 2 (a cut needs a position on each side)")
-    if cfg.batch_size < 1:
-        raise InputError(f"batch_size: got {cfg.batch_size}, expected at least 1")
-    if at is not None and not 0 <= at <= t - 2:
-        raise InputError(f"--at: got {at}, expected a cut between 0 and seq_len-2={t - 2}")
-    dtype = getattr(torch, cfg.dtype)
-    x = make_input(cfg.batch_size, t, cfg.embed_dim, cfg.input, cfg.seed, dtype)  # [B, T, E]
-    cuts = None if at is None else [at]
-
-    if module_spec is None:
-        from attn_ledger.model import BuiltinAttention
-
-        relations = cfg.relations
-        if relations not in (["none"], *[[m] for m in _CAUSAL_MASKS]):
-            raise InputError(f"mask: got {cfg.mask!r}, expected causal or none for intervene (the built-in module has no other mask)")
-        causal = relations[0] in _CAUSAL_MASKS
-        subject_module = BuiltinAttention(cfg.embed_dim, cfg.num_heads, causal=causal, fault=cfg.fault, seed=cfg.seed, dtype=dtype)
-        subject = "built-in pipeline" + (f", fault {cfg.fault}" if cfg.fault else "") + ("" if causal else ", mask none")
-        control_list = builtin_controls(cfg.embed_dim, cfg.num_heads, cfg.seed, dtype) if with_controls else []
-        note = ("two leaking versions of the same pipeline; each must be reported as a leak" if with_controls
-                else "skipped (--no-controls): nothing here shows the test can fail")
-    else:
-        from attn_ledger.modulecheck import build_module
-        from attn_ledger.userload import load_object
-
-        factory = load_object(module_spec, "--module")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            subject_module = build_module(factory, cfg.embed_dim, cfg.num_heads)
-        x = x.to(_module_dtype(subject_module, dtype))
-        subject = f"module {module_spec}"
-        control_list = builtin_controls(cfg.embed_dim, cfg.num_heads, cfg.seed, x.dtype) if with_controls else []
-        note = ("run on the built-in pipeline at the same sizes, which shows the probe can fail here; no fault can be "
-                "injected into your module, so its own result stands alone" if with_controls
-                else "skipped (--no-controls); no fault can be injected into your module, so its result stands alone")
-    # Seed torch's own generator too, so a module that draws random numbers in its forward
-    # (dropout left on) gives the same report twice.
-    with Progress("intervening") as progress, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        return intervene_report(subject_module, x, subject=subject, num_heads=cfg.num_heads, cuts=cuts,
-                                controls=control_list, controls_note=note, seed=cfg.seed, progress=progress)
-
-
-def _module_dtype(module: Any, default: Any) -> Any:
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return default
+    execute(build, output_format, output, command="intervene")
