@@ -241,10 +241,6 @@ class CutResult:
             return "vacuous"
         return "pass"
 
-    @property
-    def ok(self) -> bool:
-        return self.status == "pass"
-
 
 @dataclass(frozen=True)
 class InterventionResult:
