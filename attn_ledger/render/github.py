@@ -26,5 +26,10 @@ def render_github(report: Report) -> str:
             continue
         title = _prop(f"attn-ledger {report.command}: {row} L{c.level} {c.name}")
         lines.append(f"::{kind} title={title}::{_escape(describe(c) or c.name)}")
+    if report.coverage is not None:
+        cov = report.coverage
+        text = f"the verdict rests on {cov.scope} checks" + (f"; not run: {', '.join(cov.missing)}" if cov.missing else "")
+        text += f" ({cov.reason})" if cov.reason else ""
+        lines.append(f"::warning title={_prop(f'attn-ledger {report.command}: coverage')}::{_escape(text)}")
     lines.append(_escape(finding_line(report.first_finding)))
     return "\n".join(lines) + "\n"

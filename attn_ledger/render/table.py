@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from attn_ledger.render.text import (
     STATUS_STYLE,
     STATUS_WORD,
+    bound_text,
     check_line,
     describe,
     finding_line,
@@ -71,6 +72,8 @@ def _check_cell(row: Row, report: Report, width: int, folded: Sequence[str]) -> 
     for c in shown:
         if report.show_passing:
             text = check_line(c)
+            bound = bound_text(c) if c.status in ("fail", "warn", "downstream") else ""
+            text += f" ({bound})" if bound and c.value is not None else ""
         else:
             sentence = describe(c)
             text = f"L{c.level} {STATUS_WORD[c.status]} {c.name}" + (f": {sentence}" if sentence else "")
@@ -147,7 +150,8 @@ def layout(report: Report, width: int = 100) -> list[Line]:
     header: Line = [(label.ljust(name_w) + GAP, "bold"), ("status".ljust(status_w) + GAP, "bold")]
     if has_shape:
         header.append(("shape / axes".ljust(shape_w) + GAP, "bold"))
-    header += [(k.rjust(field_w[k]) + GAP, "bold") for k in columns]
+    numeric = {k: all(isinstance(r.fields.get(k), (int, float)) or r.fields.get(k) is None for r in rows) for k in columns}
+    header += [((k.rjust if numeric[k] else k.ljust)(field_w[k]) + GAP, "bold") for k in columns]
     header.append(("checks", "bold"))
     out.append(header)
     rule_at = len(out)
@@ -165,7 +169,7 @@ def layout(report: Report, width: int = 100) -> list[Line]:
                 line.append((text.ljust(shape_w) + GAP, "dim" if i == 1 else ""))
             for k in columns:
                 text = _field_text(r.fields.get(k)) if i == 0 and k in r.fields else ""
-                line.append((text.rjust(field_w[k]) + GAP, ""))
+                line.append(((text.rjust if numeric[k] else text.ljust)(field_w[k]) + GAP, ""))
             if i < len(side):
                 line += side[i]
             out.append(line)
