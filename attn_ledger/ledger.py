@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from attn_ledger import checks as C
+from attn_ledger.cells import locate
 from attn_ledger.report import Check, Report, Row, bounded, counted, unjudged
 
 if TYPE_CHECKING:
@@ -1424,8 +1425,8 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     row_notes: dict[str, str] = {}
 
     def done(tensors: dict[str, Any] | None = None) -> Report:
-        return _finish("run", title, CONFIG_STAGES, checks, shapes, raised, keep_going, run.notes, meta,
-                       tensors or {}, row_notes)
+        return locate(_finish("run", title, CONFIG_STAGES, checks, shapes, raised, keep_going, run.notes, meta,
+                              tensors or {}, row_notes), empty_zero)
 
     # input
     x = make_input(b, tq, e, cfg.input, cfg.seed, dtype, device)  # [B, Tq, E]
@@ -1515,7 +1516,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
         if grid_checks.get(stage) or stage in raised:
             checks[stage] = grid_checks.get(stage, [])
             shapes[stage] = stages[stage].shape
-    tensors = {name: torch.cat(parts, dim=2) for name, parts in run.kept.items()}
+    tensors = _kept_grids(run, relation, b, nh, tq, tk)
     if context is None:
         return done(tensors)
     tensors["context"] = context
@@ -1566,6 +1567,17 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     except Exception as exc:
         raised["output"] = exc
     return done(tensors)
+
+
+def _kept_grids(run: _Run, relation: Relation, b: int, nh: int, tq: int, tk: int) -> dict[str, Any]:
+    """The grids kept whole (small runs, or ``keep_grids``), with the intended relation beside them."""
+    import torch
+
+    tensors = {name: torch.cat(parts, dim=2) for name, parts in run.kept.items()}  # [B, Nh, Tq, Tk] each
+    allow = relation.block(0, tq) if "scores" in tensors and tensors["scores"].shape[2] == tq else None
+    if allow is not None:
+        tensors["allow"] = allow.expand(b, nh, tq, tk)  # [B, Nh, Tq, Tk], True = may attend
+    return tensors
 
 
 def _picture(relation: Relation, tq: int, tk: int, b: int, nh: int) -> str | None:
@@ -1762,7 +1774,9 @@ def ledger_on_qkv(
             raised[stage] = stages[stage].raised
         checks[stage] = grid_checks.get(stage, [])
         shapes[stage] = stages[stage].shape
-    tensors = {name: torch.cat(parts, dim=2) for name, parts in run.kept.items()}
+    tensors = _kept_grids(run, relation, b, nh, tq, tk)
+    if "weights" in user and "weights" in tensors:
+        tensors["user_weights"] = user["weights"]
     if context is not None:
         tensors["context"] = context
     row_notes = {"input": f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}" + (" (one head: Nh=1 inserted)" if one_head else "")
@@ -1779,7 +1793,8 @@ def ledger_on_qkv(
     meta = {"B": b, "Tq": tq, "Tk": tk, "Nh": nh, "Nkv": nkv, "Dh": dh, "Dv": dv, "mask": relation.name,
             "dtype": C.dtype_name(dtype), "device": str(q.device), "given": sorted(["q", "k", "v", *user])}
     axes = {**AXES, "input": "[B,Nh,Tq,Dh]"}
-    led = _finish("run", title, TENSOR_STAGES, checks, shapes, raised, keep_going, run.notes, meta, tensors, row_notes, axes)
+    led = locate(_finish("run", title, TENSOR_STAGES, checks, shapes, raised, keep_going, run.notes, meta, tensors,
+                         row_notes, axes), empty_rows == "zeros")
     if backends is not None:
         meta["sdpa_backends"] = backend_matrix(led.row("context").checks, unavailable)
     return led
