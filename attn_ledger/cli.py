@@ -84,6 +84,9 @@ class _OneLineErrors(TyperGroup):
         argv = list(sys.argv[1:] if args is None else args)
         if "--debug" in argv[1:]:  # accepted after the command name too
             argv = ["--debug"] + [a for a in argv if a != "--debug"]
+        from attn_ledger.commands.common import remember_command_line
+
+        remember_command_line(a for a in argv if a != "--debug")
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except cx.ClickException as exc:

@@ -14,7 +14,7 @@ import tempfile
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import typer
 
@@ -88,6 +88,17 @@ def check_output_path(path: Path | None) -> None:
         raise InputError(f"output: got {text!r}, the file is not writable")
 
 
+def _check_html_path(html: Path | None, output: Path | None) -> None:
+    if html is None:
+        return
+    try:
+        check_output_path(html)
+    except InputError as exc:
+        raise InputError(str(exc).replace("output: ", "html: ", 1)) from None
+    if output is not None and Path(html).resolve() == Path(output).resolve():
+        raise InputError(f"html: got {str(html)!r}, the same file as --output; expected another file")
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write text so that a reader never sees a half-written file."""
     path = Path(path)
@@ -107,10 +118,16 @@ def write_atomic(path: Path, text: str) -> None:
             os.unlink(tmp)
 
 
-def emit(report: Any, fmt: Format, output: Path | None) -> None:
-    """Write a report to stdout (a table in colour where the terminal has it) or to a file."""
+def emit(report: Any, fmt: Format, output: Path | None, show: Sequence[str] = ()) -> None:
+    """Write a report to stdout (a table in colour where the terminal has it) or to a file.
+
+    ``show``: heatmaps (``weights``, ``mask``) drawn after the table; block characters and
+    colour on a terminal, plain ASCII in a file or a pipe.
+    """
+    from attn_ledger.render.heatmap import heatmap_lines, render_heatmap
+
     if output is not None:
-        write_atomic(output, render_text(report, fmt))
+        write_atomic(output, render_text(report, fmt) + "".join("\n" + render_heatmap(report, kind, 100) for kind in show))
         return
     from rich.console import Console
 
@@ -118,16 +135,44 @@ def emit(report: Any, fmt: Format, output: Path | None) -> None:
     if fmt is Format.table and console.is_terminal:
         from attn_ledger.render.table import layout, rich_lines
 
-        for line in rich_lines(layout(report, console.width)):
+        lines = layout(report, console.width)
+        charset = "unicode" if (console.encoding or "").lower().replace("-", "") == "utf8" else "ascii"
+        for kind in show:
+            lines += [[]] + heatmap_lines(report, kind, console.width, charset)
+        for line in rich_lines(lines):
             console.print(line)
         return
     text = render_text(report, fmt, width=console.width if fmt is Format.table else None)
+    text += "".join("\n" + render_heatmap(report, kind, console.width) for kind in show)
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
     except BrokenPipeError:  # the reader went away (`| head`): say nothing more, keep the status
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+
+
+_COMMAND_LINE: list[str] | None = None
+
+
+def remember_command_line(argv: Sequence[str]) -> None:
+    """Keep the arguments the CLI was called with, for reports that show their command line."""
+    global _COMMAND_LINE
+    _COMMAND_LINE = list(argv)
+
+
+def command_line() -> str:
+    """``attn-ledger`` and the arguments it was called with, as a shell would take them back."""
+    from attn_ledger.render.html import command_line_text
+
+    return command_line_text(sys.argv[1:] if _COMMAND_LINE is None else _COMMAND_LINE)
+
+
+def check_show(show: Sequence[str], fmt: Format) -> None:
+    """Heatmaps print after the table; other formats keep stdout to one document."""
+    if show and fmt is not Format.table:
+        raise InputError(f"show: got --show with --format {fmt.value}, expected --format table "
+                         "(the heatmaps print after the table; --html writes them into a page)")
 
 
 def internal_error(command: str, exc: BaseException, fmt: Format) -> typer.Exit:
@@ -149,23 +194,33 @@ def internal_error(command: str, exc: BaseException, fmt: Format) -> typer.Exit:
 
 
 def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, command: str = "",
-            timings: bool = False) -> None:
+            timings: bool = False, show: Sequence[str] = (), html: Path | None = None) -> None:
     """Run a command body: build the report, render it, exit with its status.
 
     Bad input (any :class:`AttnLedgerError`) becomes one line on stderr and exit 2; any other
-    exception is an internal error, exit 3. Nothing is written to ``output`` in either case.
-    The process keeps freed memory for reuse (see :mod:`attn_ledger.alloc`).
+    exception is an internal error, exit 3. Nothing is written to ``output`` or ``html`` in
+    either case. ``show``: heatmaps after the table; ``html``: also write the report as one
+    self-contained page there. The process keeps freed memory for reuse (see :mod:`attn_ledger.alloc`).
     """
     from attn_ledger.alloc import retain_freed_memory
 
     retain_freed_memory()  # this process is ours: keep freed grid blocks for the next block
     try:
         check_output_path(output)
+        _check_html_path(html, output)
+        check_show(show, fmt)
         start = time.perf_counter()
         report = build()
         if timings:
             report = _with_timing(report, time.perf_counter() - start)
-        emit(report, fmt, output)
+        page = None
+        if html is not None:
+            from attn_ledger.render.html import render_html
+
+            page = render_html(report, command_line())
+        emit(report, fmt, output, show)
+        if page is not None:
+            write_atomic(html, page)
     except AttnLedgerError as exc:
         raise fail(str(exc)) from None
     except typer.Exit:

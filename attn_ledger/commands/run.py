@@ -29,6 +29,16 @@ class EmptyRows(str, Enum):
     zeros = "zeros"
 
 
+class Show(str, Enum):
+    """A heatmap drawn after the table."""
+
+    weights = "weights"
+    mask = "mask"
+
+
+PICTURE_KEEP = 64  # --show/--html keep whole grids up to this Tq and Tk, the largest the HTML page draws cell by cell
+
+
 def _int_list(text: str | None, field: str) -> list[int] | None:
     from attn_ledger.errors import InputError
 
@@ -67,11 +77,15 @@ def run(
     backends: Annotated[Optional[str], typer.Option("--backends", help="Repeat the context comparison per SDPA backend: 'all' or names from math, flash, efficient, cudnn joined by ','.")] = None,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file instead of stdout.")] = None,
+    show: Annotated[Optional[list[Show]], typer.Option("--show", help="After the table, draw a heatmap per head of the diverging example: the weights, or what masking did (repeatable; up to Tq, Tk = 32 cell by cell, pooled beyond).")] = None,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the mask and weight heatmaps.")] = None,
 ) -> None:
     """Run attention as named stages, check each, and name the first stage that diverges.
 
     Exit status: 0 no divergence, 1 a divergence, 2 bad input.
     """
+    shown = [s.value for s in dict.fromkeys(show or [])]
+    pictures = bool(shown) or html is not None
 
     def build():
         from attn_ledger.errors import InputError
@@ -102,7 +116,10 @@ def run(
             "seed": seed, "input": input_kind.value if input_kind else None, "device": device,
             "block_size": block_size, "keep_grids": keep_grids or None,
         }
+        cfg = load_config(config, overrides)
+        if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
+            cfg = cfg.model_copy(update={"keep_grids": True})  # the heatmaps draw every cell at this size
         with progress:
-            return run_ledger(load_config(config, overrides), keep_going=keep_going, progress=progress, backends=backends)
+            return run_ledger(cfg, keep_going=keep_going, progress=progress, backends=backends)
 
-    execute(build, output_format, output, command="run")
+    execute(build, output_format, output, command="run", show=shown, html=html)
