@@ -41,6 +41,7 @@ def check(
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the failing cases and their reproduction.")] = None,
 ) -> None:
     """Check an attention function or module from outside and name the first level where it goes wrong.
 
@@ -76,4 +77,4 @@ def check(
         with Progress("checking cases") as bar:
             return check_kernel(fn, cases, target=target, empty_rows=empty_rows.value, seed=seed, progress=bar)
 
-    execute(build, output_format, output, command="check", timings=timings)
+    execute(build, output_format, output, command="check", timings=timings, html=html)

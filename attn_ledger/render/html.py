@@ -53,6 +53,7 @@ h1 { font-size: 1.5rem; margin: 0 0 .2rem; } h2 { font-size: 1.2rem; margin: 1.6
 h3 { font-size: 1.05rem; margin: 1.1rem 0 .4rem; }
 .title { font-family: ui-monospace, "DejaVu Sans Mono", monospace; margin: .2rem 0 .6rem; }
 dl.meta { display: grid; grid-template-columns: max-content 1fr; gap: .15rem .8rem; margin: 0; }
+td.name, .case h3 { white-space: nowrap; }
 dl.meta dt { color: var(--dim); } dl.meta dd { margin: 0; }
 .verdict { display: inline-block; font-weight: 700; padding: .1rem .6rem; border-radius: .25rem; color: #fff; }
 .verdict.fail { background: var(--fail); } .verdict.pass { background: var(--pass); }
@@ -264,14 +265,20 @@ def _pictures(report: Report) -> str:
 
 def _reproduction(report: Report) -> str:
     repro = report.details.get("reproduce") if isinstance(report.details, dict) else None
-    if not isinstance(repro, dict):
+    if not isinstance(repro, dict) or not repro.get("case"):
         return ""
-    parts = [f'<p>smallest failing case <code>{_e(repro.get("case", ""))}</code></p>']
-    if repro.get("cli"):
-        parts.append(f'<pre class="repro-cli">{_e(repro["cli"])}</pre>')
-    if repro.get("python"):
-        parts.append(f'<pre class="repro-python">{_e(repro["python"])}</pre>')
-    return f'<section id="reproduce"><h2>Reproduce the first finding</h2>{"".join(parts)}</section>'
+    return (f'<section id="reproduce"><h2>Reproduce the first finding</h2><p>smallest failing case '
+            f'<code>{_e(repro["case"])}</code></p>{_case_reproduction(repro, str(repro["case"]))}</section>')
+
+
+def _case_reproduction(repro: Any, case: str) -> str:
+    """The first finding's reproduction lines with this case's id in place of its own."""
+    if not isinstance(repro, dict) or not repro.get("case"):
+        return ""
+    own = str(repro["case"])
+    parts = [f'<pre class="{cls}">{_e(str(repro[key]).replace(own, case))}</pre>'
+             for key, cls in (("cli", "repro-cli"), ("python", "repro-python")) if repro.get(key)]
+    return "".join(parts)
 
 
 def _failing_cases(report: Report) -> str:
@@ -280,15 +287,13 @@ def _failing_cases(report: Report) -> str:
     failing = [r for r in report.rows if r.failing()]
     if not failing:
         return ""
-    target = report.details.get("target") if isinstance(report.details, dict) else None
+    repro = report.details.get("reproduce")
     blocks = []
     for r in failing:
         checks = "".join(_check_item(c, False, True) for c in r.checks if not c.passed)
-        rerun = f"attn-ledger check {target} --case {r.name}" if target and report.details.get("protocol") == "kernel" else ""
-        cmd = f'<pre class="repro-cli">{_e(rerun)}</pre>' if rerun else ""
         note = f'<div class="note mono">{_e(r.note)}</div>' if r.note else ""
         blocks.append(f'<div class="case" data-case="{_e(r.name)}"><h3 class="mono">{_e(r.name)}</h3>'
-                      f'<ul class="checks">{checks}</ul>{note}{cmd}</div>')
+                      f'<ul class="checks">{checks}</ul>{note}{_case_reproduction(repro, r.name)}</div>')
     return f'<section id="failing-cases"><h2>Failing cases ({len(failing)})</h2>{"".join(blocks)}</section>'
 
 
@@ -328,8 +333,8 @@ def render_html(report: Report, command_line: str = "") -> str:
     title = f"attn-ledger {report.command}: {report.verdict}" + (
         f" at {report.first_finding.row}" if report.first_finding is not None else "")
     body = "\n".join(part for part in (
-        _header(report, command_line), _finding(report), _reproduction(report), _ledger(report),
-        _failing_cases(report), _pictures(report), _notes(report), _details(report),
+        _header(report, command_line), _finding(report), _reproduction(report), _failing_cases(report),
+        _ledger(report), _pictures(report), _notes(report), _details(report),
         f"<footer>written by attn-ledger {_e(__version__)}; this page loads nothing from the network</footer>",
     ) if part)
     return ("<!DOCTYPE html>\n"

@@ -116,7 +116,7 @@ def chosen_example(report: Report) -> tuple[int, str]:
     finding = report.first_finding
     where = finding.check.location if finding is not None else None
     if where and "example" in where:
-        return int(where["example"]), f"the example of the first finding ({finding.row}.{finding.name})"
+        return int(where["example"]), f"where the first finding, {finding.row}.{finding.name}, points"
     for key, mark in report.tensors.get("marks", {}).items():
         hits = mark.reshape(mark.shape[0], -1).any(dim=1).nonzero()
         if hits.numel():
