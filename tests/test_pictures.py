@@ -344,3 +344,12 @@ def test_check_html_lists_the_failing_cases_with_their_reproduction(tmp_path):
     for case in failing:
         assert f"--case {case}" in text and f"case_inputs('{case}')" in text
     assert not doc.with_class("wcell")  # check sees outputs only: no grids to draw
+
+
+def test_help_and_readme_name_the_picture_options():
+    readme = (ROOT / "README.md").read_text()
+    run_help = invoke("run", "--help", columns=200).output
+    check_help = invoke("check", "--help", columns=200).output
+    for opt in ("--show", "--html"):
+        assert opt in run_help and opt in readme
+    assert "--html" in check_help

@@ -86,11 +86,7 @@ def _panel(pic: Picture, h: int, charset: str) -> list[Line]:
     qp, kp = pic.pool
     label_w = len(f"q{(pic.rows - 1) * qp}") + 2  # label, row mark, space
     cells_w = 2 * pic.cols
-    n_cells = sum(1 for row in grid.marked for c in row if c)
-    n_rows = sum(1 for r in grid.marked_rows if r)
-    counts = ([f"{n_cells} cell" + "s" * (n_cells > 1)] if n_cells else []) + (
-        [f"{n_rows} row" + "s" * (n_rows > 1)] if n_rows else [])
-    title = f"head {grid.head}" + (f" ({', '.join(counts)} marked)" if counts else "")
+    title = f"head {grid.head}"
     width = max(label_w + cells_w, len(title))
     lines: list[Line] = [[(title.ljust(width), "bold")]]
     step = 1 if pic.cols <= 10 else 5

@@ -3,10 +3,10 @@
 The page carries everything inline (CSS, SVG heatmaps, one small script) and loads nothing:
 its Content-Security-Policy forbids every network resource, so it reads the same offline.
 It holds the tool version and command line, the verdict, the first finding (the ledger row
-it sits on carries ``data-first-finding``), the ledger with every status, for ``run`` the
-mask picture and the weight heatmaps per head (pooled beyond :data:`HTML_LIMIT` cells a side,
-and named so), for ``check`` the failing cases with the reproduction, then the notes and the
-details as in ``--format json``. It prints on paper with its colours (print CSS).
+it sits on carries ``data-first-finding``), for ``check`` the failing cases with the reproduction,
+for ``run`` the mask picture and the weight heatmaps per head (pooled beyond :data:`HTML_LIMIT`
+cells a side, and named so), the ledger with every status, then the notes and the details as
+in ``--format json``. It prints on paper with its colours (print CSS).
 
 The one script records uncaught script errors into the ``data-errors`` attribute of the
 root element, so that anyone reading the page's DOM (a test in a headless browser, say) can
@@ -246,9 +246,9 @@ def _heatmaps(report: Report, kind: str, title: str) -> str:
             "mask": "what masking did to each (query, key) pair, against the intended relation"}[pic.source]
     heads = "".join(f'<figure class="head" data-head="{h.head}"><figcaption>head {h.head}</figcaption>'
                     f"{_svg_head(pic, i)}</figure>" for i, h in enumerate(pic.heads))
-    note = ("the pipeline's masked scores were not kept: the intended relation alone. " if pic.intended_only else "")
+    note = ("the pipeline's masked scores were not kept: the intended relation alone; " if pic.intended_only else "")
     return (f'<h3>{_e(title)}</h3><p>{_e(what)}; queries as rows, keys as columns; example {pic.example} of '
-            f'{pic.examples} ({_e(pic.why)}). {_e(note)}<span class="pooling" data-pooled="{str(pic.pooled).lower()}">'
+            f'{pic.examples} ({_e(pic.why)}); {_e(note)}<span class="pooling" data-pooled="{str(pic.pooled).lower()}">'
             f'{_e(pic.pooling_text())}</span></p>{_picture_legend(pic)}'
             f'<div class="heads" data-picture="{_e(kind)}" data-example="{pic.example}">{heads}</div>')
 
@@ -334,7 +334,7 @@ def render_html(report: Report, command_line: str = "") -> str:
         f" at {report.first_finding.row}" if report.first_finding is not None else "")
     body = "\n".join(part for part in (
         _header(report, command_line), _finding(report), _reproduction(report), _failing_cases(report),
-        _ledger(report), _pictures(report), _notes(report), _details(report),
+        _pictures(report), _ledger(report), _notes(report), _details(report),
         f"<footer>written by attn-ledger {_e(__version__)}; this page loads nothing from the network</footer>",
     ) if part)
     return ("<!DOCTYPE html>\n"

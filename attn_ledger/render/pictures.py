@@ -188,7 +188,7 @@ def build_picture(report: Report, kind: Kind, limit: int) -> Picture | NotDrawn:
     qp, kp = -(-tq // limit), -(-tk // limit)
     marks = _marks(report, example, tq, tk)
     if kind == "weights":
-        values = _pool(grid[example].double(), qp, kp, float("-inf")).tolist()  # [Nh, rows, cols]
+        values = _pool(grid[example], qp, kp, float("-inf")).double().tolist()  # [Nh, rows, cols]
         intended_only = False
     else:
         values, intended_only = _mask_values(t, grid, example, qp, kp)
@@ -218,7 +218,7 @@ def _mask_values(t: Any, grid: Any, example: int, qp: int, kp: int) -> tuple[lis
     intended_only = grid.dtype == torch.bool  # no masked scores kept: the relation alone
     kept = allow if intended_only else ~torch.isneginf(grid[example])  # [Nh, Tq, Tk]: pairs the pipeline kept
     code = {name: i for i, name in enumerate(MASK_CATEGORIES)}
-    cat = torch.full(allow.shape, code["forbidden"], dtype=torch.int64)
+    cat = torch.full(allow.shape, code["forbidden"], dtype=torch.int8)  # [Nh, Tq, Tk]
     cat[allow & kept] = code["allowed"]
     cat[allow & ~kept] = code["dropped"]
     cat[~allow & kept] = code["leaked"]
