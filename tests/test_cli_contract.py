@@ -133,6 +133,9 @@ def test_output_is_written_whole(tmp_path):
     assert r.exit_code == 0 and r.stdout == ""
     jsonschema.validate(json.loads(out.read_text()), schema())
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask  # the usual mode of a new file, not mkstemp's 0600
 
 
 # --- the import graph ----------------------------------------------------------------------------

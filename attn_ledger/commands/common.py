@@ -99,6 +99,12 @@ def _check_html_path(html: Path | None, output: Path | None) -> None:
         raise InputError(f"html: got {str(html)!r}, the same file as --output; expected another file")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write text so that a reader never sees a half-written file."""
     path = Path(path)
@@ -110,6 +116,7 @@ def write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # a new file's usual mode (mkstemp makes it 0600)
         os.replace(tmp, path)
     except OSError as exc:
         raise InputError(f"output: got {str(path)!r}, cannot write there ({exc.strerror or exc})") from None
