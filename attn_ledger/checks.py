@@ -12,34 +12,11 @@ import math
 from typing import TYPE_CHECKING, Sequence
 
 from attn_ledger.report import Check, bounded, counted
+from attn_ledger.tolerance import HALF_FACTOR
 
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
-
-
-# --- tolerances -----------------------------------------------------------------
-
-# (rtol, atol) per dtype for comparing a computation with a higher-precision reference.
-_TOL = {
-    "float64": (1e-9, 1e-9),
-    "float32": (2e-5, 2e-5),
-    "bfloat16": (3e-2, 1e-2),
-    "float16": (4e-3, 2e-3),
-}
-
-HALF_DTYPES = ("float16", "bfloat16")
-HALF_FACTOR = 4.0  # an implementation may be this many times worse than the plain same-dtype computation
-
-
-def dtype_name(dtype: "torch.dtype") -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def tolerance(dtype: "torch.dtype | str") -> tuple[float, float]:
-    """(rtol, atol) for comparing a ``dtype`` computation with a float64 reference."""
-    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
-    return _TOL.get(name, _TOL["float32"])
 
 
 # --- block measurements ---------------------------------------------------------------

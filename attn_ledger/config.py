@@ -13,7 +13,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from attn_ledger.errors import ConfigError
+from attn_ledger.engine import relations as mask_relations
+from attn_ledger.errors import ConfigError, InputError
 
 FAULTS = (
     "split-reshape",
@@ -25,7 +26,7 @@ FAULTS = (
     "mask-after-softmax",
 )
 
-MASK_RELATIONS = ("none", "causal", "causal-top-left", "padding", "sliding-window", "prefix-lm", "segments")
+MASK_RELATIONS = mask_relations.RELATIONS
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -96,45 +97,19 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"num_kv_heads must divide num_heads: num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads}"
             )
-        relations = self.relations
-        for r in relations:
-            if r not in MASK_RELATIONS:
-                raise ValueError(f"mask: got {self.mask!r}, expected relations from {', '.join(MASK_RELATIONS)} joined by '+'")
-        if "none" in relations and len(relations) > 1:
-            raise ValueError(f"mask: got {self.mask!r}, expected 'none' alone")
-        if "causal" in relations and "causal-top-left" in relations:
-            raise ValueError(f"mask: got {self.mask!r}, expected one causal alignment, not both")
-        tk = self.tk
-        if "padding" in relations:
-            if self.valid_lengths is None:
-                raise ValueError("valid_lengths: got none, expected one key length per example for mask 'padding'")
-        if self.valid_lengths is not None:
-            if len(self.valid_lengths) != self.batch_size:
-                raise ValueError(
-                    f"valid_lengths: got {len(self.valid_lengths)} lengths {self.valid_lengths}, "
-                    f"expected batch_size={self.batch_size}"
-                )
-            bad = [n for n in self.valid_lengths if not 0 <= n <= tk]
-            if bad:
-                raise ValueError(f"valid_lengths: got {bad[0]}, expected a key count between 0 and key_len={tk}")
-        if "sliding-window" in relations and self.window is None:
-            raise ValueError("window: got none, expected a window length for mask 'sliding-window'")
-        if "prefix-lm" in relations and self.prefix_len is None:
-            raise ValueError("prefix_len: got none, expected a prefix length for mask 'prefix-lm'")
-        if "segments" in relations:
-            if self.tq != tk:
-                raise ValueError(f"mask: 'segments' needs self-attention, got query_len={self.tq}, key_len={tk}")
-            if not self.segment_lengths or sum(self.segment_lengths) != tk or min(self.segment_lengths) < 1:
-                raise ValueError(
-                    f"segment_lengths: got {self.segment_lengths}, expected positive lengths summing to seq_len={tk}"
-                )
+        try:
+            mask_relations.parse(self.mask, tq=self.tq, tk=self.tk, batch_size=self.batch_size,
+                            valid_lengths=self.valid_lengths, padding_side=self.padding_side, window=self.window,
+                            prefix_len=self.prefix_len, segment_lengths=self.segment_lengths)
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
         if self.device not in ("cpu", "cuda", "mps", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: got {self.device!r}, expected cpu, cuda, mps or auto")
         return self
 
     @property
     def relations(self) -> list[str]:
-        return [part.strip() for part in self.mask.split("+")]
+        return mask_relations.split_names(self.mask)
 
     @property
     def tq(self) -> int:

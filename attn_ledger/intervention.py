@@ -12,9 +12,10 @@ reruns the forward and measures, on the output ``[B, T, E]``:
 * suffix delta: max |y1-y2| over positions i+1... It must be clearly nonzero: if both
   are zero the intervention changed nothing and proves nothing ("vacuous").
 
-Tolerances are torch.testing.assert_close's defaults for the output dtype, applied to the
-output's own scale (max |y| of the unchanged run), because some real layers produce very
-small outputs and an absolute 1e-5 would hide a leak in them.
+Tolerances are torch.testing.assert_close's defaults for the output dtype
+(:func:`attn_ledger.tolerance.relative`), applied to the output's own scale (max |y| of the
+unchanged run), because some real layers produce very small outputs and an absolute 1e-5
+would hide a leak in them.
 
 The results are data (:class:`CutResult`, :class:`InterventionResult`,
 :class:`Determinism`); :func:`cut_checks`, :func:`path_check` and
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 from attn_ledger.errors import SetupError
 from attn_ledger.report import Check, bounded, counted
+from attn_ledger.tolerance import relative as relative_tolerance
 
 if TYPE_CHECKING:
     import torch
@@ -37,29 +39,9 @@ if TYPE_CHECKING:
 GradMode = Literal["no_grad", "autograd"]
 GRAD_MODES: tuple[GradMode, ...] = ("no_grad", "autograd")
 
-# torch.testing.assert_close's default (rtol, atol) per dtype.
-_DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
-    "float16": (1e-3, 1e-5),
-    "bfloat16": (1.6e-2, 1e-5),
-    "float32": (1.3e-6, 1e-5),
-    "float64": (1e-7, 1e-7),
-}
-
 # The suffix must move by at least this fraction of the output scale (and by at least ten
 # prefix tolerances, which matters only for the half-precision dtypes).
 SUFFIX_FRACTION = 1e-3
-
-
-def tolerance_for(dtype: "torch.dtype | str") -> tuple[float, float]:
-    """``(rtol, atol)``: torch.testing.assert_close's defaults for ``dtype`` (float32's for others)."""
-    name = str(dtype).removeprefix("torch.")
-    return _DEFAULT_TOLERANCES.get(name, _DEFAULT_TOLERANCES["float32"])
-
-
-def relative_tolerance(dtype: "torch.dtype | str") -> float:
-    """The fraction of an output's scale within which two results count as equal: atol + rtol."""
-    rtol, atol = tolerance_for(dtype)
-    return atol + rtol
 
 
 def suffix_fraction(dtype: "torch.dtype | str") -> float:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from attn_ledger.errors import InputError
 from attn_ledger.report import Check, Finding, Report, Row, bounded, counted, find_check, row_status, unjudged
+from attn_ledger.tolerance import KERNEL_FACTOR, kernel_floor
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +58,9 @@ INPUTS = ("rand", "index", "large")
 DTYPES = {"f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16"}
 EMPTY_ROWS = ("zeros", "nan", "any")
 
-FACTOR = 4.0
+FACTOR = KERNEL_FACTOR
 """An implementation may be this many times less accurate than the plain same-dtype reference."""
 
-_FLOOR = {"float64": 1e-10, "float32": 2e-6, "float16": 2e-4, "bfloat16": 2e-3}
 _LARGE = 12.0  # q and k scale for "large" inputs: score std about 144, so |s| > 100 occurs
 
 CHECK_ORDER = (
@@ -631,7 +631,7 @@ def check_case(fn: Callable[..., Any], case: Case, *, empty_rows: str = "zeros",
     plain = _f64(reference_attention(q, k, v, **kwargs, dtype=dt))  # [B, Nh, Tq, Dv]
     vmax = float(v.abs().max().double()) if v.numel() else 0.0
     plain_err = _maxdiff(plain, ref64, live[..., None])
-    floor = _FLOOR[case.dtype_name] * (1.0 + vmax)
+    floor = kernel_floor(case.dtype_name, vmax)
     tol = FACTOR * plain_err + floor
     s = _Setup(case, kernel, q, k, v, out, allow_full, tol, gen)
 

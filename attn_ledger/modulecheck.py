@@ -44,9 +44,9 @@ from attn_ledger.intervention import (
     module_dtype,
     module_forward,
     path_check,
-    relative_tolerance,
 )
 from attn_ledger.report import Check, Coverage, Report, Row, Status, bounded, counted, row_status, unjudged
+from attn_ledger.tolerance import relative as relative_tolerance
 
 if TYPE_CHECKING:
     import torch

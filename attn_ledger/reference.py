@@ -1,4 +1,4 @@
-"""The trusted references: a plain float64 attention and ``F.scaled_dot_product_attention``.
+"""The trusted reference: a plain float64 attention, written apart from the pipeline.
 
 The float64 path is written the plain way, from the raw inputs, with none of the
 ledger's own stage functions, so a fault injected into the pipeline cannot leak into
@@ -94,22 +94,6 @@ def reference_attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None
     return reference_stages(
         q, k, v, allow_mask=allow_mask, is_causal=is_causal, scale=scale, empty_rows=empty_rows, dtype=dtype
     )["out"]
-
-
-def sdpa_attention(q, k, v, *, allow_mask=None, scale=None) -> "torch.Tensor":
-    """``F.scaled_dot_product_attention`` with the same inputs, the mask in SDPA's polarity, dropout off.
-
-    Grouped-query kv heads are expanded explicitly (``repeat_interleave``) before the call.
-    """
-    import torch.nn.functional as F
-
-    from attn_ledger.masks import to_sdpa_bool
-
-    nh = q.shape[1]
-    mask = None if allow_mask is None else to_sdpa_bool(allow_mask)
-    return F.scaled_dot_product_attention(
-        q, repeat_kv(k, nh), repeat_kv(v, nh), attn_mask=mask, dropout_p=0.0, scale=scale
-    )
 
 
 def heads_of(x: "torch.Tensor", n_heads: int) -> "torch.Tensor":

@@ -348,7 +348,7 @@ def _recognition_positions(x: "Tensor", y: "Tensor", positions: "int | Tensor") 
 
 
 def _tolerance(dtype: "torch.dtype", max_position: float) -> float:
-    from attn_ledger.checks import tolerance
+    from attn_ledger.tolerance import reference as tolerance
 
     rtol, _ = tolerance(dtype)
     return 4.0 * rtol + 8.0 * _ANGLE_EPS * max(1.0, max_position)

@@ -18,6 +18,14 @@ For each shape (B, Nh, T, Dh), causal, float32:
 subprocess (the file is written first, as .safetensors in a temporary directory) and reports its
 wall time and peak resident memory (``/usr/bin/time -v`` where present, else ``getrusage``).
 
+``--baseline REV`` compares the ledger at a git revision with the one in this tree instead:
+``git archive REV`` is unpacked into a temporary directory, and two worker processes are
+started, one with that directory first on PYTHONPATH and one with this tree's. Each measures
+its own ledger / SDPA ratio in its own process (paired calls, as above). The parent asks them
+in turn, round after round, so a slow spell of the machine falls on both; per shape it prints
+the median ratio of each side, current / baseline, and the 3.0x target, and exits 1 if any
+current median is more than ``--max-slowdown`` (5%) above the baseline's.
+
 Prints Markdown tables ready for docs/performance.md, with the machine they came from.
 
 Usage::
@@ -25,11 +33,13 @@ Usage::
     python benchmarks/bench_ledger.py                 # ratio shapes and the T = 512..8192 table
     python benchmarks/bench_ledger.py --cli           # plus the 8192 CLI run
     python benchmarks/bench_ledger.py --device cuda   # CUDA shapes (memory columns are host RSS)
+    python benchmarks/bench_ledger.py --baseline de39edb   # this tree against a revision, side by side
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -46,6 +56,8 @@ RATIO_SHAPES = [(1, 8, 512, 64), (1, 32, 2048, 128), (1, 8, 4096, 128)]
 SCALE_TS = [512, 1024, 2048, 4096, 8192]
 CLI_SHAPE = (1, 32, 8192, 128)
 SHORT_REPEATS = 31  # rounds for shapes whose SDPA call takes under 50 ms
+TARGET = 3.0  # ledger / SDPA
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _status_kib(field: str) -> int:
@@ -205,6 +217,122 @@ def _fmt_shape(shape) -> str:
     return "(" + ", ".join(str(x) for x in shape) + ")"
 
 
+# --- this tree against a revision -------------------------------------------------------
+
+def worker() -> int:
+    """Answer ratio requests on stdin, one JSON line each, with whatever ``attn_ledger`` is first on the path.
+
+    ``{"shape": [B, Nh, T, Dh], "pairs": n}`` -> ``{"ratio": median of n per-pair ledger / SDPA ratios}``;
+    the first request on a shape also makes its inputs and warms both calls up.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    import attn_ledger.ledger
+    from attn_ledger.ledger import ledger_on_qkv
+
+    try:
+        from attn_ledger.alloc import retain_freed_memory
+
+        retain_freed_memory()
+    except ImportError:  # a revision from before the allocator setting
+        pass
+    print(json.dumps({"module": attn_ledger.ledger.__file__}), flush=True)
+    made: dict[tuple[int, ...], tuple] = {}
+    for line in sys.stdin:
+        req = json.loads(line)
+        shape = tuple(req["shape"])
+        if shape not in made:
+            g = torch.Generator().manual_seed(0)
+            made[shape] = tuple(torch.randn(*shape, generator=g) for _ in range(3))  # q, k, v [B, Nh, T, Dh]
+            q, k, v = made[shape]
+            if ledger_on_qkv(q, k, v, mask="causal").first_divergence is not None:
+                raise SystemExit(f"healthy ledger diverged at {shape}")
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = made[shape]
+        ratios = []
+        for _ in range(req["pairs"]):
+            t0 = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            t1 = time.perf_counter()
+            ledger_on_qkv(q, k, v, mask="causal")
+            t2 = time.perf_counter()
+            ratios.append((t2 - t1) / (t1 - t0))
+        print(json.dumps({"ratio": statistics.median(ratios), "sdpa_s": t1 - t0}), flush=True)
+    return 0
+
+
+class _Side:
+    """A worker process running the ledger found first on ``path``."""
+
+    def __init__(self, name: str, path: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=str(path))
+        self.module = self._read()["module"]
+        if not Path(self.module).resolve().is_relative_to(path.resolve()):
+            self.close()
+            raise SystemExit(f"{name}: imported attn_ledger from {self.module}, expected it under {path}")
+
+    def ask(self, shape: tuple[int, ...], pairs: int) -> dict:
+        self.proc.stdin.write(json.dumps({"shape": list(shape), "pairs": pairs}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"{self.name}: the worker stopped (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def compare_with(rev: str, rounds: int, max_slowdown: float) -> int:
+    """This tree's ledger against ``rev``'s, alternating round by round; 1 if any shape got slower than allowed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base_dir = Path(tmp)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base_dir)], input=archive, check=True)
+        sides = [_Side(f"baseline {rev}", base_dir), _Side("current", ROOT)]
+        try:
+            found = {shape: _rounds(sides, shape, rounds) for shape in RATIO_SHAPES}
+        finally:
+            for side in sides:
+                side.close()
+    print(f"Machine: {machine('cpu')}; causal float32; each side measures ledger / SDPA in its own process "
+          f"(paired calls, median per round), the two sides alternate for {rounds} rounds; medians over rounds\n")
+    print(f"| (B, Nh, T, Dh) | baseline {rev} ledger / SDPA | current ledger / SDPA | current / baseline "
+          f"| current within {TARGET:g}x |")
+    print("|---|---:|---:|---:|---|")
+    worst = 0.0
+    for shape, (base, cur) in found.items():
+        b, c = statistics.median(base), statistics.median(cur)
+        worst = max(worst, c / b)
+        print(f"| {_fmt_shape(shape)} | {b:.2f} | {c:.2f} | {c / b:.3f} | {'yes' if c <= TARGET else 'no'} |")
+    limit = 1.0 + max_slowdown
+    if worst > limit:
+        print(f"\nFAIL: a current median is {worst:.3f}x the baseline's, above the allowed {limit:.2f}x", file=sys.stderr)
+        return 1
+    print(f"\nOK: every current median is within {limit:.2f}x the baseline's (worst {worst:.3f}x)")
+    return 0
+
+
+def _rounds(sides: list[_Side], shape: tuple[int, int, int, int], rounds: int) -> tuple[list[float], list[float]]:
+    """Per-round ratios of each side at ``shape``; short shapes take several pairs a round."""
+    first = [side.ask(shape, 1) for side in sides]  # warm-up, and how long SDPA takes here
+    pairs = 5 if first[0]["sdpa_s"] < 0.05 else 1
+    found: tuple[list[float], list[float]] = ([], [])
+    for r in range(rounds):
+        order = sides if r % 2 == 0 else sides[::-1]  # neither side always goes first
+        for side in order:
+            found[sides.index(side)].append(side.ask(shape, pairs)["ratio"])
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5,
@@ -219,7 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-dh", type=int, default=64)
     ap.add_argument("--max-t", type=int, default=8192, help="largest T in the scaling table")
     ap.add_argument("--cli", action="store_true", help=f"also run the CLI at {CLI_SHAPE} in a subprocess")
+    ap.add_argument("--baseline", metavar="REV", help="compare this tree's ledger with the one at git revision REV")
+    ap.add_argument("--rounds", type=int, default=21, help="alternating rounds per shape with --baseline")
+    ap.add_argument("--max-slowdown", type=float, default=0.05,
+                    help="with --baseline: exit 1 if a current median ratio exceeds the baseline's by more than this")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        return worker()
+    if args.baseline:
+        return compare_with(args.baseline, args.rounds, args.max_slowdown)
 
     allocator = "C library default"
     if args.allocator == "retain":

@@ -7,7 +7,8 @@ import math
 import torch
 
 from attn_ledger import checks as C
-from attn_ledger.ledger import _headroom, _range_excess
+from attn_ledger.engine.judge import _headroom
+from attn_ledger.engine.measure import range_excess
 from attn_ledger.pipeline import expand_kv, merge_heads, split_heads
 
 
@@ -72,19 +73,19 @@ def test_value_range_exact_and_block_span():
     v = torch.tensor([[[[0.0, 1.0], [2.0, 3.0], [10.0, 10.0]]]])  # [1, 1, Tk=3, Dv=2]
     allow = torch.tensor([[True, True, False]])[None, None]  # [1, 1, 1, 3]
     inside = torch.tensor([[[[1.0, 2.0]]]])
-    assert _range_excess(inside, v, allow, 1e-5, 1e-5) <= 0
+    assert range_excess(inside, v, allow, 1e-5, 1e-5)[0] <= 0
     outside = torch.tensor([[[[5.0, 2.0]]]])  # 5 exceeds the allowed keys' max 2, though key 2 holds 10
-    assert _range_excess(outside, v, allow, 1e-5, 1e-5) > 0
-    assert _range_excess(outside, v, None, 1e-5, 1e-5) <= 0  # without a relation, every key is in range
-    assert _range_excess(torch.tensor([[[[11.0, 2.0]]]]), v, None, 1e-5, 1e-5) > 0
+    assert range_excess(outside, v, allow, 1e-5, 1e-5)[0] > 0
+    assert range_excess(outside, v, None, 1e-5, 1e-5)[0] <= 0  # without a relation, every key is in range
+    assert range_excess(torch.tensor([[[[11.0, 2.0]]]]), v, None, 1e-5, 1e-5)[0] > 0
 
 
 def test_headroom_warning():
-    ok = _headroom(5.0, torch.float16)
+    ok = _headroom(5.0, "float16")
     assert ok.status == "pass" and ok.limit == math.log(65504.0)
-    warn = _headroom(20.0, torch.float16)
+    warn = _headroom(20.0, "float16")
     assert warn.status == "warn" and not warn.failed and warn.value == 20.0
-    assert _headroom(20.0, torch.float32).status == "pass"
+    assert _headroom(20.0, "float32").status == "pass"
 
 
 def test_factor_check():

@@ -348,3 +348,67 @@ def test_without_a_relation_the_exclusion_check_is_not_applicable_rather_than_pa
     c = ledger(mask="none").check("masked_scores", "forbidden_excluded")
     assert c.status == "not_applicable"
     assert ledger(mask="none").first_finding is None
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 2, 4, 7), (2, 2, 4), (1, 2, 4, 8)], ids=str)
+def test_saved_out_of_the_wrong_shape_is_a_level_one_finding(tmp_path, shape):
+    """A given ``out`` that is not [B, Nh, Tq, Dv] is user_out_shape at context, exit 1 (never a pass)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from attn_ledger.cli import app
+    from attn_ledger.tensorio import save_tensor_file
+
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "qkv_out.safetensors"
+    save_tensor_file({**{n: torch.randn(2, 2, 4, 8, generator=g) for n in ("q", "k", "v")}, "out": torch.zeros(shape)}, path)
+    r = CliRunner().invoke(app, ["run", "--tensors", str(path), "--format", "json"])
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)["first_finding"]
+    assert (d["row"], d["level"], d["check"], d["status"]) == ("context", 1, "user_out_shape", "fail")
+    led = run_ledger_tensors(str(path))
+    c = led.check("context", "user_out_shape")
+    assert c.status == "fail" and c.data["got"] == list(shape) and c.data["expected"] == [2, 2, 4, 8]
+    assert led.check("context", "matches_sdpa").status == "pass"  # the pipeline itself is healthy
+
+
+def test_mask_picture_and_counts_follow_the_example_that_diverged(monkeypatch):
+    """Padding differs by example; a softmax wrong only in example 1 shows example 1's relation."""
+    import attn_ledger.pipeline as P
+
+    def wrong_in_example_1(masked, allow, empty_rows_zero):
+        w = P.softmax_keys(masked, allow, empty_rows_zero).clone()
+        w[1] *= 1.1
+        return w
+
+    monkeypatch.setattr(P, "ops_for", lambda fault: P.Ops(softmax=wrong_in_example_1))
+    led = ledger(mask="causal+padding", valid_lengths=[5, 3])
+    assert (led.first_finding.row, led.first_finding.name) == ("weights", "key_row_sums")
+    assert led.first_finding.check.location["example"] == 1
+    shown = led.details["relation_shown"]
+    assert (shown["example"], shown["head"], shown["at_divergence"]) == (1, 0, True)
+    assert shown["allowed_keys_per_query"] == [1, 2, 3, 3, 3]
+    picture = led.row("masked_scores").note.splitlines()
+    assert picture[-1].split() == ["q4", "1", "1", "1", ".", "."]  # keys 3 and 4 are padding in example 1
+
+
+def test_mask_picture_stays_on_example_0_when_examples_agree_or_nothing_diverged():
+    shown = ledger(mask="causal+padding", valid_lengths=[5, 3]).details["relation_shown"]
+    assert (shown["example"], shown["at_divergence"], shown["allowed_keys_per_query"]) == (0, False, [1, 2, 3, 4, 5])
+    shown = ledger(fault="softmax-axis").details["relation_shown"]  # causal: the same relation in every example
+    assert (shown["example"], shown["head"], shown["at_divergence"]) == (0, 0, False)
+
+
+def test_given_weights_wrong_in_one_example_show_that_examples_relation():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1, 4, 8, generator=g) for _ in range(3))
+    key_valid = torch.tensor([[True] * 4, [True, True, False, False]])
+    w = torch.full((2, 1, 4, 4), 0.25)
+    w[1] = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    w[1, 0, 3] = torch.tensor([0.4, 0.4, 0.2, 0.0])  # example 1, query 3: weight on padded key 2
+    led = ledger_on_qkv(q, k, v, key_valid=key_valid, weights=w)
+    assert (led.first_finding.row, led.first_finding.name) == ("weights", "user_weights_forbidden_weight")
+    assert led.first_finding.check.location == {"example": 1, "head": 0, "query": 3, "key": 2}
+    shown = led.details["relation_shown"]
+    assert (shown["example"], shown["allowed_keys_per_query"]) == (1, [2, 2, 2, 2])

@@ -89,11 +89,12 @@ def test_the_diverging_example_is_drawn_and_named():
     assert pic.heads[0].values[0][:2] == [0.5, 0.5]
 
 
-def test_a_finding_off_the_grids_draws_example_0():
+def test_a_finding_no_cell_explains_draws_its_located_example_without_marks():
     report = run_ledger(load_config(overrides={"fault": "no-scale"}))  # scores differ from the reference: no cell
-    assert report.first_finding.check.location is None
+    where = report.first_finding.check.location  # the engine locates the largest difference
+    assert where is not None and set(where) == {"example", "head", "query", "key"}
     pic = build_picture(report, "weights", TERMINAL_LIMIT)
-    assert pic.example == 0 and pic.marks == ()
+    assert pic.example == where["example"] and pic.marks == ()
 
 
 # --- the terminal heatmap ---------------------------------------------------------------------

@@ -11,9 +11,14 @@ import math
 import pytest
 import torch
 
-import attn_ledger.ledger as L
 from attn_ledger import checks as C
+from attn_ledger import tolerance
 from attn_ledger.config import load_config
+from attn_ledger.engine import execute as X
+from attn_ledger.engine import measure as M
+from attn_ledger.engine import plan as PL
+from attn_ledger.engine.judge import Tally
+from attn_ledger.engine.relations import Relation
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
 
 BASE = {"batch_size": 1, "seq_len": 190, "embed_dim": 16, "num_heads": 2}  # grid 72200 > SMALL_GRID
@@ -68,8 +73,8 @@ def test_block_choice_and_streaming_note():
     assert any(n.startswith("score-grid stages ran in 4 query blocks of 48 rows") for n in led.notes)
     led = run_ledger(load_config(overrides={**BASE, "seq_len": 100}))  # 20000 entries: one block, kept whole
     assert not any("query blocks" in n for n in led.notes)
-    assert L._choose_blocks(1, 8, 8192, 8192, None)[:2] == [(0, 64), (64, 128)]  # BLOCK_TARGET entries a block
-    assert L._choose_blocks(1, 64, 8192, 8192, None)[:2] == [(0, 32), (32, 64)]  # MIN_BLOCK_ROWS
+    assert PL.choose_blocks(1, 8, 8192, 8192, None)[:2] == [(0, 64), (64, 128)]  # BLOCK_TARGET entries a block
+    assert PL.choose_blocks(1, 64, 8192, 8192, None)[:2] == [(0, 32), (32, 64)]  # MIN_BLOCK_ROWS
 
 
 def _qkv(shape, seed=0):
@@ -113,8 +118,8 @@ def test_off_by_one_causal_relation_is_caught_at_any_block_size(monkeypatch):
 
 
 def test_float64_reference_on_a_sample_of_blocks_is_noted(monkeypatch):
-    monkeypatch.setattr(L, "F64_BUDGET", 2 * 2 * 10 * 190)  # two blocks' worth
-    monkeypatch.setattr(L, "F64_SAMPLE", 2 * 2 * 10 * 190)
+    monkeypatch.setattr(PL, "F64_BUDGET", 2 * 2 * 10 * 190)  # two blocks' worth
+    monkeypatch.setattr(PL, "F64_SAMPLE", 2 * 2 * 10 * 190)
     q, k, v = _qkv((1, 2, 190, 8))
     led = ledger_on_qkv(q, k, v, mask="causal", block_size=10)
     assert led.first_finding is None
@@ -128,8 +133,8 @@ def test_sdpa_still_covers_every_block_when_float64_is_sampled(monkeypatch):
     """A wrong output in a block the float64 reference skips is still caught against SDPA."""
     import attn_ledger.pipeline as P
 
-    monkeypatch.setattr(L, "F64_BUDGET", 2 * 2 * 10 * 190)
-    monkeypatch.setattr(L, "F64_SAMPLE", 2 * 2 * 10 * 190)
+    monkeypatch.setattr(PL, "F64_BUDGET", 2 * 2 * 10 * 190)
+    monkeypatch.setattr(PL, "F64_SAMPLE", 2 * 2 * 10 * 190)
 
     def mix_wrong_in_block_5(w, v):
         out = P.mix_values(w, v)
@@ -143,11 +148,11 @@ def test_sdpa_still_covers_every_block_when_float64_is_sampled(monkeypatch):
 
 def test_sampled_blocks_include_first_and_last():
     blocks = [(i, i + 1) for i in range(100)]
-    assert L._sampled(blocks, 1, 1, 10) == {i: (0, 1) for i in range(100)}
-    budget = L.F64_SAMPLE
+    assert PL.sample_rows(blocks, 1, 1, 10) == {i: (0, 1) for i in range(100)}
+    budget = PL.F64_SAMPLE
     big = [(i * 10, i * 10 + 10) for i in range(100)]
-    picked = L._sampled(big, 1, 1, budget // 30)
-    assert min(picked) == 0 and max(picked) == 99 and 2 <= len(picked) <= L.F64_SAMPLES
+    picked = PL.sample_rows(big, 1, 1, budget // 30)
+    assert min(picked) == 0 and max(picked) == 99 and 2 <= len(picked) <= PL.F64_SAMPLES
     assert picked[0][0] == 0 and picked[99][1] == 10  # first rows of the first block, last rows of the last
 
 
@@ -157,12 +162,12 @@ def test_excess_equals_checks_excess_error():
     g = torch.Generator().manual_seed(1)
     a = torch.randn(3, 4, 50, 60, generator=g)
     e = a.double() + 1e-3 * torch.randn(3, 4, 50, 60, generator=g, dtype=torch.float64)
-    assert L._excess(a, e, 2e-5, 3e-5) == C.excess_error(a, e, 2e-5, 3e-5)
+    assert M.excess(a, e, 2e-5, 3e-5) == C.excess_error(a, e, 2e-5, 3e-5)
     e[0, 0, 0, 0] = math.nan
-    got, want = L._excess(a, e, 2e-5, 3e-5), C.excess_error(a, e, 2e-5, 3e-5)
+    got, want = M.excess(a, e, 2e-5, 3e-5), C.excess_error(a, e, 2e-5, 3e-5)
     assert all(math.isnan(x) for x in got + want)
     e64 = e.clone()
-    L._excess(e64, e64 * 2, 0.0, 0.0)
+    M.excess(e64, e64 * 2, 0.0, 0.0)
     assert torch.equal(e64.nan_to_num(), e.nan_to_num())  # inputs are not changed in place
 
 
@@ -172,20 +177,19 @@ def test_group_sdpa_comparison_equals_block_by_block():
     sd = ctx + 1e-5 * torch.randn(2, 3, 40, 8, generator=g)
     sd[:, :, 10:20] *= 5  # one block with a larger scale for atol
     blocks = [(0, 10), (10, 20), (20, 30), (30, 40)]
-    grouped, single = L._Stage(), L._Stage()
-    L._compare_sdpa(grouped, ctx, sd, blocks, 2e-5, 2e-5)
-    for blk in blocks:
-        L._compare_sdpa(single, ctx, sd, [blk], 2e-5, 2e-5)
-    assert grouped.maxes["sdpa_diff"] == single.maxes["sdpa_diff"]
-    assert grouped.maxes["sdpa_excess"] == pytest.approx(single.maxes["sdpa_excess"], rel=1e-12, abs=1e-15)
+    grouped = Tally.of(M.sdpa_group(ctx, sd, blocks, 2e-5, 2e-5)).agreement("context", "pipeline", "sdpa")
+    single = Tally.of(m for blk in blocks for m in M.sdpa_group(ctx, sd, [blk], 2e-5, 2e-5)).agreement(
+        "context", "pipeline", "sdpa")
+    assert grouped.diff == single.diff
+    assert grouped.excess == pytest.approx(single.excess, rel=1e-12, abs=1e-15)
 
 
 def test_value_span_from_chunks_equals_direct_min_max():
     g = torch.Generator().manual_seed(3)
     v = torch.randn(1, 2, 1000, 5, generator=g)
-    chunks = L._value_chunks(v)
+    chunks = M.value_chunks(v)
     for lo, hi in [(0, 1000), (3, 997), (64, 128), (100, 101), (0, 200), (650, 999)]:
-        got = L._value_span(v, chunks, lo, hi)
+        got = M.value_span(v, chunks, lo, hi)
         assert torch.equal(got[0], v[:, :, lo:hi].amin(dim=-2, keepdim=True))
         assert torch.equal(got[1], v[:, :, lo:hi].amax(dim=-2, keepdim=True))
 
@@ -200,17 +204,17 @@ def test_single_row_blocks_keep_a_forbidden_key():
 
 def test_band_is_where_the_relation_varies():
     causal = torch.ones(4, 10, dtype=torch.bool).tril(6)[None, None]  # rows 0..3 allow keys 0..6+i
-    cols = L._column_counts(causal)
+    cols = PL.column_counts(causal)
     assert cols[1] == 4 and cols[0].tolist() == [4] * 7 + [3, 2, 1]
-    assert L._band(cols, 0, 10) == (7, 10)
-    assert L._band(cols, 2, 10) == (5, 8)  # offsets from the start of the key range
-    assert L._band(None, 0, 10) == (0, 0)
-    assert L._band(L._column_counts(torch.ones(1, 1, 4, 10, dtype=torch.bool)), 0, 10) == (0, 0)
-    assert L._hull(cols, tk=10) == (0, 10)
+    assert PL.band_of(cols, 0, 10) == (7, 10)
+    assert PL.band_of(cols, 2, 10) == (5, 8)  # offsets from the start of the key range
+    assert PL.band_of(None, 0, 10) == (0, 0)
+    assert PL.band_of(PL.column_counts(torch.ones(1, 1, 4, 10, dtype=torch.bool)), 0, 10) == (0, 0)
+    assert PL.hull(cols, tk=10) == (0, 10)
     late = torch.zeros(1, 1, 4, 10, dtype=torch.bool)
     late[..., 3:6] = True
-    assert L._hull(L._column_counts(late), tk=10) == (3, 6)
-    assert L._hull(L._column_counts(late), None, tk=10) == (0, 10)  # a relation without a mask allows every key
+    assert PL.hull(PL.column_counts(late), tk=10) == (3, 6)
+    assert PL.hull(PL.column_counts(late), None, tk=10) == (0, 10)  # a relation without a mask allows every key
 
 
 @pytest.mark.parametrize("tq,tk", [(12, 12), (5, 12), (12, 5), (1, 1), (1, 7), (7, 1)])
@@ -222,26 +226,26 @@ def test_causal_layout_by_arithmetic_equals_the_measured_one(tq, tk, full_keys, 
     from attn_ledger import masks
 
     part = (lambda q0, q1: masks.causal(tq, tk, "top-left", q0, q1)[None, None],)
-    known = L.Relation("causal (top-left)", part, top_left_causal=True)
-    unknown = L.Relation("causal (top-left)", part)
+    known = Relation("causal (top-left)", part, top_left_causal=True)
+    unknown = Relation("causal (top-left)", part)
     for size in range(1, tq + 1):
         for q0 in range(0, tq, size):
             q1 = min(q0 + size, tq)
             a = known.block(q0, q1)
-            got = L._block_layout(known, a, a, q0, q1, tk, full_keys, step)
-            want = L._block_layout(unknown, a, a, q0, q1, tk, full_keys, step)
+            got = PL.layout(known, a, a, q0, q1, tk, full_keys, step)
+            want = PL.layout(unknown, a, a, q0, q1, tk, full_keys, step)
             assert got == want, (size, q0, q1)
-            lo, hi = got[:2]
+            lo, hi = got.lo, got.hi
             assert full_keys or (hi - lo) % step == 0 or (lo, hi) == (0, tk), (size, q0, q1)
             assert bool(a[..., :lo].logical_not().all()) and bool(a[..., hi:].logical_not().all())  # nothing allowed is cut
 
 
 def test_widening_key_ranges():
-    assert L._widen(0, 100, 4096, 256) == (0, 256)
-    assert L._widen(3900, 4096, 4096, 256) == (3840, 4096)  # no room on the right: grows to the left
-    assert L._widen(5, 9, 10, 8) == (2, 10)
-    assert L._widen(0, 3, 2, 8) == (0, 2)  # never wider than the keys there are
-    assert L._widen(3, 7, 100, 1) == (3, 7)
+    assert PL.widen(0, 100, 4096, 256) == (0, 256)
+    assert PL.widen(3900, 4096, 4096, 256) == (3840, 4096)  # no room on the right: grows to the left
+    assert PL.widen(5, 9, 10, 8) == (2, 10)
+    assert PL.widen(0, 3, 2, 8) == (0, 2)  # never wider than the keys there are
+    assert PL.widen(3, 7, 100, 1) == (3, 7)
 
 
 @pytest.mark.parametrize("fault", [None, "mask-after-softmax", "mask-polarity"])
@@ -269,8 +273,8 @@ def test_reference_in_head_chunks_equals_whole(monkeypatch, nkv):
     k, v = torch.randn(2, nkv, 9, 8, generator=g), torch.randn(2, nkv, 9, 5, generator=g)
     allow = torch.rand(2, 4, 6, 9, generator=g) < 0.8
     whole = reference_stages(q, k, v, allow_mask=allow, scale=0.3, empty_rows="zeros")
-    monkeypatch.setattr(L, "REF_CHUNK_BYTES", 1)  # one kv head at a time
-    chunked = L._reference_block(q, k, v, allow, 0.3, "zeros", torch.float64)
+    monkeypatch.setattr(X, "REF_CHUNK_BYTES", 1)  # one kv head at a time
+    chunked = X.reference_block(q, k, v, allow, 0.3, "zeros", torch.float64)
     for key in ("scores", "masked_scores", "weights", "out"):
         assert torch.equal(chunked[key], whole[key]), key
 
@@ -322,13 +326,12 @@ def test_garbage_on_a_forbidden_key_does_not_loosen_the_scores_tolerance():
     masked[..., 2] = -math.inf
     ref = {"scores": scores, "masked_scores": masked, "weights": torch.zeros_like(scores),
            "out": torch.zeros(1, 1, 1, 2, dtype=torch.float64)}
-    sample = L._Sample(ref)
+    sample = X.Sample(ref, ((0, 1),))
     sample.put("scores", 0, (scores + torch.tensor([1e-3, 0.0, 0.0], dtype=torch.float64)).float())
-    stages = {name: L._Stage() for name in ("scores", "weights", "context")}
-    rtol, atol = C.tolerance(torch.float32)
-    sample.judge(stages, rtol, atol)
-    assert stages["scores"].maxes["ref_excess"] > 0  # 1e-3 off on an allowed key is a divergence
-    sample = L._Sample(ref)
+    rtol, atol = tolerance.reference(torch.float32)
+    found = Tally.of(sample.agreements(rtol, atol)).agreement("scores", "pipeline", "float64")
+    assert found.excess > 0  # 1e-3 off on an allowed key is a divergence
+    assert (found.where.query, found.where.key) == (0, 0)
+    sample = X.Sample(ref, ((0, 1),))
     sample.put("scores", 0, scores.float())
-    sample.judge(stages := {name: L._Stage() for name in ("scores", "weights", "context")}, rtol, atol)
-    assert stages["scores"].maxes["ref_excess"] <= 0
+    assert Tally.of(sample.agreements(rtol, atol)).agreement("scores", "pipeline", "float64").excess <= 0

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from attn_ledger.errors import TensorFileError, field_error
 from attn_ledger.report import Check, Report, Row, bounded, row_status
+from attn_ledger.tolerance import PROBE_ATOL
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 COMMAND = "polarity"
 ALLOW, BLOCK = "allow", "block"
 MEANING = {ALLOW: "True = takes part", BLOCK: "True = blocked"}
-TOLERANCE = 1e-5  # float32 outputs against the float64 reference
+TOLERANCE = PROBE_ATOL  # float32 outputs against the float64 reference
 LARGE_NEGATIVE = -1e4  # additive-mask values at or below this count as "blocked"
 
 B, NH, T, E = 2, 2, 4, 8  # the worked example's sizes: Dh = E / Nh = 4
@@ -362,9 +363,9 @@ def _classify(row: "torch.Tensor", zeros: "torch.Tensor", mean_v: "torch.Tensor"
     if not bool(torch.isfinite(row).all()):
         return "NaN"
     row64 = row.to(torch.float64)
-    if torch.allclose(row64, zeros.to(torch.float64), atol=1e-5, rtol=0):
+    if torch.allclose(row64, zeros.to(torch.float64), atol=PROBE_ATOL, rtol=0):
         return "zeros"
-    if torch.allclose(row64, mean_v.to(torch.float64), atol=1e-5, rtol=1e-4):
+    if torch.allclose(row64, mean_v.to(torch.float64), atol=PROBE_ATOL, rtol=1e-4):
         return "mean of V"
     return "other finite"
 

@@ -1,0 +1,97 @@
+"""SDPA backends: F.scaled_dot_product_attention with one backend pinned, and which this device can run.
+
+The ledger's backend matrix repeats the context comparison once per (backend, dtype) pair
+that :func:`resolve_backends` finds runnable; the others are reported with torch's reason.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from attn_ledger.engine.plan import SMALL_GRID
+from attn_ledger.tolerance import dtype_name
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")  # names for torch.nn.attention.SDPBackend members
+_BACKEND_MEMBERS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+BACKEND_GRID = SMALL_GRID  # grids up to this size also get the other half/float dtypes in the backend matrix
+
+
+def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor | None", scale: float) -> "Tensor":
+    """F.scaled_dot_product_attention with one backend pinned through ``torch.nn.attention.sdpa_kernel``.
+
+    torch explains why a pinned backend cannot run in warnings; they are collected and, if the
+    call fails, become its error message (the ledger reports them, so they are not printed).
+    """
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with warnings.catch_warnings(record=True) as said, sdpa_kernel([getattr(SDPBackend, _BACKEND_MEMBERS[name])]):
+        warnings.simplefilter("always")
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale)
+        except RuntimeError as exc:
+            why = "; ".join(dict.fromkeys(str(w.message).strip().splitlines()[0] for w in said if str(w.message).strip()))
+            raise RuntimeError(why or str(exc)) from exc
+
+
+def resolve_backends(
+    requested: "str | list[str] | tuple[str, ...] | None", device: "torch.device", run_dtype: "torch.dtype",
+    masked: bool, grid: int,
+) -> tuple[tuple[tuple[str, "torch.dtype"], ...], dict[tuple[str, str], str]]:
+    """The (backend, dtype) pairs of the backend matrix that this device can run, and why the others cannot.
+
+    Args:
+        requested: ``"all"``, a comma-separated string, or a list of names from :data:`SDPA_BACKENDS`.
+        masked: whether the run has a relation (the probe then passes a boolean mask, as the ledger will).
+        grid: B*Nh*Tq*Tk; small grids also get float32, float16 and bfloat16 next to the run's dtype.
+
+    Returns:
+        ``(pairs, unavailable)``: pairs in matrix order; ``unavailable`` maps ``(name, dtype name)`` to the reason.
+    """
+    import torch
+
+    from attn_ledger.errors import InputError
+
+    if requested is None:
+        return (), {}
+    names = list(requested) if not isinstance(requested, str) else [p.strip() for p in requested.split(",") if p.strip()]
+    if names == ["all"]:
+        names = list(SDPA_BACKENDS)
+    bad = [n for n in names if n not in SDPA_BACKENDS]
+    if bad or not names:
+        raise InputError(f"backends: got {requested!r}, expected 'all' or names from {', '.join(SDPA_BACKENDS)} joined by ','")
+    dtypes = [run_dtype]
+    if grid <= BACKEND_GRID:
+        dtypes += [d for d in (torch.float32, torch.float16, torch.bfloat16) if d != run_dtype]
+    pairs: list[tuple[str, torch.dtype]] = []
+    unavailable: dict[tuple[str, str], str] = {}
+    for name in names:
+        for dt in dtypes:
+            q = torch.randn(1, 2, 4, 8, device=device).to(dt)  # [B, Nh, Tq, Dh]
+            mask = torch.ones(4, 4, dtype=torch.bool, device=device).tril()[None, None] if masked else None
+            try:
+                out = sdpa_pinned(name, q, q, q, mask, 0.35)
+                if not bool(torch.isfinite(out).all()):
+                    raise RuntimeError("non-finite output on the probe")
+            except Exception as exc:  # a backend this device, dtype or mask cannot run is not available
+                text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+                unavailable[(name, dtype_name(dt))] = text
+                continue
+            pairs.append((name, dt))
+    return tuple(pairs), unavailable
+
+
+def backend_matrix(judged: "list[tuple[str, str, bool | None]]", unavailable: dict[tuple[str, str], str]) -> dict[str, dict[str, Any]]:
+    """``{backend: {dtype: True | False | "unavailable: reason"}}`` from ``(backend, dtype, passed)`` triples."""
+    matrix: dict[str, dict[str, Any]] = {}
+    for name, dt, ok in judged:
+        matrix.setdefault(name, {})[dt] = ok
+    for (name, dt), why in unavailable.items():
+        matrix.setdefault(name, {})[dt] = f"unavailable: {why}"
+    return matrix

@@ -1,0 +1,495 @@
+"""Execution: run a plan block by block through the stage functions and yield measurements.
+
+For each query block of the :class:`~attn_ledger.engine.plan.Plan`, the stages
+``scores -> masked_scores -> weights -> context`` run through the pipeline's stage
+functions (an ``Ops`` bundle) on the block's key range, and each stage yields its
+measurements (:mod:`~attn_ledger.engine.measure`) as soon as it has run. A stage that
+raises or returns the wrong shape yields :class:`~attn_ledger.engine.measure.Broken` and the
+run stops there. Nothing here judges: tolerances enter only where a measurement is an
+excess over one, and to decide whether a violation is worth locating.
+
+The references:
+
+* float64 (float32 where the device has none) runs once, before the blocks, on every
+  sampled row; the pipeline's values on those rows are gathered block by block
+  (:class:`Sample`) and compared with it once per stage, after the blocks;
+* F.scaled_dot_product_attention runs on every row, a group of blocks per call (or one
+  ``is_causal`` call on the whole input), and is compared group by group;
+* in half precision, the plain same-dtype reference on the sampled rows measures the
+  rounding error the factor rule allows for;
+* with ``backends``, each pinned SDPA backend repeats the context comparison.
+
+The engine runs in inference mode, which spares its many small operations the autograd
+bookkeeping; the context it fills is allocated outside, so it is an ordinary tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from attn_ledger import tolerance
+from attn_ledger.engine import measure as M
+from attn_ledger.engine import plan as P
+from attn_ledger.engine.measure import Agreement, Broken, Measure, Peak
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from attn_ledger.engine.relations import Relation
+
+ProgressFn = Callable[[int, int], None]
+REF_CAST_ONCE_BYTES = 1 << 28  # K and V up to this size in the reference dtype are cast once for all samples
+REF_CHUNK_BYTES = 1 << 26  # reference-dtype K and V held at once for one sampled block
+
+
+def reference_dtype(device: "torch.device") -> "torch.dtype":
+    """float64, or float32 on a device without it (MPS)."""
+    import torch
+
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+@dataclass
+class _BlockState:
+    """One block's tensors and layout while it runs through the stages."""
+
+    blk: P.Block
+    lay: P.Layout
+    qb: "Tensor"  # [B, Nh, rows, Dh]
+    kb: "Tensor"  # [B, Nh, kw, Dh]
+    vb: "Tensor"  # [B, Nh, kw, Dv]
+    ai: "Tensor | None"  # intended relation on the key range, [B|1, Nh|1, rows, kw]
+    ap: "Tensor | None"  # the pipeline's relation on the key range
+    live: "Tensor | None"  # [B, Nh, rows]: queries with an allowed key; None when all have one
+    ref: "dict[str, Tensor] | None" = None  # the float64 reference on the block's sampled rows
+    plain: "dict[str, Tensor] | None" = None  # the plain same-dtype reference there (half precision)
+    forbid: "Tensor | None" = None  # ~ai on the band
+    clean: bool = False  # every score finite
+
+    @property
+    def rows(self) -> slice:
+        a, z = self.blk.sample or (0, 0)
+        return slice(a, z)
+
+
+class Execution:
+    """One run of a plan; :meth:`run` yields the measurements.
+
+    Args:
+        q: ``[B, Nh, Tq, Dh]``; k_exp, v_exp: ``[B, Nh, Tk, Dh]``, ``[B, Nh, Tk, Dv]`` (kv heads expanded).
+        ref: the reference's Q, K, V (``[B, Nkv|Nh, Tk, *]``, any dtype); cast to the reference
+            dtype on the sampled rows, kv heads repeated by the reference's own code.
+        given: the user's own ``scores`` / ``weights`` / ``out``, shaped as the derived grid / context.
+        backends: ``(name, dtype)`` pairs of pinned SDPA backends to compare the context with.
+
+    After :meth:`run`: ``context`` (the pipeline's, or None if a stage broke), ``sdpa_context``,
+    ``ref_context`` (``{(r0, r1): [B, Nh, rows, Dv]}`` per sampled span), ``kept`` (whole-grid
+    pieces per stage when the plan keeps them) and ``loose_range`` (some block's value-range
+    check used the block's key range, not each query's).
+    """
+
+    def __init__(self, plan: P.Plan, relation: "Relation", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
+                 ref: tuple["Tensor", "Tensor", "Tensor"], *, scale: float, ref_scale: float, empty_zero: bool,
+                 given: "dict[str, Tensor] | None" = None, backends: tuple[tuple[str, "torch.dtype"], ...] = (),
+                 progress: ProgressFn | None = None) -> None:
+        import torch
+
+        self.plan, self.relation, self.ops = plan, relation, ops
+        self.q, self.k_exp, self.v_exp, self.ref = q, k_exp, v_exp, ref
+        self.scale, self.ref_scale, self.empty_zero = scale, ref_scale, empty_zero
+        self.given, self.backends, self.progress = given or {}, backends, progress
+        self.dtype = q.dtype
+        self.dtype_name = tolerance.dtype_name(q.dtype)
+        self.half = tolerance.is_half(q.dtype)
+        self.rtol, self.atol = tolerance.reference(q.dtype)
+        self.sum_limit = tolerance.row_sum(q.dtype)
+        self.headroom = math.log(torch.finfo(q.dtype).max)  # exp overflows the run's dtype above this score
+        self.dv = v_exp.shape[-1]
+        self.context: "Tensor | None" = torch.empty(plan.b, plan.nh, plan.tq, self.dv, dtype=q.dtype, device=q.device)
+        self.sdpa_context: "Tensor | None" = None
+        self.ref_context: dict[tuple[int, int], "Tensor"] = {}
+        self.kept: dict[str, list["Tensor"]] = {}
+        self.loose_range = False
+
+    def run(self) -> Iterator[Measure]:
+        """Every block through every stage, then the float64 sample's comparisons; stops at a broken stage."""
+        import torch
+
+        with torch.inference_mode():
+            self._start()
+            for blk in self.plan.blocks:
+                if not (yield from self._block(blk)):
+                    self.context = None
+                    break
+                if self.progress is not None:
+                    self.progress(blk.index + 1, len(self.plan.blocks))
+            yield from self.sample.agreements(self.rtol, self.atol)
+
+    def _start(self) -> None:
+        """The float64 reference on every sampled row, the SDPA output buffer, and per-chunk value ranges."""
+        import torch
+        import torch.nn.functional as F
+
+        plan, (q_ref, k_ref, v_ref) = self.plan, self.ref
+        ref_dtype = reference_dtype(self.q.device)
+        if k_ref.dtype != ref_dtype and (k_ref.numel() + v_ref.numel()) * 8 <= REF_CAST_ONCE_BYTES:
+            k_ref, v_ref = k_ref.to(ref_dtype), v_ref.to(ref_dtype)  # small enough: cast once, not per sampled block
+            self.ref = (q_ref, k_ref, v_ref)
+        empty = "zeros" if self.empty_zero else "nan"
+        self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype),
+                             plan.reference_spans)
+        self.sdpa_context = torch.empty(plan.b, plan.nh, plan.tq, self.dv, dtype=self.dtype, device=self.q.device)
+        if plan.sdpa_whole_causal:
+            # the intended relation is exactly causal: SDPA gets it as is_causal on the whole input, once
+            self.sdpa_context = F.scaled_dot_product_attention(self.q, self.k_exp, self.v_exp, dropout_p=0.0,
+                                                               is_causal=True, scale=self.ref_scale)
+        self.chunks = M.value_chunks(self.v_exp) if plan.value_chunks else None
+
+    def _block(self, blk: P.Block) -> Iterator[Measure]:
+        """One block through the four stages; returns False when a stage broke."""
+        t = self._state(blk)
+        s = yield from self._scores(t)
+        m = None if s is None else (yield from self._masked(t, s))
+        w = None if m is None else (yield from self._weights(t, m))
+        c = None if w is None else (yield from self._context(t, w))
+        if c is None:
+            return False
+        if self.plan.keep:
+            for name, x in (("scores", s), ("masked_scores", m), ("weights", w)):
+                self.kept.setdefault(name, []).append(x)
+        return True
+
+    def _state(self, blk: P.Block) -> _BlockState:
+        """The block's relation (intended and applied), layout, inputs and reference rows."""
+        from attn_ledger.reference import reference_stages
+
+        plan = self.plan
+        allow_i = self.relation.block(blk.q0, blk.q1)  # intended, [B|1, Nh|1, rows, Tk]
+        allow_p = self.ops.polarity(allow_i)  # what the pipeline applies
+        lay = blk.layout if allow_p is allow_i else P.layout(self.relation, allow_i, allow_p, blk.q0, blk.q1, plan.tk,
+                                                             plan.full_keys, plan.width_step)
+        lo, hi = lay.lo, lay.hi
+        ai = None if allow_i is None else allow_i[..., lo:hi]
+        t = _BlockState(blk, lay, self.q[:, :, blk.q0:blk.q1], self.k_exp[:, :, lo:hi], self.v_exp[:, :, lo:hi], ai,
+                        None if allow_p is None else allow_p[..., lo:hi],
+                        None if lay.all_live else ai.any(dim=-1).expand(plan.b, plan.nh, blk.rows))
+        if blk.sample is not None:
+            a, z = blk.sample
+            at = slice(blk.sample_at, blk.sample_at + z - a)
+            ref_all = self.sample.ref
+            t.ref = {"out": ref_all["out"][:, :, at]}  # [B, Nh, z - a, Dv]
+            self.ref_context[(blk.q0 + a, blk.q0 + z)] = t.ref["out"]
+            if self.half or self.given or self.backends:  # compared block by block: the block's key range
+                for key in ("scores", "masked_scores", "weights"):
+                    t.ref[key] = ref_all[key][:, :, at, lo:hi]  # [B, Nh, z - a, kw]
+            if self.half:
+                t.plain = reference_stages(t.qb[:, :, a:z], t.kb, t.vb, allow_mask=self._ai_rows(t), scale=self.ref_scale,
+                                           empty_rows="zeros" if self.empty_zero else "nan", dtype=self.dtype)
+        return t
+
+    @staticmethod
+    def _ai_rows(t: _BlockState) -> "Tensor | None":
+        """The intended relation on the block's sampled rows."""
+        return None if t.ai is None else (t.ai[:, :, t.rows] if t.ai.shape[2] > 1 else t.ai)
+
+    def _scores(self, t: _BlockState) -> Iterator[Measure]:
+        blk, lay = t.blk, t.lay
+        grid = (self.plan.b, self.plan.nh, blk.rows, lay.width)
+        try:
+            s = self.ops.scores(t.qb, t.kb, self.scale)  # [B, Nh, rows, kw]
+        except Exception as exc:  # a stage that raises is a level-1 divergence at that stage
+            yield Broken("scores", raised=exc)
+            return None
+        if tuple(s.shape) != grid:
+            yield Broken("scores", shape=tuple(s.shape), expected=grid)
+            return None
+        found, t.clean = M.scores(s, t.ai, lay.band, self.headroom, blk.q0, lay.lo)
+        yield from found
+        if t.ref is not None:
+            self.sample.put("scores", blk.sample_at, s[:, :, t.rows], lay.lo, lay.hi)
+            if t.plain is not None:
+                yield M.error("scores", "plain", t.plain["scores"], t.ref["scores"], dtype=self.dtype_name)
+            if "scores" in self.given:
+                a, z = blk.sample
+                us = self.given["scores"][:, :, blk.q0 + a:blk.q0 + z]
+                yield M.agreement("scores", "given", "float64", us, t.ref["scores"], self.rtol, self.atol, blk.q0 + a, 0)
+        return s
+
+    def _masked(self, t: _BlockState, s: "Tensor") -> Iterator[Measure]:
+        """Masked scores: the mask function runs on the key columns where the pipeline's relation is
+        not all-allowed; on the others masking is the identity, so those columns of the scores are
+        kept as they are (and were screened finite at the scores stage)."""
+        blk, lay = t.blk, t.lay
+        (v0, v1), (p0, p1) = lay.band, lay.pipe_band
+        try:
+            m = s.clone() if self.plan.keep else s  # [B, Nh, rows, kw]; s itself is not used again
+            band_out = self.ops.mask(s[..., p0:p1], t.ap[..., p0:p1]) if p1 > p0 else None
+        except Exception as exc:
+            yield Broken("masked_scores", raised=exc)
+            return None
+        if band_out is not None:
+            if tuple(band_out.shape) != tuple(s[..., p0:p1].shape):  # never let a wrong shape broadcast in
+                yield Broken("masked_scores", shape=(*band_out.shape[:-1], lay.width),
+                             expected=(self.plan.b, self.plan.nh, blk.rows, lay.width))
+                return None
+            m[..., p0:p1] = band_out
+        u0, u1 = (v0, v1) if p1 <= p0 else ((p0, p1) if v1 <= v0 else (min(v0, p0), max(v1, p1)))
+        t.forbid = None if t.ai is None or v1 <= v0 else ~t.ai[..., v0:v1]  # [B|1, Nh|1, rows, v1 - v0]
+        yield from M.mask_counts(m, t.ai, t.live, self.empty_zero, (u0, u1), self.plan.tk, blk.q0, lay.lo,
+                                 outside_clean=t.clean, forbid=t.forbid if (u0, u1) == (v0, v1) else None)
+        return m
+
+    def _weights(self, t: _BlockState, m: "Tensor") -> Iterator[Measure]:
+        blk, lay = t.blk, t.lay
+        try:
+            w = self.ops.softmax(m, t.ap, self.empty_zero)  # [B, Nh, rows, kw]
+        except Exception as exc:
+            yield Broken("weights", raised=exc)
+            return None
+        grid = (self.plan.b, self.plan.nh, blk.rows, lay.width)
+        if tuple(w.shape) != grid:
+            yield Broken("weights", shape=tuple(w.shape), expected=grid)
+            return None
+        yield from M.weight_invariants("weights", "pipeline", w, t.ai, t.live, self.empty_zero, self.sum_limit, blk.q0,
+                                       lay.lo, band=lay.band, count_nonfinite=True, forbid=t.forbid)
+        if t.ref is not None:
+            self.sample.put("weights", blk.sample_at, w[:, :, t.rows], lay.lo, lay.hi)
+            if t.plain is not None:
+                yield M.error("weights", "plain", t.plain["weights"], t.ref["weights"], dtype=self.dtype_name)
+        if "weights" in self.given:
+            uw = self.given["weights"][:, :, blk.q0:blk.q1]  # [B, Nh, rows, Tk]
+            yield M.nonfinite("weights", uw, "given", blk.q0, 0)
+            yield from M.weight_invariants("weights", "given", uw, t.ai, t.live, self.empty_zero, self.sum_limit,
+                                           blk.q0, 0)
+            if t.ref is not None:
+                yield M.agreement("weights", "given", "float64", uw[:, :, t.rows], t.ref["weights"], self.rtol,
+                                  self.atol, blk.q0 + t.rows.start, 0)
+        return w
+
+    def _context(self, t: _BlockState, w: "Tensor") -> Iterator[Measure]:
+        blk, lay, plan = t.blk, t.lay, self.plan
+        try:
+            c = self.ops.mix(w, t.vb)  # [B, Nh, rows, Dv]
+        except Exception as exc:
+            yield Broken("context", raised=exc)
+            return None
+        want = (plan.b, plan.nh, blk.rows, self.dv)
+        if tuple(c.shape) != want:
+            yield Broken("context", shape=tuple(c.shape), expected=want)
+            return None
+        self.context[:, :, blk.q0:blk.q1] = c
+        span = None if self.chunks is None else M.value_span(self.v_exp, self.chunks, lay.lo, lay.hi)
+        value, idx = M.range_excess(c, t.vb, t.ai, self.rtol, self.atol, span=span)
+        yield Peak("context", "range_excess", value, where=M.where_in(idx, blk.q0, None))
+        self.loose_range = self.loose_range or (t.ai is not None and not M.exact_range(c, lay.width, t.ai))
+        yield from self._sdpa(blk)
+        sd = self.sdpa_context[:, :, blk.q0:blk.q1]  # [B, Nh, rows, Dv]
+        if t.ref is not None:
+            self.sample.put("out", blk.sample_at, c[:, :, t.rows])
+            if self.half and t.plain is not None:
+                yield M.error("context", "plain", t.plain["out"], t.ref["out"], dtype=self.dtype_name)
+                yield M.error("context", "sdpa", sd[:, :, t.rows], t.ref["out"])
+        if "out" in self.given:
+            yield from self._given_out(t, sd, span)
+        if self.backends:
+            yield from self._backends(t, c)
+        return c
+
+    def _sdpa(self, blk: P.Block) -> Iterator[Measure]:
+        """SDPA on a group of blocks at once (its kernel is faster on more rows), compared once the group is done."""
+        import torch.nn.functional as F
+
+        start = self.plan.group_starting_at(blk.index)
+        if start is not None and not self.plan.sdpa_whole_causal:
+            allow = self.relation.block(start.q0, start.q1)  # [B|1, Nh|1, rows, Tk]
+            lo, hi = P.key_hull(allow, self.plan.tk)
+            mask = None if allow is None else allow[..., lo:hi]
+            self.sdpa_context[:, :, start.q0:start.q1] = F.scaled_dot_product_attention(
+                self.q[:, :, start.q0:start.q1], self.k_exp[:, :, lo:hi], self.v_exp[:, :, lo:hi], attn_mask=mask,
+                dropout_p=0.0, scale=self.ref_scale)
+        end = self.plan.group_ending_at(blk.index)
+        if end is not None:
+            blocks = [(b.q0, b.q1) for b in self.plan.blocks[end.first:end.end]]
+            yield from M.sdpa_group(self.context, self.sdpa_context, blocks, self.rtol, self.atol)
+
+    def _given_out(self, t: _BlockState, sd: "Tensor", span: Any) -> Iterator[Measure]:
+        blk = t.blk
+        uo = self.given["out"][:, :, blk.q0:blk.q1]  # [B, Nh, rows, Dv]
+        yield M.nonfinite("context", uo, "given", blk.q0, None)
+        value, idx = M.range_excess(uo, t.vb, t.ai, self.rtol, self.atol, span=span)
+        yield Peak("context", "range_excess", value, "given", M.where_in(idx, blk.q0, None))
+        if not self.half:  # SDPA covers every row, also those the float64 sample leaves out
+            yield M.agreement("context", "given", "sdpa", uo, sd, self.rtol, self.atol * max(1.0, M.max_abs(sd)),
+                              blk.q0, None)
+        if t.ref is not None:
+            ref_out = t.ref["out"]
+            yield M.agreement("context", "given", "float64", uo[:, :, t.rows], ref_out, self.rtol,
+                              self.atol * max(1.0, M.max_abs(ref_out)), blk.q0 + t.rows.start, None)
+
+    def _backends(self, t: _BlockState, c: "Tensor") -> Iterator[Measure]:
+        """The context comparison once per pinned (backend, dtype), on every block and again on the sampled rows."""
+        from attn_ledger.reference import repeat_kv
+
+        yield from backend_measures(self.backends, c, (t.qb, t.kb, t.vb), None, t.ai, self.ref_scale, None, self.dtype,
+                                    t.blk.q0)
+        if t.ref is not None:
+            a, z = t.blk.sample
+            q0, lo, hi, nh = t.blk.q0, t.lay.lo, t.lay.hi, self.plan.nh
+            q_ref, k_ref, v_ref = self.ref
+            ref_in = (q_ref[:, :, q0 + a:q0 + z], repeat_kv(k_ref[:, :, lo:hi], nh), repeat_kv(v_ref[:, :, lo:hi], nh))
+            yield from backend_measures(self.backends, c[:, :, a:z], (t.qb[:, :, a:z], t.kb, t.vb), ref_in,
+                                        self._ai_rows(t), self.ref_scale, t.ref, self.dtype, q0 + a)
+
+
+def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor",
+                     pipe_in: tuple["Tensor", "Tensor", "Tensor"], ref_in: "tuple[Tensor, Tensor, Tensor] | None",
+                     ai: "Tensor | None", scale: float, ref: "dict[str, Tensor] | None", run_dtype: "torch.dtype",
+                     q0: int) -> Iterator[Agreement]:
+    """The L4 context comparison once per (backend, dtype).
+
+    In the run's dtype: float32/float64 compare the pipeline's context with the pinned backend
+    (tolerance as ``matches_sdpa``); half precision measures the backend's error against the
+    float64 reference (judged by the factor rule against the pipeline's plain error). In another
+    dtype (small grids), the backend runs on the reference's inputs cast to that dtype and its
+    output is measured against the float64 reference (sampled rows only), with that dtype's
+    plain error beside it in half precision.
+    """
+    from attn_ledger.engine.backends import sdpa_pinned
+    from attn_ledger.reference import reference_stages
+
+    for name, dt in backends:
+        dn, half = tolerance.dtype_name(dt), tolerance.is_half(dt)
+        against = "pipeline" if dt == run_dtype and not half else "float64"
+        if dt != run_dtype and ref_in is None:
+            continue  # other dtypes are measured on the float64-sampled rows only
+        if against == "float64" and ref is None:
+            continue
+        qb, kb, vb = (x.to(dt) for x in (pipe_in if dt == run_dtype else ref_in))
+        try:
+            out = sdpa_pinned(name, qb, kb, vb, ai, scale)  # [B, Nh, rows, Dv]
+        except Exception:  # passed the probe but not this block (e.g. a mask shape): count it as failing
+            yield Agreement("context", "sdpa", against, math.nan, math.nan, backend=name, dtype=dn)
+            continue
+        rtol, atol = tolerance.reference(dt)
+        if against == "pipeline":
+            yield M.agreement("context", "sdpa", "pipeline", c, out, rtol, atol * max(1.0, M.max_abs(out)), q0, None,
+                              backend=name, dtype=dn)
+        elif half:
+            yield M.error("context", "sdpa", out, ref["out"], backend=name, dtype=dn)
+            if dt != run_dtype:  # in the run's dtype the pipeline's own plain error serves
+                plain = reference_stages(qb, kb, vb, allow_mask=ai, scale=scale,
+                                         empty_rows="zeros" if ai is not None else "nan", dtype=dt)["out"]
+                yield M.error("context", "plain", plain, ref["out"], dtype=dn)
+        else:
+            yield Agreement("context", "sdpa", "float64", M.excess(out, ref["out"], 0, 0)[0],
+                            M.excess(out, ref["out"], rtol, atol * max(1.0, M.max_abs(ref["out"])))[1], backend=name, dtype=dn)
+
+
+# --- the float64 reference on the sampled rows ----------------------------------------------
+
+class Sample:
+    """The pipeline's scores, weights and context on the reference-sampled rows, gathered over
+    blocks and compared with the reference once per stage.
+
+    ``got`` starts as a copy of the reference, so key columns a block did not compute (outside
+    its key range, where every sampled query is forbidden) compare equal; each block writes
+    its own columns over it. The tolerance follows the whole-grid rule: atol scaled by the
+    largest |reference value| of the sampled rows; for the scores, of the allowed pairs only,
+    so that a forbidden key holding garbage (a padded position, say) cannot loosen it.
+    """
+
+    KEYS = (("scores", "scores"), ("weights", "weights"), ("out", "context"))
+
+    def __init__(self, ref: dict[str, "Tensor"], spans: tuple[tuple[int, int], ...] = ()) -> None:
+        self.ref = ref
+        self.spans = spans  # absolute query rows of the sample, in order
+        self.got = {key: ref[key].clone() for key, _ in self.KEYS}
+        self.filled = {key: 0 for key, _ in self.KEYS}  # rows written so far, block after block
+
+    def put(self, key: str, at: int, t: "Tensor", lo: int = 0, hi: int | None = None) -> None:
+        dst = self.got[key][:, :, at:at + t.shape[2]]
+        (dst if key == "out" else dst[..., lo:hi]).copy_(t)
+        self.filled[key] = at + t.shape[2]
+
+    def agreements(self, rtol: float, atol: float) -> list[Agreement]:
+        import torch
+
+        found = []
+        for key, stage in self.KEYS:
+            n = self.filled[key]
+            if not n:
+                continue
+            got, ref = self.got[key][:, :, :n], self.ref[key][:, :, :n]
+            if key == "scores":
+                masked = self.ref["masked_scores"][:, :, :n]  # -inf on forbidden pairs
+                size = M.max_abs(torch.where(torch.isneginf(masked), 0.0, masked))
+            else:
+                size = M.max_abs(ref)
+            a = M.agreement(stage, "pipeline", "float64", got, ref, rtol, atol if key == "weights" else atol * max(1.0, size),
+                            0, None if key == "out" else 0)
+            found.append(a if a.where is None else Agreement(**{**a.__dict__, "where": self._absolute(a.where)}))
+        return found
+
+    def _absolute(self, where: M.Where) -> M.Where:
+        """A row of the sample as the query it is."""
+        row = where.query
+        for r0, r1 in self.spans:
+            if row < r1 - r0:
+                return M.Where(where.example, where.head, r0 + row, where.key)
+            row -= r1 - r0
+        return where
+
+
+def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation", plan: P.Plan, scale: float,
+                      empty: str, dtype: "torch.dtype") -> dict[str, "Tensor"]:
+    """The reference's stages for every sampled row, over every key, in one call.
+
+    Returns ``{"scores", "masked_scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``
+    for the R rows the plan samples, block after block. One call on all of them at once
+    keeps the per-call cost of the reference (casts, kernel launches) from recurring per block.
+    """
+    import torch
+
+    tk = k.shape[-2]
+    spans = plan.reference_spans  # absolute query rows
+    contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
+    qs = q[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([q[:, :, r0:r1] for r0, r1 in spans], dim=2)
+    allow = None
+    if relation.parts:
+        parts = []
+        for r0, r1 in spans:
+            a = relation.block(r0, r1)  # [B|1, Nh|1, rows|1, Tk]
+            parts.append(a.expand(a.shape[0], a.shape[1], r1 - r0, tk))
+        allow = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    ref = reference_block(qs, k, v, allow, scale, empty, dtype)
+    return {key: t for key, t in ref.items() if key != "allow"}
+
+
+def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
+                    dtype: "torch.dtype") -> dict[str, "Tensor"]:
+    """The reference's stages for one block, a few query heads at a time when K and V are long.
+
+    Heads are independent, so chunking over them changes nothing but the size of the
+    reference-dtype copies of K and V that exist at once (at most about REF_CHUNK_BYTES).
+    """
+    import torch
+
+    from attn_ledger.reference import reference_stages
+
+    nh, nkv = q.shape[1], k.shape[1]
+    group = nh // nkv  # query heads per kv head
+    per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * torch.finfo(dtype).bits // 8
+    kv_step = max(1, REF_CHUNK_BYTES // max(1, per_kv_head))
+    if kv_step >= nkv:
+        return reference_stages(q, k, v, allow_mask=allow, scale=scale, empty_rows=empty, dtype=dtype)
+    parts: list[dict[str, Tensor]] = []
+    for j0 in range(0, nkv, kv_step):
+        j1 = min(j0 + kv_step, nkv)
+        h0, h1 = j0 * group, j1 * group
+        a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
+        parts.append(reference_stages(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], allow_mask=a, scale=scale,
+                                      empty_rows=empty, dtype=dtype))
+    return {key: torch.cat([p[key] for p in parts], dim=1) for key in ("scores", "masked_scores", "weights", "out")}

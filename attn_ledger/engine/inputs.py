@@ -1,0 +1,139 @@
+"""Given Q, K, V and the user's own intermediates: validated once, before anything runs.
+
+Q, K and V that cannot describe attention are bad input (one line, exit 2). A user's own
+``scores``, ``weights`` or ``out`` of the wrong shape is not bad input but a finding: it
+comes back as a :class:`~attn_ledger.engine.measure.Broken` measurement, judged as an L1
+``user_*_shape`` check at its stage.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from attn_ledger.engine.measure import Broken
+from attn_ledger.errors import InputError, TensorFileError
+from attn_ledger.tolerance import dtype_name
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+TENSOR_NAMES = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+GIVEN = (("scores", "scores"), ("weights", "weights"), ("out", "context"))  # (name, the stage it is compared at)
+
+
+def validate_qkv(q: "Tensor", k: "Tensor", v: "Tensor") -> None:
+    """Reject Q, K, V that cannot describe attention, with one line naming what is wrong."""
+    import torch
+
+    from attn_ledger import checks as C
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: got {type(t).__name__}, expected a tensor")
+        if t.dim() not in (3, 4):
+            raise InputError(f"{name}: got rank {t.dim()} shape {list(t.shape)}, expected [B, T, D] or [B, Nh, T, D]")
+        if dtype_name(t.dtype) not in FLOAT_DTYPES:
+            raise InputError(f"{name}: got dtype {dtype_name(t.dtype)}, expected one of {', '.join(FLOAT_DTYPES)}")
+    if not (q.dim() == k.dim() == v.dim()):
+        raise InputError(f"q/k/v: got ranks {q.dim()}, {k.dim()}, {v.dim()}, expected the same rank for all three")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InputError(f"q/k/v: got dtypes {dtype_name(q.dtype)}, {dtype_name(k.dtype)}, {dtype_name(v.dtype)}, "
+                         "expected one dtype")
+    _check_sizes(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() and not C.all_finite(t):
+            raise InputError(f"{name}: holds {C.nonfinite_count(t)} NaN or inf values, expected finite inputs")
+
+
+def _check_sizes(q: "Tensor", k: "Tensor", v: "Tensor") -> None:
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise InputError(f"batch: got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}, expected the same batch size B")
+    if k.shape[-2] != v.shape[-2]:
+        raise InputError(f"Tk: got k {k.shape[-2]} key positions and v {v.shape[-2]}, expected K and V token counts to match")
+    if q.shape[-1] != k.shape[-1]:
+        raise InputError(f"Dh: got q width {q.shape[-1]} and k width {k.shape[-1]}, expected Q and K widths to match")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-2] == 0:
+            raise InputError(f"{name}: got 0 token positions in shape {list(t.shape)}, expected at least one")
+        if t.shape[-1] == 0:
+            raise InputError(f"{name}: got feature width 0 in shape {list(t.shape)}, expected a nonzero width")
+    if q.dim() == 4:
+        nh, nkv = q.shape[1], k.shape[1]
+        if k.shape[1] != v.shape[1]:
+            raise InputError(f"Nkv: got k {k.shape[1]} heads and v {v.shape[1]}, expected the same number of kv heads")
+        if nh == 0 or nkv == 0 or nh % nkv:
+            raise InputError(f"Nkv: got Nh={nh} query heads and Nkv={nkv} kv heads, expected Nkv to divide Nh")
+
+
+def given_tensors(found: "dict[str, Tensor | None]", one_head: bool, b: int, nh: int, tq: int, tk: int,
+                  dv: int) -> tuple["dict[str, Tensor]", list[Broken]]:
+    """The user's own intermediates placed as ``[B, Nh, Tq, *]``, and a :class:`Broken` for each of the wrong shape.
+
+    ``scores`` and ``weights`` must have the derived grid's shape, ``out`` the context's
+    (without the head axis when Q, K, V have none). A wrong shape never broadcasts in.
+    """
+    grid, ctx = (b, nh, tq, tk), (b, nh, tq, dv)
+    given: dict[str, Tensor] = {}
+    broken: list[Broken] = []
+    for name, stage in GIVEN:
+        t = found.get(name)
+        if t is None:
+            continue
+        if not t.is_floating_point():
+            raise InputError(f"{name}: got dtype {dtype_name(t.dtype)}, expected a floating-point tensor")
+        want = ctx if name == "out" else grid
+        t4 = t[:, None] if (one_head and t.dim() == 3) else t
+        if tuple(t4.shape) != want:
+            shown = want if not one_head else (want[0], *want[2:])
+            broken.append(Broken(stage, "given", shape=tuple(t.shape), expected=shown))
+        else:
+            given[name] = t4
+    return given, broken
+
+
+def load(path: str, dtype: "torch.dtype | None", device: "torch.device") -> dict[str, "Tensor"]:
+    """The tensors of a ``.pt`` / ``.safetensors`` / ``.npz`` file, named from :data:`TENSOR_NAMES`, on ``device``
+    (floating-point ones cast to ``dtype`` when given)."""
+    from attn_ledger.tensorio import load_tensor_file
+
+    found = load_tensor_file(path, "tensors")
+    unknown = sorted(set(found) - set(TENSOR_NAMES))
+    if unknown:
+        raise TensorFileError(f"tensors: {path!r} holds unexpected tensor {unknown[0]!r}, "
+                              f"expected names from {', '.join(TENSOR_NAMES)}")
+    missing = [n for n in ("q", "k", "v") if n not in found]
+    if missing:
+        raise TensorFileError(f"tensors: {path!r} has no {missing[0]!r} tensor (found {sorted(found) or 'none'}), "
+                              "expected q, k and v")
+    t = {n: x.to(device) for n, x in found.items()}
+    if dtype is not None:
+        for n in ("q", "k", "v", "scores", "weights", "out"):
+            if n in t and t[n].is_floating_point():
+                t[n] = t[n].to(dtype)
+    return t
+
+
+def resolve_device(name: str) -> "torch.device":
+    """The device a config or option names; ``auto`` picks CUDA, then MPS, then the CPU."""
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"device: got {name!r}, but CUDA is not available here; expected cpu or auto")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+        raise InputError("device: got 'mps', but MPS is not available here; expected cpu or auto")
+    return torch.device(name)
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """``"float32"`` -> ``torch.float32`` (one of the four float dtypes)."""
+    import torch
+
+    return {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]

@@ -1,0 +1,101 @@
+"""The one tolerance policy: how close two results must be for every command to call them equal.
+
+Each rule is keyed by the dtype the judged computation ran in, and each says what it is
+measured against:
+
+* :func:`reference`: a computation against the float64 reference, elementwise
+  ``|a - ref| <= atol + rtol * |ref|`` (the ledger scales ``atol`` by ``max(1, max |ref|)``);
+* :func:`row_sum`: how far a row of attention weights may sum from one;
+* half precision (:data:`HALF_DTYPES`): the error against float64 may be at most
+  :data:`HALF_FACTOR` times the error of the plain same-dtype computation, never less
+  than :func:`half_floor`, since rounding to 8 or 11 bits dominates any fixed bound;
+* :func:`kernel`: the same factor rule for ``check`` on a kernel, with a floor scaled by
+  the largest value magnitude;
+* :func:`assert_close` / :func:`relative`: torch.testing.assert_close's defaults, for
+  comparing a user module's outputs with each other relative to the output's own scale
+  (interventions, batch independence, permutation);
+* :data:`PROBE_ATOL`: an absolute bound for float32 outputs of unit-scale probe inputs
+  against float64 (``polarity``).
+
+Nothing here imports torch; dtypes may be given as ``torch.dtype`` or by name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# (rtol, atol) per dtype for a computation against the float64 reference.
+_REFERENCE = {
+    "float64": (1e-9, 1e-9),
+    "float32": (2e-5, 2e-5),
+    "bfloat16": (3e-2, 1e-2),
+    "float16": (4e-3, 2e-3),
+}
+
+HALF_DTYPES = ("float16", "bfloat16")
+HALF_FACTOR = 4.0  # an implementation may be this many times worse than the plain same-dtype computation
+_HALF_FLOOR = {"float16": 1e-3, "bfloat16": 8e-3}  # the smallest plain error the factor rule divides by
+
+MIN_ROW_SUM = 1e-5  # the row-sum tolerance is never tighter than this, whatever the dtype
+
+KERNEL_FACTOR = HALF_FACTOR
+_KERNEL_FLOOR = {"float64": 1e-10, "float32": 2e-6, "float16": 2e-4, "bfloat16": 2e-3}
+
+# torch.testing.assert_close's default (rtol, atol) per dtype.
+_ASSERT_CLOSE = {
+    "float16": (1e-3, 1e-5),
+    "bfloat16": (1.6e-2, 1e-5),
+    "float32": (1.3e-6, 1e-5),
+    "float64": (1e-7, 1e-7),
+}
+
+PROBE_ATOL = 1e-5
+
+
+def dtype_name(dtype: "torch.dtype | str") -> str:
+    """``torch.float32`` or ``"float32"`` -> ``"float32"``."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def reference(dtype: "torch.dtype | str") -> tuple[float, float]:
+    """``(rtol, atol)`` for a ``dtype`` computation against the float64 reference (float32's for others)."""
+    return _REFERENCE.get(dtype_name(dtype), _REFERENCE["float32"])
+
+
+def is_half(dtype: "torch.dtype | str") -> bool:
+    return dtype_name(dtype) in HALF_DTYPES
+
+
+def half_floor(dtype: "torch.dtype | str") -> float:
+    """The smallest plain same-dtype error the half-precision factor rule divides by."""
+    return _HALF_FLOOR.get(dtype_name(dtype), _HALF_FLOOR["bfloat16"])
+
+
+def row_sum(dtype: "torch.dtype | str") -> float:
+    """How far a row of weights may sum from one, and the largest weight allowed on a forbidden key."""
+    return max(MIN_ROW_SUM, 10 * reference(dtype)[0])
+
+
+def kernel_floor(dtype: "torch.dtype | str", value_scale: float) -> float:
+    """The floor of :func:`kernel`: a small error per dtype, scaled by ``1 + value_scale`` (largest |value|)."""
+    return _KERNEL_FLOOR.get(dtype_name(dtype), _KERNEL_FLOOR["float32"]) * (1.0 + value_scale)
+
+
+def kernel(dtype: "torch.dtype | str", plain_err: float, value_scale: float) -> float:
+    """``check``'s bound on a kernel's error against float64: KERNEL_FACTOR times the plain
+    same-dtype error, plus :func:`kernel_floor`."""
+    return KERNEL_FACTOR * plain_err + kernel_floor(dtype, value_scale)
+
+
+def assert_close(dtype: "torch.dtype | str") -> tuple[float, float]:
+    """``(rtol, atol)``: torch.testing.assert_close's defaults for ``dtype`` (float32's for others)."""
+    return _ASSERT_CLOSE.get(dtype_name(dtype), _ASSERT_CLOSE["float32"])
+
+
+def relative(dtype: "torch.dtype | str") -> float:
+    """The fraction of an output's scale within which two results count as equal: atol + rtol."""
+    rtol, atol = assert_close(dtype)
+    return atol + rtol

@@ -1,0 +1,32 @@
+"""The one tolerance policy: the numbers each rule gives, by dtype object or name alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_ledger import tolerance
+
+
+@pytest.mark.parametrize("dtype,rtol,atol", [("float64", 1e-9, 1e-9), ("float32", 2e-5, 2e-5),
+                                            ("bfloat16", 3e-2, 1e-2), ("float16", 4e-3, 2e-3)])
+def test_reference_tolerance(dtype, rtol, atol):
+    assert tolerance.reference(dtype) == tolerance.reference(getattr(torch, dtype)) == (rtol, atol)
+
+
+def test_row_sum_half_and_kernel_rules():
+    assert tolerance.row_sum("float64") == 1e-5  # never tighter than MIN_ROW_SUM
+    assert tolerance.row_sum("float32") == pytest.approx(2e-4)
+    assert tolerance.is_half(torch.bfloat16) and not tolerance.is_half("float32")
+    assert (tolerance.half_floor("float16"), tolerance.half_floor("bfloat16")) == (1e-3, 8e-3)
+    assert tolerance.kernel("float32", 1e-6, 3.0) == pytest.approx(4 * 1e-6 + 2e-6 * 4.0)
+
+
+def test_assert_close_defaults_match_torch_testing():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        rtol, atol = tolerance.assert_close(dtype)
+        a = torch.ones(3, dtype=dtype)
+        torch.testing.assert_close(a + (atol + rtol) * 0.5, a)  # within both
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(a + (atol + rtol) * 4, a)
+    assert tolerance.relative("float32") == pytest.approx(1e-5 + 1.3e-6)
