@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from attn_ledger import decodecheck
 from attn_ledger.errors import field_error
 from attn_ledger.intervention import (
     ForwardError,
@@ -548,6 +549,7 @@ def check_module(
     seq_len: int = 6,
     progress: Callable[[int, int], None] | None = None,
     subject: str = "module",
+    decode: Callable[..., Any] | None = None,
 ) -> Report:
     """Check a module built by ``factory(embed_dim, num_heads)`` against the attention contract.
 
@@ -562,19 +564,24 @@ def check_module(
         seq_len: T (at least 2).
         progress: ``callback(done, total)`` after each check group.
         subject: a name for the output.
+        decode: ``decode(module, x_new, cache) -> (y_new, cache)``: adds the KV-cache decode
+            parity rows of :mod:`attn_ledger.decodecheck` (needs ``causal``).
 
     Returns:
         A :class:`~attn_ledger.report.Report` (command ``check``), one row per aspect
         (:data:`ASPECTS`); ``exit_code`` 0 when every check passes, 1 on a finding.
 
     Raises:
-        InputError: sizes out of range.
+        InputError: sizes out of range, or ``decode`` without ``causal``.
         SetupError: the factory raised or returned something other than an ``nn.Module``.
     """
     import torch
 
     _validate(embed_dim=(embed_dim, 1), num_heads=(num_heads, 1), batch_size=(batch_size, 2), seq_len=(seq_len, 2))
-    total, done = (6 if causal else 5), 0
+    if decode is not None and not causal:
+        raise field_error("decode", getattr(decode, "__name__", "decode"),
+                          "a causal module (decode parity compares with the causal forward)")
+    total, done = (6 if causal else 5) + (len(decodecheck.plan_scenarios()) if decode is not None else 0), 0
 
     def tick() -> None:
         nonlocal done
@@ -592,10 +599,13 @@ def check_module(
         module.eval()
         layout, why_not = recognise_layout(module, num_heads)
         checks = _run_checks(module, x, layout, why_not, embed_dim, num_heads, causal, seed, tick)
+        decoded = decodecheck.decode_rows(module, decode, embed_dim, seed=seed, progress=lambda d, t: tick()) \
+            if decode is not None else None
     if progress:
         progress(total, total)
     sizes = {"B": batch_size, "T": seq_len, "E": embed_dim, "Nh": num_heads}
-    return _module_report(checks, subject, sizes, causal, layout, why_not, dtype, training_on_entry)
+    report = _module_report(checks, subject, sizes, causal, layout, why_not, dtype, training_on_entry)
+    return report if decoded is None else decodecheck.with_decode(report, *decoded)
 
 
 def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], causal: bool,

@@ -1,14 +1,20 @@
 """Time ``attn-ledger check`` on the default grid for a correct float32 kernel.
 
     python benchmarks/bench_check.py [--runs 5]
+    python benchmarks/bench_check.py --decode [--runs 3]
 
 Prints the median wall time of several runs of the whole default grid (float32, float64,
 float16 and bfloat16 cases) on fixtures/kernels/good.py. Target: under 10 s on 2 CPU cores.
+
+``--decode`` times the KV-cache decode checks of ``check --module --decode`` instead (E=256,
+Nh=8, 32 decoded positions; a correct rotary module, and one whose offset is off by one so
+every scenario is diagnosed), with the load average beside them. Target: under 20 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -20,12 +26,17 @@ from attn_ledger.testing import diagnosis
 from attn_ledger.userload import load_object
 
 GOOD = Path(__file__).resolve().parents[1] / "fixtures" / "kernels" / "good.py"
+DECODE_MODULES = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "decode_modules.py"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--decode", action="store_true", help="time the decode checks of check --module --decode")
     args = parser.parse_args()
+    if args.decode:
+        decode_section(args.runs)
+        return
     fn = load_object(f"{GOOD}:attention")
     check_kernel(fn)  # warm-up: first calls pay for lazy initialisation
     times = []
@@ -38,6 +49,47 @@ def main() -> None:
     print(f"default grid: {len(DEFAULT_GRID)} cases, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"median {statistics.median(times):.3f} s over {args.runs} runs "
           f"(min {min(times):.3f} s, max {max(times):.3f} s)")
+
+
+def decode_section(runs: int, embed_dim: int = 256, num_heads: int = 8, length: int = 32) -> None:
+    """Median wall time of the decode checks on a correct module and on one that fails every scenario."""
+    import torch.nn.functional as F
+
+    from attn_ledger.decodecheck import decode_rows, plan_scenarios
+
+    calls = sum(sc.calls for sc in plan_scenarios(length))
+    print(f"decode checks: E={embed_dim} Nh={num_heads} T={length}, {calls} decode calls, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    q = torch.randn(2, num_heads, length, embed_dim // num_heads)  # [B, Nh, T, Dh]
+    sdpa = _median_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), 50)
+    for factory, decode, expect in (("past_rotary", "decode_past", 0), ("plain_rotary", "decode_list", 0),
+                                    ("past_rotary", "decode_past_off_by_one", 1)):
+        torch.manual_seed(0)
+        module = load_object(f"{DECODE_MODULES}:{factory}")(embed_dim, num_heads)
+        fn = load_object(f"{DECODE_MODULES}:{decode}")
+        times = []
+        for _ in range(runs):
+            load = os.getloadavg()[0]
+            start = time.perf_counter()
+            rows, _ = decode_rows(module, fn, embed_dim, length=length)
+            times.append(time.perf_counter() - start)
+            failed = sum(r.status == "fail" for r in rows)
+            if (failed > 0) != bool(expect):
+                raise SystemExit(f"{factory} + {decode}: {failed} failing rows, "
+                                 f"expected {'some' if expect else 'none'}")
+        med = statistics.median(times)
+        print(f"{factory} + {decode}: median {med:.2f} s over {runs} runs (min {min(times):.2f}, max {max(times):.2f}; "
+              f"target 20 s), {med / sdpa:.0f}x one SDPA call at [2, {num_heads}, {length}, {embed_dim // num_heads}], "
+              f"{failed} failing rows, load average {load:.1f} at the last start, {os.getloadavg()[0]:.1f} at the end")
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ def check(
     embed_dim: Annotated[Optional[int], typer.Option("--embed-dim", help="E, for --module.")] = None,
     heads: Annotated[Optional[int], typer.Option("--heads", help="Nh, for --module.")] = None,
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Whether the module is meant to be causal (--module).")] = True,
+    decode: Annotated[
+        Optional[str],
+        typer.Option("--decode", help="With --module: check its KV-cache decode path against the full forward, "
+                                      "'file.py:NAME', NAME(module, x_new, cache) -> (y_new, cache)."),
+    ] = None,
     case: Annotated[
         Optional[list[str]], typer.Option("--case", help="Run only this case id (repeatable); any well-formed id works.")
     ] = None,
@@ -54,6 +59,10 @@ def check(
         from attn_ledger.errors import InputError
         from attn_ledger.userload import load_object
 
+        if decode is not None and module is None:
+            raise InputError(f"--decode: got {decode!r} without --module; a decode path is checked with its module")
+        if decode is not None and not causal:
+            raise InputError("--decode: cannot be used with --no-causal; decode parity compares with the causal forward")
         if (target is None) == (module is None):
             raise InputError("target: expected exactly one of a function 'file.py:NAME' or --module 'file.py:FACTORY'")
         if module is not None:
@@ -64,10 +73,17 @@ def check(
             if embed_dim < 1 or heads < 1 or embed_dim % heads:
                 raise InputError(f"embed_dim must be a positive multiple of heads: embed_dim={embed_dim}, heads={heads}")
             factory = load_object(module, "--module")
+            decode_fn = None
+            if decode is not None:
+                from attn_ledger.decodecheck import validate_decode
+
+                decode_fn = load_object(decode, "--decode")
+                validate_decode(decode_fn, "--decode")
             from attn_ledger.modulecheck import check_module
 
             with Progress("checking module") as bar:
-                return check_module(factory, embed_dim, heads, causal=causal, seed=seed, progress=bar, subject=module)
+                return check_module(factory, embed_dim, heads, causal=causal, seed=seed, progress=bar, subject=module,
+                                    decode=decode_fn)
         if embed_dim is not None or heads is not None:
             raise InputError("--embed-dim/--heads: apply only with --module")
         from attn_ledger.kernelcheck import check_kernel, select_cases
