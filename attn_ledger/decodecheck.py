@@ -165,6 +165,10 @@ class _Decoder:
         if not isinstance(y, torch.Tensor):
             raise DecodeCallError(f"decode returned y_new of type {type(y).__name__}, expected a tensor [B, t, E]",
                                   input=list(shape), returned=type(y).__name__)
+        if y.layout != torch.strided or y.is_meta:
+            raise DecodeCallError(f"decode returned a {'meta' if y.is_meta else 'sparse'} tensor, "
+                                  "expected a dense tensor [B, t, E] with values", input=list(shape),
+                                  returned="meta tensor" if y.is_meta else "sparse tensor")
         if tuple(y.shape) != shape:
             raise DecodeCallError(f"decode returned y_new of shape {tuple(y.shape)} for x_new {shape} [B, t, E], "
                                   "expected the same shape", input=list(shape), output=list(y.shape))

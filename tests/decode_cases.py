@@ -137,3 +137,8 @@ def decode_not_a_pair(module, x_new, cache):
 
 def decode_two_arguments(module, x_new):
     return module(x_new), None
+
+
+def decode_meta(module, x_new, cache):
+    y, cache = fixture("decode_list")(module, x_new, cache)
+    return y.to("meta"), cache

@@ -230,7 +230,8 @@ def test_dependency_patterns(s, t, future, unread, expected):
 
 @pytest.mark.parametrize("decode, words", [
     ("decode_raises", "decode raised RuntimeError"), ("decode_wrong_shape", "shape"),
-    ("decode_not_a_pair", "expected a pair")], ids=["raises", "wrong-shape", "not-a-pair"])
+    ("decode_not_a_pair", "expected a pair"), ("decode_meta", "meta tensor")],
+    ids=["raises", "wrong-shape", "not-a-pair", "meta"])
 def test_bad_decode_calls_are_level_one_findings(decode, words):
     rows, _ = rows_for("plain", decode, SMALL)
     for row in rows.values():
@@ -292,3 +293,18 @@ def test_cli_decode_pass_and_level_one_failure():
     assert bad.exit_code == 1
     first = json.loads(bad.stdout)["first_finding"]
     assert (first["row"], first["level"], first["check"]) == ("decode_tokens", 1, "decode_call")
+
+
+def test_docs_show_the_protocol_with_the_fixture_adapters_and_help_names_decode():
+    import inspect
+
+    doc = (cases.Path(__file__).resolve().parents[1] / "docs" / "check-decode.md").read_text()
+    assert "def NAME(module, x_new, cache):" in doc
+    for name in ("causal_allowed", "decode_list", "decode_past", "PastAttention"):
+        assert inspect.getsource(cases.fixture(name)).rstrip() in doc, name
+    for scenario in SCENARIOS:
+        assert f"`{scenario}`" in doc
+    for kind in DIAGNOSES:
+        assert f"`{kind}`" in doc
+    res = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "--decode" in res.output
