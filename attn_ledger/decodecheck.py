@@ -8,7 +8,7 @@ in eval mode and every call runs under ``torch.no_grad()``.
 Each scenario (:func:`plan_scenarios`) decodes a sequence of T positions from an empty cache in
 chunks, and every decoded position is compared with the module's full causal forward on the
 whole sequence, within the dtype's tolerance of the forward's largest |y|
-(:func:`~attn_ledger.intervention.relative_tolerance`):
+(:func:`attn_ledger.tolerance.relative`, torch.testing.assert_close's atol + rtol):
 
 * ``tokens``: one token per call, which is also a prefill of 1 followed by single tokens;
 * ``chunks``: chunks of 3 and 4 tokens in turn (the first one is the prefill);
@@ -46,8 +46,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from attn_ledger.errors import SetupError
-from attn_ledger.intervention import abs_delta, output_scale, relative_tolerance
+from attn_ledger.intervention import abs_delta, output_scale
 from attn_ledger.report import Check, Report, Row, bounded, first_finding_of, row_status, unjudged
+from attn_ledger.tolerance import relative as relative_tolerance
 
 if TYPE_CHECKING:
     import torch
