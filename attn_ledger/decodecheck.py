@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from attn_ledger.errors import SetupError
+from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.intervention import abs_delta, output_scale
 from attn_ledger.report import Check, Report, Row, bounded, first_finding_of, row_status, unjudged
 from attn_ledger.tolerance import relative as relative_tolerance
@@ -155,7 +156,10 @@ class _Decoder:
 
         shape = tuple(x_new.shape)
         try:
-            result = self.fn(self.module, x_new, cache)
+            with user_call(f"decode(module, x_new {shape}, cache)"):
+                result = self.fn(self.module, x_new, cache)
+        except UserCodeError:
+            raise  # an exit or the time limit: the check stops at this call (an L1 call finding)
         except Exception as exc:  # the user's decode may raise anything
             raise DecodeCallError(f"decode raised {type(exc).__name__} on x_new {shape}: {_first_line(exc)}",
                                   input=list(shape), exception=type(exc).__name__) from None

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 from attn_ledger.errors import SetupError
+from attn_ledger.guard import UserCodeError, outcome, user_call
 from attn_ledger.report import Check, bounded, counted
 from attn_ledger.tolerance import relative as relative_tolerance
 
@@ -69,7 +70,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def first_output(result: Any) -> "torch.Tensor":
-    """A forward's output tensor: the result itself, or the first item of a tuple/list."""
+    """A forward's output tensor: the result itself, or the first item of a tuple/list.
+
+    Raises:
+        ForwardError: not a tensor, or a tensor no comparison can read (sparse, on the meta device).
+    """
     import torch
 
     if isinstance(result, (tuple, list)) and result:
@@ -77,16 +82,35 @@ def first_output(result: Any) -> "torch.Tensor":
     if not isinstance(result, torch.Tensor):
         raise ForwardError(f"forward returned {type(result).__name__}, expected a tensor [B, T, E] or a tuple starting with one",
                            returned=type(result).__name__)
+    if result.layout != torch.strided:
+        layout = str(result.layout).removeprefix("torch.")
+        raise ForwardError(f"forward returned a tensor with layout {layout}, expected a dense (strided) tensor [B, T, E]",
+                           layout=layout)
+    if result.is_meta:
+        raise ForwardError("forward returned a tensor on the meta device, which holds no values to compare", device="meta")
     return result
 
 
-def call_forward(forward: Callable[[Any], Any], x: "torch.Tensor", expect_shape: bool = True) -> "torch.Tensor":
-    """Run ``forward(x)`` and return its output tensor, turning any failure into :class:`ForwardError`."""
+def call_forward(forward: Callable[[Any], Any], x: "torch.Tensor", expect_shape: bool = True,
+                 what: str | None = None) -> "torch.Tensor":
+    """Run ``forward(x)`` as one guarded call into user code and return its output tensor.
+
+    Args:
+        what: how to name the call in a finding (default ``forward(x) on input (B, T, E)``).
+
+    Raises:
+        ForwardError: the forward raised, or returned something other than a tensor of x's shape.
+        UserCodeError: the forward exited or ran past its time limit (see :mod:`attn_ledger.guard`).
+    """
     shape = list(x.shape)
     try:
-        y = first_output(forward(x))
+        with user_call(what or f"forward(x) on input {tuple(x.shape)}"):
+            result = forward(x)
+        y = first_output(result)
     except ForwardError as exc:
         exc.data.setdefault("input", shape)
+        raise
+    except UserCodeError:
         raise
     except Exception as exc:  # the user's forward may raise anything
         raise ForwardError(f"forward raised {type(exc).__name__} on input {tuple(x.shape)}: {_first_line(exc)}",
@@ -107,18 +131,17 @@ def module_forward(module: "nn.Module") -> Callable[["torch.Tensor"], Any]:
     return lambda x: module(x)
 
 
-def build_module(factory: Callable[..., Any], embed_dim: int, num_heads: int) -> "nn.Module":
-    """Call ``factory(embed_dim, num_heads)``; a raise or a non-module is a :class:`SetupError`."""
+def build_module(factory: Callable[..., Any], embed_dim: int, num_heads: int, field: str = "module") -> "nn.Module":
+    """Call ``factory(embed_dim, num_heads)``; a raise, an exit or a non-module is a :class:`SetupError` naming ``field``."""
     from torch import nn
 
     try:
-        module = factory(embed_dim, num_heads)
-    except Exception as exc:  # the user's factory may raise anything
-        raise SetupError(
-            f"module: factory({embed_dim}, {num_heads}) raised {type(exc).__name__}: {_first_line(exc)}"
-        ) from None
+        with user_call(f"factory({embed_dim}, {num_heads})"):
+            module = factory(embed_dim, num_heads)
+    except Exception as exc:  # the user's factory may raise (or exit) anything
+        raise SetupError(f"{field}: factory({embed_dim}, {num_heads}) {outcome(exc)}") from None
     if not isinstance(module, nn.Module):
-        raise SetupError(f"module: factory({embed_dim}, {num_heads}) returned {type(module).__name__}, expected an nn.Module")
+        raise SetupError(f"{field}: factory({embed_dim}, {num_heads}) returned {type(module).__name__}, expected an nn.Module")
     return module
 
 
@@ -294,7 +317,7 @@ def _run(forward: Callable, x: "torch.Tensor", grad_mode: GradMode) -> "torch.Te
         x_in = x.detach().clone()
         if grad_mode == "autograd":
             x_in.requires_grad_(True)
-        y = call_forward(forward, x_in)
+        y = call_forward(forward, x_in, what=f"forward(x) under {grad_mode} on input {tuple(x.shape)}")
     return y.detach()
 
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from attn_ledger.errors import InputError
+from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.report import Check, Finding, Report, Row, bounded, counted, find_check, row_status, unjudged
 from attn_ledger.tolerance import KERNEL_FACTOR, kernel_floor
 
@@ -453,22 +454,48 @@ def _first_row(mask: "Tensor") -> dict[str, int] | None:
 
 
 class _Kernel:
-    """Calls the user's function on clones of the inputs (so in-place edits cannot leak between calls)."""
+    """Calls the user's function on clones of the inputs (so in-place edits cannot leak between calls).
 
-    def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-        self.fn, self.kwargs = fn, kwargs
+    Each call is one :func:`~attn_ledger.guard.user_call`, named by the case's call text and
+    the probe it serves. A value that is not a dense tensor with values (not a tensor, sparse,
+    on the meta device) is a :class:`~attn_ledger.guard.UserCodeError`, as a crash would be:
+    no check can read it.
+    """
 
-    def __call__(self, q: "Tensor", k: "Tensor", v: "Tensor") -> "Tensor":
+    def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any], call_text: str) -> None:
+        self.fn, self.kwargs, self.call_text = fn, kwargs, call_text
+
+    def __call__(self, q: "Tensor", k: "Tensor", v: "Tensor", probe: str | None = None) -> "Tensor":
         import torch
 
         kw = dict(self.kwargs)
         if kw.get("allow_mask") is not None:
             kw["allow_mask"] = kw["allow_mask"].clone()
-        with torch.no_grad():
-            out = self.fn(q.clone(), k.clone(), v.clone(), **kw)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"returned {type(out).__name__}, expected a Tensor")
+        what = self.call_text if probe is None else f"{self.call_text} for the {probe} probe"
+        q, k, v = q.clone(), k.clone(), v.clone()
+        with torch.no_grad(), user_call(what):
+            out = self.fn(q, k, v, **kw)
+        problem = returned_problem(out)
+        if problem is not None:
+            raise UserCodeError(problem[0], what, **problem[1])
         return out
+
+
+def returned_problem(out: Any) -> tuple[str, dict[str, Any]] | None:
+    """Why a kernel's return value cannot be checked, as a phrase and as values, or None.
+
+    Example: ``("returned list, expected a Tensor [B, Nh, Tq, Dv]", {"returned": "list"})``.
+    """
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        return f"returned {type(out).__name__}, expected a Tensor [B, Nh, Tq, Dv]", {"returned": type(out).__name__}
+    if out.layout != torch.strided:
+        layout = str(out.layout).removeprefix("torch.")
+        return f"returned a tensor with layout {layout}, expected a dense (strided) Tensor", {"layout": layout}
+    if out.is_meta:
+        return "returned a tensor on the meta device, which holds no values to check", {"device": "meta"}
+    return None
 
 
 def _raised(level: int, name: str, exc: BaseException, where: str, data: dict[str, Any] | None = None) -> Check:
@@ -491,7 +518,9 @@ def _probe(
     level = LEVEL_OF[name]
     data: dict[str, Any] = {"perturbed": perturbed}
     try:
-        out = _f64(kernel(*args))
+        out = _f64(kernel(*args, probe=name))
+    except UserCodeError:
+        raise  # an exit, a hang or an unreadable value: the case's L1 call finding, not this probe's
     except Exception as exc:  # the user's code: any exception is a finding
         return _raised(level, name, exc, "the call on perturbed inputs", data)
     if tuple(out.shape) != tuple(base.shape):
@@ -592,20 +621,44 @@ class _Setup:
 
 
 def check_case(fn: Callable[..., Any], case: Case, *, empty_rows: str = "zeros", seed: int = 0) -> CaseResult:
-    """Run every check on one case. Never raises for the user's mistakes; they become checks."""
+    """Run every check on one case. Never raises for the user's mistakes; they become checks.
+
+    A call that exits, runs past its time limit or returns something no check can read (in
+    any of the case's calls, probes included) is the case's L1 ``call`` finding.
+    """
+    if empty_rows not in EMPTY_ROWS:
+        raise InputError(f"empty_rows: got {empty_rows!r}, expected one of {', '.join(EMPTY_ROWS)}")
+    try:
+        return _check_case(fn, case, empty_rows, seed)
+    except UserCodeError as exc:
+        return failed_call(case, f"{exc.what or case.call_text()} {exc}", exc.facts())
+
+
+def failed_call(case: Case, reason: str, data: dict[str, Any]) -> CaseResult:
+    """A case whose call did not come back with a result: L1 ``call`` fails, nothing after it is reached.
+
+    Args:
+        reason: the call and how it ended (``attention(q, k, v) timed out after 2 s``).
+        data: the same as values (``{"call": ..., "timeout_s": 2.0}``).
+    """
+    called = Check(1, "call", "fail", reason=reason, data=data)
+    return CaseResult(case, (called, *_not_reached(CHECK_ORDER[1:], "the call did not return a result")))
+
+
+def _check_case(fn: Callable[..., Any], case: Case, empty_rows: str, seed: int) -> CaseResult:
     import torch
 
     from attn_ledger.reference import combined_allow, reference_attention
 
-    if empty_rows not in EMPTY_ROWS:
-        raise InputError(f"empty_rows: got {empty_rows!r}, expected one of {', '.join(EMPTY_ROWS)}")
     q, k, v, kwargs = case_inputs(case, seed)
-    kernel = _Kernel(fn, kwargs)
+    kernel = _Kernel(fn, kwargs, case.call_text())
     gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 7919 * (seed + 1))
     dt = q.dtype
 
     try:
         raw = kernel(q, k, v)
+    except UserCodeError:
+        raise
     except Exception as exc:
         called = _raised(1, "call", exc, case.call_text())
         return CaseResult(case, (called, *_not_reached(CHECK_ORDER[1:], "the call raised")))
@@ -794,7 +847,7 @@ def _causal_probe(s: _Setup) -> Check:
                   {"queries_from": c + 1, "keys_from": j0, "inputs": "q, k, v"})
 
 
-def _runnable(cases: Iterable[Case]) -> tuple[list[Case], list[str]]:
+def runnable_cases(cases: Iterable[Case]) -> tuple[list[Case], list[str]]:
     """The cases this torch build can run on the CPU, and a note for each dtype it cannot."""
     todo = list(cases)
     skipped: list[str] = []
@@ -830,7 +883,7 @@ def check_kernel(
     """
     if empty_rows not in EMPTY_ROWS:
         raise InputError(f"empty_rows: got {empty_rows!r}, expected one of {', '.join(EMPTY_ROWS)}")
-    todo, skipped = _runnable(DEFAULT_GRID if cases is None else cases)
+    todo, skipped = runnable_cases(DEFAULT_GRID if cases is None else cases)
     results = []
     for i, case in enumerate(todo):
         results.append(check_case(fn, case, empty_rows=empty_rows, seed=seed))

@@ -21,8 +21,10 @@ level that shows a problem:
   projection layout is recognised; where it is not, the report's coverage says the
   verdict rests on black-box checks only.
 
-Only a factory that raises or returns no module is an error (:class:`SetupError`); every
-other problem is a result.
+Only a factory that raises, exits or returns no module is an error (:class:`SetupError`);
+every other problem is a result. A forward or backward that exits, or runs past the time
+limit of :mod:`attn_ledger.guard` (or, in a worker, crashes), stops the check: the report then
+has one ``call`` row, the L1 ``call`` finding naming that call, and nothing else is reached.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from attn_ledger import decodecheck
 from attn_ledger.errors import field_error
+from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.intervention import (
     ForwardError,
     build_module,
@@ -61,7 +64,11 @@ _POSITIONAL_HINTS = ("pos", "rotary", "rope", "alibi", "position", "wpe", "relat
 FORWARD_FAILED = "the forward on [B, T, E] failed (level 1)"
 NOISY = "eval-mode calls differ (see eval_determinism), so output comparisons would measure noise"
 
-# Which row each check belongs to, in order; the rows in order.
+BATCH_SIZE = 2  # B of the input: at least 2, so batch independence can be judged
+SEQ_LEN = 6  # T of the input
+
+# Which row each check belongs to, in order; the rows in order. (A report whose check stopped
+# at a call that did not come back has a ``call`` row before them: see stopped_module_report.)
 ASPECTS: dict[str, tuple[tuple[int, str], ...]] = {
     "shape": ((1, "output_layout"), (1, "single_position"), (1, "single_example"), (1, "single_example_position")),
     "axes": ((2, "batch_independence"), (2, "permutation_equivariance")),
@@ -370,11 +377,15 @@ def _gradient_checks(module: "nn.Module", x: "torch.Tensor") -> list[Check]:
         x_in = x.detach().clone().requires_grad_(True)
         with torch.enable_grad():
             try:
-                y = call_forward(module_forward(module), x_in)  # [B, T, E]
-                y.square().mean().backward()
+                y = call_forward(module_forward(module), x_in,
+                                 what=f"forward(x) in training mode on input {tuple(x.shape)}")  # [B, T, E]
+                with user_call("backward through the training-mode forward"):
+                    y.square().mean().backward()
             except ForwardError as exc:
                 return [forward_failure(3, "input_gradient", exc, "training mode: "),
                         _not_reached(3, "parameter_gradients", "the training-mode forward failed")]
+            except UserCodeError:
+                raise
             except Exception as exc:  # the user's backward may raise anything
                 why = f"backward raised {type(exc).__name__}: {_first_line(exc)}"
                 data = {"exception": type(exc).__name__}
@@ -407,9 +418,10 @@ def _gradient_form(s: _Subject) -> Check:
     with torch.enable_grad():
         y = call_forward(s.fwd, x_in)  # [B, T, E]
         grads = []
-        for i in range(t):
-            (gi,) = torch.autograd.grad((y[:, i] * r[:, i]).sum(), x_in, retain_graph=True, allow_unused=True)
-            grads.append(torch.zeros_like(x_in) if gi is None else gi.detach())  # [B, T, E]
+        with user_call(f"backward through forward(x) for each of {t} output positions"):
+            for i in range(t):
+                (gi,) = torch.autograd.grad((y[:, i] * r[:, i]).sum(), x_in, retain_graph=True, allow_unused=True)
+                grads.append(torch.zeros_like(x_in) if gi is None else gi.detach())  # [B, T, E]
     per = torch.stack([gi.to(torch.float64).abs().amax(dim=(0, 2)) for gi in grads])  # [T_out, T_in]
     finite = torch.isfinite(per)
     if not bool(finite.all()):
@@ -467,6 +479,8 @@ def _causal_checks(s: _Subject, embed_dim: int, num_heads: int, noisy: bool) -> 
         checks.append(_gradient_form(s))
     except ForwardError as exc:
         checks.append(forward_failure(4, "causal_gradient_form", exc))
+    except UserCodeError:
+        raise
     except Exception as exc:  # the user's backward may raise anything
         checks.append(Check(4, "causal_gradient_form", "fail", reason=f"backward raised {type(exc).__name__}: {_first_line(exc)}",
                             data={"exception": type(exc).__name__}))
@@ -545,8 +559,8 @@ def check_module(
     *,
     causal: bool = True,
     seed: int = 0,
-    batch_size: int = 2,
-    seq_len: int = 6,
+    batch_size: int = BATCH_SIZE,
+    seq_len: int = SEQ_LEN,
     progress: Callable[[int, int], None] | None = None,
     subject: str = "module",
     decode: Callable[..., Any] | None = None,
@@ -573,7 +587,7 @@ def check_module(
 
     Raises:
         InputError: sizes out of range, or ``decode`` without ``causal``.
-        SetupError: the factory raised or returned something other than an ``nn.Module``.
+        SetupError: the factory raised, exited or returned something other than an ``nn.Module``.
     """
     import torch
 
@@ -581,6 +595,33 @@ def check_module(
     if decode is not None and not causal:
         raise field_error("decode", getattr(decode, "__name__", "decode"),
                           "a causal module (decode parity compares with the causal forward)")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = build_module(factory, embed_dim, num_heads)
+        return check_built_module(module, embed_dim, num_heads, causal=causal, seed=seed, batch_size=batch_size,
+                                  seq_len=seq_len, progress=progress, subject=subject, decode=decode)
+
+
+def check_built_module(
+    module: "nn.Module",
+    embed_dim: int,
+    num_heads: int,
+    *,
+    causal: bool = True,
+    seed: int = 0,
+    batch_size: int = BATCH_SIZE,
+    seq_len: int = SEQ_LEN,
+    progress: Callable[[int, int], None] | None = None,
+    subject: str = "module",
+    decode: Callable[..., Any] | None = None,
+) -> Report:
+    """:func:`check_module` on a module already built; torch's global generator goes on from where the caller left it.
+
+    A call into the module (or into ``decode``) that exits or runs past its time limit stops
+    the check (see :func:`stopped_module_report`).
+    """
+    import torch
+
     total, done = (6 if causal else 5) + (len(decodecheck.plan_scenarios()) if decode is not None else 0), 0
 
     def tick() -> None:
@@ -589,37 +630,56 @@ def check_module(
         if progress:
             progress(done, total)
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        module = build_module(factory, embed_dim, num_heads)
-        training_on_entry = bool(module.training)
-        dtype = module_dtype(module)
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(batch_size, seq_len, embed_dim, generator=g, dtype=torch.float64).to(dtype)  # [B, T, E]
-        module.eval()
-        layout, why_not = recognise_layout(module, num_heads)
+    training_on_entry = bool(module.training)
+    param_dtype = module_dtype(module)
+    dtype = str(param_dtype).removeprefix("torch.")
+    sizes = {"B": batch_size, "T": seq_len, "E": embed_dim, "Nh": num_heads}
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, seq_len, embed_dim, generator=g, dtype=torch.float64).to(param_dtype)  # [B, T, E]
+    module.eval()
+    layout, why_not = recognise_layout(module, num_heads)
+    try:
         checks = _run_checks(module, x, layout, why_not, embed_dim, num_heads, causal, seed, tick)
         decoded = decodecheck.decode_rows(module, decode, embed_dim, seed=seed, progress=lambda d, t: tick()) \
             if decode is not None else None
+    except UserCodeError as exc:
+        return stopped_module_report(subject, sizes, causal, f"{exc.what} {exc}", exc.facts(), dtype, training_on_entry)
     if progress:
         progress(total, total)
-    sizes = {"B": batch_size, "T": seq_len, "E": embed_dim, "Nh": num_heads}
     report = _module_report(checks, subject, sizes, causal, layout, why_not, dtype, training_on_entry)
     return report if decoded is None else decodecheck.with_decode(report, *decoded)
 
 
+def stopped_module_report(subject: str, sizes: dict[str, int], causal: bool, reason: str, data: dict[str, Any],
+                          dtype: str | None = None, training_on_entry: bool = False) -> Report:
+    """The report when a call into the module did not come back (an exit, the time limit, a crash).
+
+    Its ``call`` row holds the L1 ``call`` finding (``reason`` and ``data`` say which call and
+    how it ended); every other check is not reached, since no later call could be trusted to return.
+    """
+    called = Check(1, "call", "fail", reason=reason, data=data)
+    rest = [_not_reached(level, name, "the check stopped at a call that did not return") for level, name in _expected(causal)]
+    return _module_report([called, *rest], subject, sizes, causal, None, "", dtype, training_on_entry, stopped=True)
+
+
 def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], causal: bool,
-                   layout: _Projections | None, why_not: str, dtype: "torch.dtype", training_on_entry: bool) -> Report:
+                   layout: _Projections | None, why_not: str, dtype: str | None, training_on_entry: bool,
+                   stopped: bool = False) -> Report:
     """The checks in rows by aspect; coverage says so where the float64 rebuild could not run."""
     by_name = {c.name: c for c in checks}
     rows = [_row(aspect, found) for aspect, members in ASPECTS.items()
             if (found := tuple(by_name[n] for _, n in members if n in by_name))]
+    if "call" in by_name:  # the check stopped at a call into the module that did not return
+        rows.insert(0, Row("call", by_name["call"].status, (by_name["call"],)))
     notes = [f"rebuild layout: {layout.layout}"] if layout else []
     if training_on_entry:
         notes.append("the module came back in training mode: output comparisons ran in eval mode, gradients in training mode")
     coverage = None if layout else Coverage("black-box", ("reference_rebuild",), f"layout not recognised: {why_not}")
+    if stopped:
+        coverage = Coverage("stopped", tuple(n for _, n in _expected(causal)),
+                            "a call into the module did not come back, so no other check ran")
     details = {"subject": subject, "protocol": "module", "sizes": sizes, "causal": causal,
-               "layout": layout.layout if layout else None, "dtype": str(dtype).removeprefix("torch."),
+               "layout": layout.layout if layout else None, "dtype": dtype,
                "training_mode_on_entry": training_on_entry}
     title = (f"MODULE CHECK {subject} B={sizes['B']} T={sizes['T']} E={sizes['E']} Nh={sizes['Nh']} "
              f"{'causal' if causal else 'not causal'}")
@@ -627,4 +687,5 @@ def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], cau
                   unit="check", row_label="aspect")
 
 
-__all__ = ["ASPECTS", "check_module", "build_module", "recognise_layout", "rebuild_reference"]
+__all__ = ["ASPECTS", "check_module", "check_built_module", "build_module", "stopped_module_report",
+           "recognise_layout", "rebuild_reference"]

@@ -13,6 +13,12 @@ The function is checked under the kernel protocol
 :mod:`attn_ledger.kernelcheck`). On any finding the ``AssertionError`` message is the
 ledger's diagnosis: the first failing level and check per failing case, and the exact
 command and Python call that reproduce the smallest one.
+
+The function runs in the test's own process (so fixtures, closures and breakpoints work).
+``sys.exit`` inside it is a finding, as in the CLI; there is no time limit unless
+``timeout=`` is given, and that limit can stop Python code only (a hang inside C code
+returns when the C code does; ``attn-ledger check`` runs the function in a worker process
+for that).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def assert_attention_matches(
     empty_rows: str = "zeros",
     seed: int = 0,
     name: str | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Assert that ``fn`` passes every check on the default grid, or on the given case ids.
 
@@ -41,17 +48,23 @@ def assert_attention_matches(
         empty_rows: the contract for a query with every key blocked: ``zeros``, ``nan`` or ``any``.
         seed: varies the random inputs and perturbations.
         name: how to name ``fn`` in the message (default: its module and qualified name).
+        timeout: seconds per call of ``fn`` (None: no limit); a call past it fails its case
+            with an L1 ``call`` finding. Needs the main thread (it uses ``SIGALRM``).
 
     Raises:
         AssertionError: some case fails; the message is the diagnosis.
         attn_ledger.errors.InputError: a malformed case id or contract.
     """
+    from attn_ledger.guard import in_process
     from attn_ledger.kernelcheck import check_kernel, select_cases
+    from attn_ledger.worker import check_timeout
 
     __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
+    check_timeout(timeout, "timeout")
     ids = [cases] if isinstance(cases, str) else cases
     target = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-    report = check_kernel(fn, select_cases(ids), target=target, empty_rows=empty_rows, seed=seed)
+    with in_process(timeout):
+        report = check_kernel(fn, select_cases(ids), target=target, empty_rows=empty_rows, seed=seed)
     if report.exit_code:
         raise AssertionError(diagnosis(report))
 

@@ -455,7 +455,8 @@ def test_check_help_and_docs_show_the_options():
     res = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0
     docs = (ROOT / "README.md").read_text()
-    for opt in ("--case", "--empty-rows", "--module", "--embed-dim", "--heads", "--causal", "--format", "--seed"):
+    for opt in ("--case", "--empty-rows", "--module", "--embed-dim", "--heads", "--causal", "--format", "--seed",
+                "--timeout", "--in-process"):
         assert opt in res.output and opt in docs, opt
     assert "def attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None) -> Tensor" in docs
 

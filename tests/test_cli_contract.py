@@ -168,12 +168,13 @@ def _imports() -> dict[str, set[str]]:
 
 
 def _rank(module: str) -> int:
-    """Layers from the bottom: the report model, its renderers, the library, experiments, commands."""
+    """Layers from the bottom: the report model, its renderers, the library, experiments (with the
+    worker that runs the commands' work on user code), commands."""
     if module in ("attn_ledger", "attn_ledger._version", "attn_ledger.errors", "attn_ledger.report"):
         return 0
     if module.startswith("attn_ledger.render"):
         return 1
-    if module.startswith("attn_ledger.experiments"):
+    if module.startswith("attn_ledger.experiments") or module in ("attn_ledger.usertasks", "attn_ledger.worker"):
         return 3
     if module.startswith("attn_ledger.commands") or module in ("attn_ledger.testing",):
         return 4

@@ -76,3 +76,51 @@ def test_empty_rows_contract():
 def test_bad_case_id_is_an_input_error_not_an_assertion():
     with pytest.raises(InputError):
         assert_attention_matches(attention, "b2-nonsense")
+
+
+# --- user code that exits or hangs: a failed assertion, never the end of the test run ---------------
+
+ONE = "b1-h1kv1-tq1tk1-dh4dv4-none-rand-f32"
+
+
+def exits(q, k, v, **kw):
+    raise SystemExit(0)
+
+
+def sleeps(q, k, v, **kw):
+    import time
+
+    time.sleep(3600)
+
+
+def test_sys_exit_in_the_function_fails_the_assertion():
+    with pytest.raises(AssertionError, match=re.escape("L1 call")) as info:
+        assert_attention_matches(exits, ONE, name="exits")
+    assert "attention(q, k, v) raised SystemExit(0)" in str(info.value)
+
+
+def test_timeout_when_given_fails_the_case():
+    with pytest.raises(AssertionError) as info:
+        assert_attention_matches(sleeps, ONE, name="sleeps", timeout=1)
+    assert "attention(q, k, v) timed out after 1 s" in str(info.value)
+
+
+def test_no_time_limit_unless_given():
+    import signal
+
+    alarm_left = []
+
+    def records(q, k, v, **kw):
+        alarm_left.append(signal.getitimer(signal.ITIMER_REAL)[0])
+        return attention(q, k, v, **kw)
+
+    assert_attention_matches(records, ONE)
+    assert_attention_matches(records, ONE, timeout=30)
+    assert alarm_left[0] == 0.0 and 0 < alarm_left[1] <= 30
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0  # nothing left running after the call
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+def test_timeout_must_be_positive(timeout):
+    with pytest.raises(InputError, match="^timeout: got "):
+        assert_attention_matches(attention, ONE, timeout=timeout)

@@ -43,6 +43,19 @@ def check(
         EmptyRows, typer.Option("--empty-rows", help="Contract for a query whose every key is blocked.")
     ] = EmptyRows.zeros,
     seed: Annotated[int, typer.Option("--seed", help="Seed for the random inputs and perturbations.")] = 0,
+    timeout: Annotated[
+        Optional[float],
+        typer.Option("--timeout", metavar="SECONDS", help=(
+            "Limit on each call into your code (import, factory, each kernel or forward call). A call past it "
+            "is named in the report as an L1 call finding (exit 2 at import or factory time). "
+            "Default 60; with --in-process, none unless given.")),
+    ] = None,
+    in_process: Annotated[
+        bool,
+        typer.Option("--in-process", help=(
+            "Run your code in this process, for debugging (breakpoints, pdb). sys.exit in it is still a finding, "
+            "but a hang or a crash is not caught: without this option your code runs in a worker process.")),
+    ] = False,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
@@ -52,12 +65,16 @@ def check(
 
     Kernel protocol: attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None) with
     q [B, Nh, Tq, Dh], k [B, Nkv, Tk, Dh], v [B, Nkv, Tk, Dv] -> [B, Nh, Tq, Dv]; allow_mask True =
-    may attend; is_causal bottom-right aligned. Exit 0 every case passes, 1 a finding, 2 setup error.
+    may attend; is_causal bottom-right aligned. Your code runs in a worker process: a call that
+    hangs, exits or crashes is that case's L1 call finding, and what it prints goes to stderr.
+    Exit 0 every case passes, 1 a finding, 2 bad input or setup (your file cannot be imported,
+    or the factory raises or exits), 3 an internal error.
     """
 
     def build():
         from attn_ledger.errors import InputError
-        from attn_ledger.userload import load_object
+        from attn_ledger.userload import parse_spec
+        from attn_ledger.worker import run_user_task, show_output
 
         if decode is not None and module is None:
             raise InputError(f"--decode: got {decode!r} without --module; a decode path is checked with its module")
@@ -72,25 +89,24 @@ def check(
                 raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={embed_dim}, heads={heads}")
             if embed_dim < 1 or heads < 1 or embed_dim % heads:
                 raise InputError(f"embed_dim must be a positive multiple of heads: embed_dim={embed_dim}, heads={heads}")
-            factory = load_object(module, "--module")
-            decode_fn = None
+            parse_spec(module, "--module")
             if decode is not None:
-                from attn_ledger.decodecheck import validate_decode
+                parse_spec(decode, "--decode")
+            name, args, label = "module_check", {"spec": module, "field": "--module", "embed_dim": embed_dim,
+                                                 "num_heads": heads, "causal": causal, "seed": seed,
+                                                 "decode": decode}, "checking module"
+        else:
+            if embed_dim is not None or heads is not None:
+                raise InputError("--embed-dim/--heads: apply only with --module")
+            from attn_ledger.kernelcheck import select_cases
 
-                decode_fn = load_object(decode, "--decode")
-                validate_decode(decode_fn, "--decode")
-            from attn_ledger.modulecheck import check_module
-
-            with Progress("checking module") as bar:
-                return check_module(factory, embed_dim, heads, causal=causal, seed=seed, progress=bar, subject=module,
-                                    decode=decode_fn)
-        if embed_dim is not None or heads is not None:
-            raise InputError("--embed-dim/--heads: apply only with --module")
-        from attn_ledger.kernelcheck import check_kernel, select_cases
-
-        cases = select_cases(case)
-        fn = load_object(target, "target")
-        with Progress("checking cases") as bar:
-            return check_kernel(fn, cases, target=target, empty_rows=empty_rows.value, seed=seed, progress=bar)
+            cases = [c.id for c in select_cases(case)]
+            parse_spec(target, "target")
+            name, args, label = "kernel_check", {"target": target, "field": "target", "cases": cases,
+                                                 "empty_rows": empty_rows.value, "seed": seed}, "checking cases"
+        with Progress(label) as bar:
+            outcome = run_user_task(name, args, in_process=in_process, timeout=timeout, progress=bar)
+        show_output(outcome.output)
+        return outcome.report
 
     execute(build, output_format, output, command="check", timings=timings, html=html)

@@ -20,6 +20,8 @@ def intervene(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seeds the weights, the input and the replacement values.")] = None,
     at: Annotated[Optional[int], typer.Option("--at", help="Test one cut i (0..T-2) instead of all of them.")] = None,
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Also run the two leaking controls on the built-in pipeline.")] = True,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS", help="With --module: limit on each call into your code (import, factory, each forward). A call past it is named in the report as an L1 call finding (exit 2 at import or factory time). Default 60; with --in-process, none unless given.")] = None,
+    in_process: Annotated[bool, typer.Option("--in-process", help="With --module: run your code in this process, for debugging; sys.exit in it is still a finding, but a hang or a crash is not caught.")] = False,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
 ) -> None:
@@ -28,15 +30,29 @@ def intervene(
     Passes only if outputs at 0..i do not move (within the dtype's tolerance) while
     outputs after i clearly do, under no_grad and with autograd on. Two controls (masking
     off, mask in the wrong polarity) must fail, or the test has no power. Also reports
-    whether two eval-mode calls agree bitwise.
+    whether two eval-mode calls agree bitwise. A --module runs in a worker process: a forward
+    that hangs, exits or crashes is an L1 call finding, and what it prints goes to stderr.
     """
 
     def build() -> Any:
-        from attn_ledger.experiments.intervene import run_intervene
+        from attn_ledger.errors import InputError
+        from attn_ledger.experiments.intervene import module_task_args, plan_intervene, run_intervene
 
         overrides = {"embed_dim": embed_dim, "num_heads": heads, "seq_len": seq_len, "batch_size": batch_size, "seed": seed}
+        if module is None:
+            if timeout is not None or in_process:
+                raise InputError("--timeout/--in-process: apply only with --module (the built-in pipeline runs no code of yours)")
+            with Progress("intervening") as bar:
+                return run_intervene(config, overrides=overrides, at=at, with_controls=controls, progress=bar)
+        from attn_ledger.userload import parse_spec
+        from attn_ledger.worker import run_user_task, show_output
+
+        cfg, cuts = plan_intervene(config, module_spec=module, overrides=overrides, at=at)
+        parse_spec(module, "--module")
         with Progress("intervening") as bar:
-            return run_intervene(config, module_spec=module, overrides=overrides, at=at, with_controls=controls,
-                                 progress=bar)
+            outcome = run_user_task("intervene_module", module_task_args(cfg, module, cuts, controls),
+                                    in_process=in_process, timeout=timeout, progress=bar)
+        show_output(outcome.output)
+        return outcome.report
 
     execute(build, output_format, output, command="intervene")

@@ -11,7 +11,9 @@ subject under both grad paths and on the controls, and assembles the report:
   an intervention that changed nothing fails it);
 * one row per control, a module built to leak: ``control_leaks`` fails when the control is
   not reported as a leak, because then the probe has no power here;
-* a forward that raises or returns the wrong shape is a level-1 row of its own.
+* a forward that raises or returns the wrong shape is a level-1 row of its own;
+* a forward that exits, runs past its time limit or (in a worker) crashes stops the run: the
+  report then holds one ``call`` row with that L1 finding (:func:`stopped_intervention`).
 
 The first finding is the first failing row in that order. Nothing here decides exit
 codes; the report's verdict does.
@@ -39,7 +41,8 @@ from attn_ledger.intervention import (
     module_dtype,
     module_forward,
 )
-from attn_ledger.report import Coverage, Report, Row, row_status
+from attn_ledger.guard import UserCodeError
+from attn_ledger.report import Check, Coverage, Report, Row, row_status
 
 if TYPE_CHECKING:
     import torch
@@ -179,7 +182,10 @@ def intervene_report(
     module.eval()
     b, t, e = x.shape
     cut_list = tuple(default_cuts(t) if cuts is None else cuts)
-    runs = _run_all(module, x, cut_list, controls, seed, progress)
+    try:
+        runs = _run_all(module, x, cut_list, controls, seed, progress)
+    except UserCodeError as exc:
+        return stopped_intervention(subject, (b, t, e), num_heads, f"{exc.what} {exc}", exc.facts(), cut_list, training)
     rows: list[Row] = []
     if runs.determinism is not None:
         check = determinism_check(runs.determinism)
@@ -195,6 +201,83 @@ def intervene_report(
                   unit="row", row_label="run", show_passing=False)
 
 
+def stopped_intervention(subject: str, shape: tuple[int, ...], num_heads: int, reason: str, data: dict[str, Any],
+                         cuts: Sequence[int] = (), training: bool = False) -> Report:
+    """The report when a call into the module did not come back (an exit, the time limit, a crash).
+
+    One ``call`` row holds the L1 ``call`` finding (``reason`` and ``data`` say which call and how
+    it ended); no path, cut or control was judged, since no later call could be trusted to return.
+    """
+    b, t, e = shape
+    called = Check(1, "call", "fail", reason=reason, data=data)
+    runs = _Runs((), None, ())
+    notes = ["the intervention stopped at that call; no grad path, cut or control was judged"]
+    coverage = Coverage("stopped", ("prefix_unchanged", "suffix_moved", "eval_determinism", "control_leaks"),
+                        "a call into the module did not come back, so nothing else ran")
+    return Report("intervene", f"CAUSAL INTERVENTION {subject} B={b} T={t} E={e} Nh={num_heads}",
+                  (Row("call", "fail", (called,)),), coverage=coverage, notes=tuple(notes),
+                  details=_details(runs, subject, (b, t, e), num_heads, tuple(cuts), training),
+                  unit="row", row_label="run", show_passing=False)
+
+
+def plan_intervene(config: Path | None = None, *, module_spec: str | None = None,
+                   overrides: dict[str, Any] | None = None, at: int | None = None) -> tuple[Any, list[int] | None]:
+    """Validate an ``intervene`` request: the config with its overrides, and the cuts (None: all).
+
+    Raises:
+        InputError: a config or option out of range.
+    """
+    from attn_ledger.config import load_config
+    from attn_ledger.errors import InputError
+
+    overrides = dict(overrides or {})
+    if module_spec is not None and (overrides.get("embed_dim") is None or overrides.get("num_heads") is None):
+        raise InputError("--module needs --embed-dim and --heads: the factory is called as FACTORY(embed_dim, num_heads)")
+    cfg = load_config(config, overrides)
+    if cfg.tq != cfg.tk:
+        raise InputError(f"intervene needs self-attention: got query_len={cfg.tq}, key_len={cfg.tk}, expected seq_len")
+    t = cfg.tq
+    if t < 2:
+        raise InputError(f"seq_len: got {t}, expected at least 2 (a cut needs a position on each side)")
+    if cfg.batch_size < 1:
+        raise InputError(f"batch_size: got {cfg.batch_size}, expected at least 1")
+    if at is not None and not 0 <= at <= t - 2:
+        raise InputError(f"--at: got {at}, expected a cut between 0 and seq_len-2={t - 2}")
+    return cfg, None if at is None else [at]
+
+
+def module_task_args(cfg: Any, module_spec: str, cuts: list[int] | None, with_controls: bool) -> dict[str, Any]:
+    """What :func:`intervene_module` and the factory need, as plain data (for a worker process)."""
+    return {"spec": module_spec, "field": "--module", "embed_dim": cfg.embed_dim, "num_heads": cfg.num_heads,
+            "batch_size": cfg.batch_size, "seq_len": cfg.tq, "input_kind": cfg.input, "seed": cfg.seed,
+            "dtype": cfg.dtype, "cuts": cuts, "with_controls": with_controls}
+
+
+def intervene_module(module: "nn.Module", args: dict[str, Any], progress: Callable[[int, int], None] | None = None) -> Report:
+    """``intervene --module`` once the factory has built ``module``; ``args`` from :func:`module_task_args`.
+
+    The input ``[B, T, E]`` is the built-in pipeline's, in the module's own floating dtype;
+    the controls are the built-in pipeline at the same sizes. torch's generator is seeded
+    around the runs, so a module that draws random numbers in its forward (dropout left on)
+    gives the same report twice.
+    """
+    import torch
+
+    from attn_ledger.pipeline import make_input
+
+    dtype = getattr(torch, args["dtype"])
+    x = make_input(args["batch_size"], args["seq_len"], args["embed_dim"], args["input_kind"], args["seed"], dtype)
+    x = x.to(module_dtype(module, dtype))  # [B, T, E]
+    with_controls = args["with_controls"]
+    control_list = builtin_controls(args["embed_dim"], args["num_heads"], args["seed"], x.dtype) if with_controls else []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args["seed"])
+        return intervene_report(module, x, subject=f"module {args['spec']}", num_heads=args["num_heads"],
+                                cuts=args["cuts"], controls=control_list,
+                                controls_note=MODULE_CONTROLS_NOTE if with_controls else "", seed=args["seed"],
+                                progress=progress)
+
+
 def run_intervene(
     config: Path | None = None,
     *,
@@ -204,7 +287,10 @@ def run_intervene(
     with_controls: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> Report:
-    """``attn-ledger intervene``: the built-in pipeline from a config, or a user's module.
+    """``attn-ledger intervene`` in this process: the built-in pipeline from a config, or a user's module.
+
+    (The command runs a ``--module`` in a worker process instead, through
+    :func:`attn_ledger.worker.run_user_task`.)
 
     Args:
         config: TOML or JSON config for the built-in pipeline (None: the embedded default);
@@ -223,46 +309,26 @@ def run_intervene(
     """
     import torch
 
-    from attn_ledger.config import load_config
-    from attn_ledger.errors import InputError
     from attn_ledger.pipeline import make_input
 
-    overrides = dict(overrides or {})
-    if module_spec is not None and (overrides.get("embed_dim") is None or overrides.get("num_heads") is None):
-        raise InputError("--module needs --embed-dim and --heads: the factory is called as FACTORY(embed_dim, num_heads)")
-    cfg = load_config(config, overrides)
-    if cfg.tq != cfg.tk:
-        raise InputError(f"intervene needs self-attention: got query_len={cfg.tq}, key_len={cfg.tk}, expected seq_len")
-    t = cfg.tq
-    if t < 2:
-        raise InputError(f"seq_len: got {t}, expected at least 2 (a cut needs a position on each side)")
-    if cfg.batch_size < 1:
-        raise InputError(f"batch_size: got {cfg.batch_size}, expected at least 1")
-    if at is not None and not 0 <= at <= t - 2:
-        raise InputError(f"--at: got {at}, expected a cut between 0 and seq_len-2={t - 2}")
-    dtype = getattr(torch, cfg.dtype)
-    x = make_input(cfg.batch_size, t, cfg.embed_dim, cfg.input, cfg.seed, dtype)  # [B, T, E]
-
-    if module_spec is None:
-        subject_module, subject, note = _builtin_subject(cfg, dtype, with_controls)
-    else:
+    cfg, cuts = plan_intervene(config, module_spec=module_spec, overrides=overrides, at=at)
+    if module_spec is not None:
         from attn_ledger.userload import load_object
 
         factory = load_object(module_spec, "--module")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            subject_module = build_module(factory, cfg.embed_dim, cfg.num_heads)
-        x = x.to(module_dtype(subject_module, dtype))  # [B, T, E]
-        subject = f"module {module_spec}"
-        note = MODULE_CONTROLS_NOTE if with_controls else ""
+            subject_module = build_module(factory, cfg.embed_dim, cfg.num_heads, "--module")
+        return intervene_module(subject_module, module_task_args(cfg, module_spec, cuts, with_controls), progress)
+    dtype = getattr(torch, cfg.dtype)
+    x = make_input(cfg.batch_size, cfg.tq, cfg.embed_dim, cfg.input, cfg.seed, dtype)  # [B, T, E]
+    subject_module, subject, note = _builtin_subject(cfg, dtype, with_controls)
     control_list = builtin_controls(cfg.embed_dim, cfg.num_heads, cfg.seed, x.dtype) if with_controls else []
-    # Seed torch's own generator too, so a module that draws random numbers in its forward
-    # (dropout left on) gives the same report twice.
+    # Seed torch's own generator too, so that the same run gives the same report twice.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return intervene_report(subject_module, x, subject=subject, num_heads=cfg.num_heads,
-                                cuts=None if at is None else [at], controls=control_list, controls_note=note,
-                                seed=cfg.seed, progress=progress)
+        return intervene_report(subject_module, x, subject=subject, num_heads=cfg.num_heads, cuts=cuts,
+                                controls=control_list, controls_note=note, seed=cfg.seed, progress=progress)
 
 
 def _builtin_subject(cfg: Any, dtype: "torch.dtype", with_controls: bool) -> tuple["nn.Module", str, str]:

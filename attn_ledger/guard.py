@@ -1,0 +1,197 @@
+"""The one seam between attn-ledger and code a user named: wrap every call into it in :func:`user_call`.
+
+A check calls the user's kernel, forward, backward or factory like this::
+
+    from attn_ledger.guard import outcome, user_call
+
+    try:
+        with user_call("attention(q, k, v, is_causal=True)"):
+            out = fn(q, k, v, is_causal=True)
+    except Exception as exc:  # an ordinary raise, or a UserCodeError from the guard
+        finding = f"attention(q, k, v, is_causal=True) {outcome(exc)}"
+
+What :func:`user_call` does depends on the policy in force, and the check never needs to know:
+
+* Everywhere: ``SystemExit`` and any other ``BaseException`` the user's code raises become a
+  :class:`UserCodeError` (an ordinary ``Exception``), so ``sys.exit(0)`` in a kernel is a finding
+  and never ends the tool. ``KeyboardInterrupt`` passes through in the tool's own process, where
+  it is the person at the terminal.
+* In the tool's own process (:func:`in_process`): an optional per-call time limit, enforced with
+  ``SIGALRM`` (it interrupts Python code; a hang inside C code returns only when the C code
+  does, which is why the CLI runs user code in a worker), and optionally everything the call
+  writes to stdout, at the file-descriptor level, sent to stderr, so stdout carries one report.
+* In a worker process (:mod:`attn_ledger.worker`): the guard tells the parent "call starting:
+  WHAT" and "call done" around the call. The parent owns the clock; if the worker hangs, exits
+  or crashes, the parent knows which call was in flight and reports it.
+
+Call sites decide what a :class:`UserCodeError` means for them; the convention is that it is an
+L1 ``call`` finding of the case (or module) in which it happened, while an ordinary exception in
+a probe stays that probe's finding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from attn_ledger.errors import InputError
+
+__all__ = ["UserCodeError", "in_process", "outcome", "reporting_to", "user_call"]
+
+
+class UserCodeError(Exception):
+    """A call into user code ended in a way checks cannot read as a result.
+
+    ``str(exc)`` is the whole outcome as a phrase that follows the call's description:
+    ``raised SystemExit(0)``, ``timed out after 2 s``, ``returned list, expected a Tensor``.
+    ``what`` names the call (as given to :func:`user_call`), when known; ``data`` holds the
+    outcome as values (``{"exception": "SystemExit", "message": "0"}``, ``{"timeout_s": 2.0}``,
+    ``{"exit_status": 0}``, ``{"signal": "SIGSEGV"}``, ``{"returned": "list"}``).
+    """
+
+    def __init__(self, text: str, what: str | None = None, /, **data: Any) -> None:
+        super().__init__(text)
+        self.what = what
+        self.data: dict[str, Any] = data
+
+    def facts(self) -> dict[str, Any]:
+        """``data`` with the call it is about, for a check's ``data``."""
+        return {"call": self.what, **self.data}
+
+
+class _Timeout(BaseException):
+    """Raised by the in-process alarm; a BaseException so that the user's ``except Exception`` cannot swallow it."""
+
+
+@dataclass(frozen=True)
+class _Policy:
+    timeout: float | None = None
+    stdout_to_stderr: bool = False
+    channel: Any = None  # the worker's link to its parent: .started(what), .done()
+
+
+_policy = _Policy()
+_depth = 0  # nested user_call blocks (a forward inside a guarded backward) count as one call
+
+
+def outcome(exc: BaseException) -> str:
+    """How a failed call ended, as a phrase: ``raised ValueError: bad shape``, ``raised SystemExit(0)``."""
+    if isinstance(exc, UserCodeError):
+        return str(exc)
+    text = str(exc).strip()
+    first = text.splitlines()[0][:200] if text else "(no message)"
+    return f"raised {type(exc).__name__}: {first}"
+
+
+def _base_exception(exc: BaseException, what: str) -> UserCodeError:
+    text = repr(exc)
+    message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return UserCodeError(f"raised {text if len(text) <= 200 else text[:197] + '...'}", what,
+                         exception=type(exc).__name__, message=message)
+
+
+@contextlib.contextmanager
+def user_call(what: str) -> Iterator[None]:
+    """Run the body as one call into user code, named ``what`` in any finding about it.
+
+    Raises:
+        UserCodeError: the body raised ``SystemExit`` or another ``BaseException`` (not
+            ``KeyboardInterrupt`` in the tool's own process), or ran past the in-process time limit.
+            Ordinary exceptions pass through unchanged.
+    """
+    global _depth
+    if _depth:
+        yield
+        return
+    policy = _policy
+    _depth += 1
+    if policy.channel is not None:
+        policy.channel.started(what)
+    try:
+        with _alarm(policy.timeout), _stdout_to_stderr(policy.stdout_to_stderr):
+            yield
+    except _Timeout:
+        raise UserCodeError(f"timed out after {policy.timeout:g} s", what, timeout_s=policy.timeout) from None
+    except KeyboardInterrupt as exc:
+        if policy.channel is None:
+            raise
+        raise _base_exception(exc, what) from None
+    except Exception:
+        raise
+    except BaseException as exc:  # SystemExit, GeneratorExit, a user-defined BaseException
+        raise _base_exception(exc, what) from None
+    finally:
+        _depth -= 1
+        if policy.channel is not None:
+            policy.channel.done()
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float | None) -> Iterator[None]:
+    if seconds is None:
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _Timeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    started = time.monotonic()
+    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer > 0:  # someone else's alarm (pytest-timeout, for one) was running: give it back what is left
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 1e-3), interval)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _installed(policy: _Policy) -> Iterator[None]:
+    global _policy
+    saved, _policy = _policy, policy
+    try:
+        yield
+    finally:
+        _policy = saved
+
+
+def in_process(timeout: float | None = None, stdout_to_stderr: bool = False) -> contextlib.AbstractContextManager[None]:
+    """Run user calls in this process: at most ``timeout`` seconds each (None: no limit), output optionally moved off stdout.
+
+    Raises:
+        InputError: a timeout is asked for off the main thread or where there is no ``SIGALRM``.
+    """
+    if timeout is not None and (threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer")):
+        raise InputError(f"timeout: got {timeout!r}, but a time limit on in-process calls needs SIGALRM and the main thread")
+    return _installed(_Policy(timeout=timeout, stdout_to_stderr=stdout_to_stderr))
+
+
+def reporting_to(channel: Any) -> contextlib.AbstractContextManager[None]:
+    """Inside a worker: announce each user call to the parent through ``channel.started(what)`` / ``channel.done()``."""
+    return _installed(_Policy(channel=channel))
+

@@ -1,0 +1,120 @@
+"""The commands' work on user code, cut into units that :mod:`attn_ledger.worker` can run anywhere.
+
+A :class:`Task` is four plain functions:
+
+* ``setup(args)`` imports the user's object (and builds the module, for a factory) and returns
+  ``(state, plan)``; ``plan["units"]`` lists the units of work as plain values. A failure here
+  is bad setup: exit 2.
+* ``run(state, args, unit, progress)`` does one unit and returns its result (a case's result,
+  a whole report).
+* ``stopped(args, unit, reason, data)`` is the result of a unit whose call into user code never
+  came back (an exit, a crash, the time limit): an L1 ``call`` finding with that reason and data.
+* ``finish(args, plan, results)`` assembles the report.
+
+``args`` and units are plain data (str, int, float, bool, None, lists, dicts), so they cross a
+process boundary as they are; results cross as the dataclasses listed in :data:`RESULT_TYPES`
+(a case's result, or a whole :class:`~attn_ledger.report.Report`).
+The same four functions run in the tool's own process for ``--in-process``, so both ways give
+the same report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from attn_ledger.decodecheck import validate_decode
+from attn_ledger.experiments.intervene import intervene_module, stopped_intervention
+from attn_ledger.intervention import build_module
+from attn_ledger.kernelcheck import Case, CaseResult, check_case, failed_call, kernel_report, parse_case, runnable_cases
+from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, check_built_module, stopped_module_report
+from attn_ledger.report import Check, Coverage, Finding, Report, Row
+from attn_ledger.userload import load_object
+
+Progress = Callable[[int, int], None] | None
+
+
+@dataclass(frozen=True)
+class Task:
+    """One command's work on user code (see the module docstring)."""
+
+    setup: Callable[[dict[str, Any]], tuple[Any, dict[str, Any]]]
+    run: Callable[[Any, dict[str, Any], Any, Progress], Any]
+    stopped: Callable[[dict[str, Any], Any, str, dict[str, Any]], Any]
+    finish: Callable[[dict[str, Any], dict[str, Any], list[Any]], Any]
+
+
+# --- check FILE:NAME: one unit per case -----------------------------------------------------------
+
+def _kernel_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    fn = load_object(args["target"], args["field"])
+    todo, skipped = runnable_cases(parse_case(i) for i in args["cases"])
+    return fn, {"units": [c.id for c in todo], "skipped": list(skipped)}
+
+
+def _kernel_run(fn: Any, args: dict[str, Any], unit: str, progress: Progress) -> CaseResult:
+    return check_case(fn, parse_case(unit), empty_rows=args["empty_rows"], seed=args["seed"])
+
+
+def _kernel_stopped(args: dict[str, Any], unit: str, reason: str, data: dict[str, Any]) -> CaseResult:
+    return failed_call(parse_case(unit), reason, data)
+
+
+def _kernel_finish(args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Report:
+    return kernel_report(results, target=args["target"], empty_rows=args["empty_rows"], seed=args["seed"],
+                         skipped=plan["skipped"])
+
+
+# --- check --module FILE:FACTORY and intervene --module: one unit ---------------------------------
+
+def _module_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    factory = load_object(args["spec"], args["field"])
+    # Seeded just before the factory, as check_module does in-process, so both draw the same weights;
+    # the worker is disposable, so its global generator need not be restored.
+    torch.manual_seed(args["seed"])
+    return build_module(factory, args["embed_dim"], args["num_heads"], args["field"]), {"units": [0]}
+
+
+def _only(args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Any:
+    return results[0]
+
+
+def _module_check_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    decode = None
+    if args["decode"] is not None:
+        decode = load_object(args["decode"], "--decode")
+        validate_decode(decode, "--decode")
+    module, plan = _module_setup(args)
+    return (module, decode), plan
+
+
+def _module_check_run(state: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:
+    module, decode = state
+    return check_built_module(module, args["embed_dim"], args["num_heads"], causal=args["causal"], seed=args["seed"],
+                              progress=progress, subject=args["spec"], decode=decode)
+
+
+def _module_check_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[str, Any]) -> Report:
+    sizes = {"B": BATCH_SIZE, "T": SEQ_LEN, "E": args["embed_dim"], "Nh": args["num_heads"]}
+    return stopped_module_report(args["spec"], sizes, args["causal"], reason, data)
+
+
+def _intervene_run(module: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:
+    return intervene_module(module, args, progress)
+
+
+def _intervene_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[str, Any]) -> Report:
+    shape = (args["batch_size"], args["seq_len"], args["embed_dim"])
+    return stopped_intervention(f"module {args['spec']}", shape, args["num_heads"], reason, data, args["cuts"] or ())
+
+
+TASKS: dict[str, Task] = {
+    "kernel_check": Task(_kernel_setup, _kernel_run, _kernel_stopped, _kernel_finish),
+    "module_check": Task(_module_check_setup, _module_check_run, _module_check_stopped, _only),
+    "intervene_module": Task(_module_setup, _intervene_run, _intervene_stopped, _only),
+}
+
+RESULT_TYPES: tuple[type, ...] = (Check, Row, Finding, Coverage, Report, Case, CaseResult)
+"""The only classes a worker's result may be rebuilt into (a plan and a unit are plain data)."""

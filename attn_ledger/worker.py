@@ -1,0 +1,417 @@
+"""Run the code a user named in a worker process, so that its hang, exit or crash is reported, never inherited.
+
+Design, and why:
+
+* **One worker per command, started from a fork server.** The worker is forked from
+  multiprocessing's fork server, which imports torch once and runs no torch operation (so no
+  thread pool exists to be lost across the fork). The first worker of a process costs one
+  torch import (about 2 s), as a spawned interpreter would; a worker restarted after a crash,
+  and every worker after the first in one process (a test suite), costs a fork. Plain ``fork``
+  of the tool's own process is not used: its torch threads may hold locks.
+* **The worker does the checking; the parent keeps the clock.** The worker imports the user's
+  object and runs the same check code as ``--in-process`` (:mod:`attn_ledger.usertasks`). Every
+  call into user code goes through :func:`attn_ledger.guard.user_call`, which in the worker
+  tells the parent "call starting: WHAT" and "call done". The parent alone enforces the
+  per-call time limit, so a hang inside C code is caught too, and when the worker dies (exit
+  status, signal) the parent knows which call was in flight and in which unit of work (a case),
+  records that unit's L1 ``call`` finding, starts a fresh worker and goes on with the rest.
+  A death while importing or building the user's object is bad setup: exit 2, one line.
+* **Nothing from the worker is unpickled.** The worker answers in JSON; results are rebuilt
+  only into the dataclasses in :data:`attn_ledger.usertasks.RESULT_TYPES`. Requests travel the
+  other way pickled, which is safe: the worker trusts its parent.
+* **Output captured at the file-descriptor level.** The worker's fds 1 and 2 point at a file
+  the parent owns, so ``print``, ``os.write(1, ...)`` and a C library's output all land there
+  (a crash's traceback from :mod:`faulthandler` too) and the tool's stdout carries exactly one
+  report. The command shows what was captured on stderr (:func:`show_output`).
+
+A worker starts in the parent's current directory with its ``sys.path``, and with the
+environment the fork server started with (the first worker's): one command per process, as
+the CLI runs, sees no difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from attn_ledger import errors
+from attn_ledger.errors import AttnLedgerError, SetupError, field_error
+
+TIMEOUT_S = 60.0
+"""Default limit, in seconds, on each call into user code run in a worker."""
+
+_PRELOAD = ["torch", "attn_ledger.usertasks", "attn_ledger.reference", "attn_ledger.pipeline", "attn_ledger.model"]
+_OUTPUT_TAIL_BYTES = 64 << 10  # of each worker's captured output, the part shown
+
+
+class WorkerError(RuntimeError):
+    """The tool's own code failed inside the worker, or the worker broke the protocol (a bug in attn-ledger)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A task's report and what the user's code wrote on stdout and stderr (captured; empty in-process)."""
+
+    report: Any
+    output: str = ""
+
+
+def check_timeout(timeout: float | None, field: str = "--timeout") -> None:
+    """Raises InputError naming ``field`` unless ``timeout`` is None or a finite number of seconds > 0."""
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout > 0
+    if timeout is not None and not ok:
+        raise field_error(field, timeout, "a number of seconds > 0")
+
+
+def run_user_task(name: str, args: dict[str, Any], *, in_process: bool = False, timeout: float | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> Outcome:
+    """Run task ``name`` of :data:`attn_ledger.usertasks.TASKS` in a worker, or here with ``in_process``.
+
+    Args:
+        name: the task.
+        args: its plain-data arguments; ``args["field"]`` names the option that gave the user's object.
+        in_process: run in this process (for debugging): ``SystemExit`` from user code is still a
+            finding and its stdout goes to stderr, but a hang or a crash is not caught.
+        timeout: seconds per call into user code; None means :data:`TIMEOUT_S` in a worker and no
+            limit in-process.
+        progress: ``callback(done, total)``.
+
+    Raises:
+        AttnLedgerError: bad input or setup (the user's object cannot be imported or built).
+        WorkerError: a bug in attn-ledger surfaced in the worker.
+    """
+    from attn_ledger.usertasks import TASKS
+
+    check_timeout(timeout)
+    task = TASKS[name]
+    if in_process:
+        import torch  # noqa: F401 - before the user's import, which should not spend its time limit loading torch
+
+        from attn_ledger.guard import in_process as in_process_policy
+
+        with in_process_policy(timeout, stdout_to_stderr=True):
+            return Outcome(_run_here(task, args, progress))
+    with tempfile.TemporaryDirectory(prefix="attn-ledger-") as tmp, _Supervisor(Path(tmp), timeout or TIMEOUT_S) as sup:
+        report = _run_supervised(sup, name, task, args, progress)
+        return Outcome(report, sup.output())
+
+
+def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], None] | None) -> Any:
+    state, plan = task.setup(args)
+    units = plan["units"]
+    results = []
+    for i, unit in enumerate(units):
+        results.append(task.run(state, args, unit, progress if len(units) == 1 else None))
+        if progress is not None and len(units) > 1:
+            progress(i + 1, len(units))
+    return task.finish(args, plan, results)
+
+
+def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, Any],
+                    progress: Callable[[int, int], None] | None) -> Any:
+    plan = sup.setup(name, args)
+    units = plan["units"]
+    results = []
+    for i, unit in enumerate(units):
+        if not sup.alive:
+            sup.setup(name, args)  # a fresh worker imports (and builds) the user's object again
+        try:
+            results.append(sup.run(unit, progress if len(units) == 1 else None))
+        except _Stopped as stop:
+            more = "; the worker was restarted for the remaining cases" if i + 1 < len(units) else ""
+            results.append(task.stopped(args, unit, stop.detail + more, stop.data))
+        if progress is not None and len(units) > 1:
+            progress(i + 1, len(units))
+    return task.finish(args, plan, results)
+
+
+def show_output(output: str, max_lines: int = 40) -> None:
+    """Write what the user's code printed to stderr, marked as such and cut to its last ``max_lines`` lines."""
+    if not output.strip():
+        return
+    lines = output.rstrip("\n").splitlines()
+    cut = len(lines) - max_lines
+    shown = lines[-max_lines:] if cut > 0 else lines
+    head = "note: your code wrote this on stdout/stderr (captured; stdout carries only the report):"
+    body = ([f"  ... {cut} earlier lines not shown"] if cut > 0 else []) + [f"  | {line[:300]}" for line in shown]
+    sys.stderr.write("\n".join([head, *body]) + "\n")
+    sys.stderr.flush()
+
+
+# --- the parent's side ------------------------------------------------------------------------------
+
+
+class _Stopped(Exception):
+    """The worker died or ran past the time limit.
+
+    ``detail`` names the call in flight and the cause; ``data`` says the same as values:
+    ``{"call": ..., "timeout_s": 2.0}``, ``{"call": ..., "exit_status": 0}``, ``{"call": ..., "signal": "SIGSEGV"}``.
+    """
+
+    def __init__(self, detail: str, data: dict[str, Any]) -> None:
+        super().__init__(detail)
+        self.detail, self.data = detail, data
+
+
+def _context() -> Any:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when this process first starts its fork server
+    return ctx
+
+
+class _Supervisor:
+    """Starts, watches and stops this command's worker; restarts it on demand after a death."""
+
+    def __init__(self, directory: Path, timeout: float) -> None:
+        self.directory, self.timeout = directory, timeout
+        self.ctx = _context()
+        self.proc: Any = None
+        self.conn: Any = None
+        self.captures: list[Path] = []
+        self.call: str | None = None  # the user call in flight
+        self.deadline = math.inf
+        self.killed = False
+
+    def __enter__(self) -> "_Supervisor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None
+
+    def _start(self) -> None:
+        capture = self.directory / f"output-{len(self.captures)}.txt"
+        capture.touch()
+        self.captures.append(capture)
+        parent_end, child_end = self.ctx.Pipe(duplex=True)
+        self.proc = self.ctx.Process(target=_serve, args=(child_end, str(capture)), daemon=True, name="attn-ledger-worker")
+        self.proc.start()
+        child_end.close()  # so that the worker's death reads as end-of-file here
+        self.conn, self.call, self.killed = parent_end, None, False
+
+    def setup(self, name: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Start a fresh worker and load the user's object in it; a death here is a SetupError."""
+        self.stop()
+        self._start()
+        self.conn.send(("setup", name, args))
+        try:
+            return self._await("plan", None)
+        except _Stopped as stop:
+            raise SetupError(f"{args['field']}: {stop.detail}") from None
+
+    def run(self, unit: Any, progress: Callable[[int, int], None] | None) -> Any:
+        self.conn.send(("run", unit))
+        return self._await("result", progress)
+
+    def _await(self, expected: str, progress: Callable[[int, int], None] | None) -> Any:
+        while True:
+            left = None if self.call is None else max(0.0, self.deadline - time.monotonic())
+            ready = wait([self.conn, self.proc.sentinel], left)
+            if not ready:
+                what = self.call
+                self._kill()
+                raise _Stopped(f"{what} timed out after {self.timeout:g} s", {"call": what, "timeout_s": self.timeout})
+            if self.conn not in ready:
+                raise self._death()
+            try:
+                message = json.loads(self.conn.recv_bytes())
+            except EOFError:
+                raise self._death() from None
+            kind = message.get("t")
+            if kind == "start":
+                self.call, self.deadline = str(message["what"]), time.monotonic() + self.timeout
+            elif kind == "done":
+                self.call, self.deadline = None, math.inf
+            elif kind == "progress":
+                if progress is not None:
+                    progress(int(message["done"]), int(message["total"]))
+            elif kind == expected:
+                return decode(message["value"])
+            elif kind == "error":
+                cls = getattr(errors, str(message["kind"]), AttnLedgerError)
+                raise (cls if isinstance(cls, type) and issubclass(cls, AttnLedgerError) else AttnLedgerError)(message["message"])
+            else:
+                raise WorkerError(f"the worker failed:\n{message.get('trace', message)}")
+
+    def _death(self) -> _Stopped:
+        """The worker is gone: reap it and say which call it died in, and how."""
+        what, proc = self.call, self.proc
+        proc.join()
+        code = proc.exitcode
+        self._forget()
+        data: dict[str, Any] = {"call": what}
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            cause, data["signal"] = f"killed by signal {name}", name
+        else:
+            cause, data["exit_status"] = f"exited with status {code}", code
+        detail = f"{what} {cause}" if what else f"the worker running your code {cause} between calls into it"
+        return _Stopped(detail, data)
+
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the worker leads its own group: its children go too
+        except (ProcessLookupError, PermissionError):
+            self.proc.kill()
+        self.proc.join()
+        self._forget()
+
+    def _forget(self) -> None:
+        self.conn.close()
+        self.proc, self.conn, self.call, self.deadline = None, None, None, math.inf
+
+    def stop(self) -> None:
+        """Ask the worker to leave; kill it if it does not within a few seconds."""
+        if self.proc is None:
+            return
+        try:
+            self.conn.send(("exit",))
+        except OSError:
+            pass
+        self.proc.join(5)
+        if self.proc.exitcode is None:
+            self._kill()
+        else:
+            self._forget()
+
+    def output(self) -> str:
+        parts = []
+        for path in self.captures:
+            with open(path, "rb") as fh:
+                size = fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, size - _OUTPUT_TAIL_BYTES))
+                text = fh.read().decode("utf-8", errors="replace")
+            if text.strip():
+                parts.append(text if size <= _OUTPUT_TAIL_BYTES else "...\n" + text)
+        return "\n".join(parts)
+
+
+# --- the worker's side ------------------------------------------------------------------------------
+
+
+class _Channel:
+    """The worker's end of the pipe: JSON messages to the parent."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def send(self, message_type: str, /, **fields: Any) -> None:
+        self.conn.send_bytes(json.dumps({"t": message_type, **fields}).encode())
+
+    def started(self, what: str) -> None:
+        self.send("start", what=what)
+
+    def done(self) -> None:
+        self.send("done")
+
+
+def _isolate(capture_path: str) -> None:
+    """Own process group, no SIGINT (the parent handles Ctrl-C), fds 1 and 2 into the capture file."""
+    import faulthandler
+    import io
+
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fd = os.open(capture_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Unbuffered, so that what was printed before a hang or a crash is in the file when the worker dies.
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    faulthandler.enable(file=sys.stderr)
+
+
+def _serve(conn: Any, capture_path: str) -> None:
+    """The worker's main loop: set up a task, run its units, answer each request with one message."""
+    _isolate(capture_path)
+    from attn_ledger.alloc import retain_freed_memory
+    from attn_ledger.guard import reporting_to
+    from attn_ledger.usertasks import TASKS
+
+    retain_freed_memory()
+    channel = _Channel(conn)
+    state: Any = None
+    task: Any = None
+    args: dict[str, Any] = {}
+    with reporting_to(channel):
+        while True:
+            request = conn.recv()
+            if request[0] == "exit":
+                return
+            try:
+                if request[0] == "setup":
+                    task, args = TASKS[request[1]], request[2]
+                    state, plan = task.setup(args)
+                    channel.send("plan", value=encode(plan))
+                else:
+                    progress = lambda done, total: channel.send("progress", done=done, total=total)  # noqa: E731
+                    channel.send("result", value=encode(task.run(state, args, request[1], progress)))
+            except AttnLedgerError as exc:
+                channel.send("error", kind=type(exc).__name__, message=str(exc))
+            except BaseException:  # noqa: BLE001 - a bug in the tool, or user code outside any guarded call
+                channel.send("bug", trace=traceback.format_exc())
+
+
+# --- results as plain data --------------------------------------------------------------------------
+
+
+def encode(value: Any) -> Any:
+    """A result as JSON-ready data: dataclasses, tuples and dicts tagged so that :func:`decode` rebuilds them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # Fields outside comparison (a report's tensors kept for inspection) stay behind.
+        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init and f.compare}
+        return {"__dataclass__": type(value).__name__, "fields": fields}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v) for v in value]}
+    if isinstance(value, list):
+        return [encode(v) for v in value]
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {"__dict__": {k: encode(v) for k, v in value.items()}}
+    raise TypeError(f"cannot send a {type(value).__name__} from the worker")
+
+
+def decode(data: Any) -> Any:
+    """Rebuild what :func:`encode` made, into the classes of :data:`attn_ledger.usertasks.RESULT_TYPES` only.
+
+    Raises:
+        WorkerError: a class outside that list, or data of an unknown form.
+    """
+    from attn_ledger.usertasks import RESULT_TYPES
+
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return data
+    if isinstance(data, list):
+        return [decode(v) for v in data]
+    if isinstance(data, dict) and "__tuple__" in data:
+        return tuple(decode(v) for v in data["__tuple__"])
+    if isinstance(data, dict) and "__dict__" in data:
+        return {k: decode(v) for k, v in data["__dict__"].items()}
+    if isinstance(data, dict) and "__dataclass__" in data:
+        cls = next((c for c in RESULT_TYPES if c.__name__ == data["__dataclass__"]), None)
+        if cls is None:
+            raise WorkerError(f"the worker sent a {data['__dataclass__']!r}, which is not a result type")
+        return cls(**{k: decode(v) for k, v in data["fields"].items()})
+    raise WorkerError(f"the worker sent data of an unknown form: {str(data)[:100]}")
