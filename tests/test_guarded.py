@@ -379,3 +379,18 @@ def test_results_cross_as_plain_data_and_only_into_result_types():
         decode({"__dataclass__": "Ledger", "fields": {}})
     with pytest.raises(TypeError):
         encode(object())
+
+
+@pytest.mark.parametrize("decode, cause, facts", [
+    ("decode_sys_exit", "raised SystemExit(0)", {"exception": "SystemExit", "message": "0"}),
+    ("decode_hangs", "timed out after 2 s", {"timeout_s": 2.0}),
+], ids=["sys-exit", "hangs"])
+def test_check_module_decode_that_never_returns_is_an_l1_call_finding(decode, cause, facts):
+    res = runner.invoke(app, ["check", "--module", f"{MODULES}:position_wise", "--decode", f"{MODULES}:{decode}",
+                              "--embed-dim", "12", "--heads", "2", "--timeout", "2", "--format", "json"])
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.stdout)
+    call = "decode(module, x_new (2, 1, 12), cache)"  # the second call of the first scenario, one token each
+    (called,) = data["rows"][0]["checks"]
+    assert (data["first_finding"]["check"], called["reason"], called["data"]) == ("call", f"{call} {cause}",
+                                                                                 {"call": call, **facts})
