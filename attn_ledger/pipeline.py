@@ -164,6 +164,18 @@ _FAULTY = {
 }
 
 
+# What each fault does, in one line (the fault tables of the docs are generated from these).
+FAULT_SUMMARIES = {
+    "split-reshape": "heads split by reshape alone, without moving the head axis",
+    "merge-reshape": "heads merged by reshape alone, without moving the head axis back",
+    "k-transpose": "scores from k.transpose(1, 2) instead of a transpose of the last two axes",
+    "softmax-axis": "softmax over queries instead of keys",
+    "no-scale": "no 1/sqrt(Dh) on the scores",
+    "mask-polarity": "the allow relation applied inverted, as if True meant blocked",
+    "mask-after-softmax": "softmax over every key, then the forbidden weights set to zero",
+}
+
+
 def ops_for(fault: str | None) -> Ops:
     """The healthy ops, or the ops with one named fault injected."""
     if fault is None:

@@ -241,3 +241,12 @@ def test_help_states_the_exit_statuses():
     assert r.returncode == 0
     for word in ("0 all that was asked holds", "1 a finding", "2 bad input", "3 an internal error"):
         assert word in " ".join(r.stdout.split()), word
+
+
+def test_progress_bar_leaves_nothing_on_a_stderr_that_is_not_a_terminal(capfd):
+    from attn_ledger.commands.common import Progress
+
+    with Progress("work", delay_s=0.0) as bar:  # past its delay at once
+        for done in range(1, 4):
+            bar(done, 4)
+    assert capfd.readouterr().err == ""  # a log or a pipe gets no bar and no blank line

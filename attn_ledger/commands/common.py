@@ -245,7 +245,7 @@ def _with_timing(report: Any, seconds: float) -> Any:
 
 
 class Progress:
-    """A progress bar on stderr that appears only once work has taken over a second.
+    """A progress bar on stderr that appears only once work has taken over a second, and only on a terminal.
 
     Library code takes a plain ``callback(done, total)``; pass ``Progress(label)``
     (it is callable) from the CLI, or nothing from library users and tests.
@@ -257,10 +257,15 @@ class Progress:
         self.start = time.monotonic()
         self._bar: Any = None
         self._task: Any = None
+        self._terminal: bool | None = None
 
     def __call__(self, done: int, total: int) -> None:
         if self._bar is None:
             if time.monotonic() - self.start < self.delay_s or done >= total:
+                return
+            if self._terminal is None:
+                self._terminal = stderr_console().is_terminal
+            if not self._terminal:  # a log or a pipe: a bar would leave only blank lines there
                 return
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 

@@ -1,0 +1,203 @@
+"""The ledger's stages and the checks each one carries: level, name, meaning, and when it appears.
+
+This is the one list of which stage carries which check at which level. The ledger's judging
+is tested against it (``tests/test_stages.py``: every check a ledger emits, across the faults,
+mask relations, dtypes and saved-tensor inputs, appears here at its stage and level, and every
+entry here is emitted by some ledger), and the stage tables in ``docs/run.md`` are generated
+from it, so the documentation and the ledger cannot disagree.
+
+A new check goes here first, with its level and one line on what it means.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from attn_ledger.report import LEVEL_NAMES
+
+PIPELINE, TENSORS = "pipeline", "tensors"
+BOTH = frozenset({PIPELINE, TENSORS})
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One check a stage carries.
+
+    Attributes:
+        level: 1 shape, 2 axis semantics, 3 numerical invariants, 4 behaviour.
+        name: the check's name as the ledger reports it; ``BACKEND`` and ``DTYPE`` in capitals
+            stand for a family of names (``sdpa[math,float32]``).
+        meaning: what passing means, in one line.
+        when: the condition under which the check appears; empty when it always does.
+        modes: where it appears: the built-in pipeline (``run``), saved tensors (``run --tensors``).
+    """
+
+    level: int
+    name: str
+    meaning: str
+    when: str = ""
+    modes: frozenset[str] = BOTH
+
+    def matches(self, name: str) -> bool:
+        if name == self.name:
+            return True
+        if not any(part in self.name for part in ("BACKEND", "DTYPE")):
+            return False
+        pattern = re.escape(self.name).replace("BACKEND", "[a-z_]+").replace("DTYPE", "[a-z0-9]+")
+        return re.fullmatch(pattern, name) is not None
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of the ledger: its name, its axes, what it holds, and its checks in ledger order."""
+
+    name: str
+    axes: str
+    holds: str
+    checks: tuple[CheckSpec, ...]
+    modes: frozenset[str] = BOTH
+    tensor_axes: str = ""  # the axes with saved tensors, where they differ
+
+    def axes_in(self, mode: str) -> str:
+        return self.tensor_axes if mode == TENSORS and self.tensor_axes else self.axes
+
+
+_P = frozenset({PIPELINE})
+_T = frozenset({TENSORS})
+_VS_F64 = "agrees with the float64 reference within the dtype's tolerance"
+
+# Checks any computed stage may carry: a stage that raises is an L1 finding, not a crash.
+ANY_STAGE: tuple[CheckSpec, ...] = (
+    CheckSpec(1, "computes", "the stage returned its tensor; it raised instead (the row shows what it raised)",
+              "only when the stage raises"),
+)
+
+STAGES: tuple[StageSpec, ...] = (
+    StageSpec("input", "[B,Tq,E]", "the input (saved q, k, v with --tensors)", (), BOTH, "[B,Nh,Tq,Dh]"),
+    StageSpec("head_roundtrip", "[B,T,E]", "merge(split(x)) on a deterministic arange tensor", (
+        CheckSpec(1, "shape", "merge(split(x)) has the shape of x"),
+        CheckSpec(2, "roundtrip_exact", "merge(split(x)) == x, compared by value: no value moved"),
+        CheckSpec(2, "split_head_slices", "after the split, head h holds features h*Dh..(h+1)*Dh of every position"),
+        CheckSpec(2, "merge_head_slices", "after the merge, each head's values are back in their own feature slice"),
+    ), _P),
+    StageSpec("q", "[B,Nh,Tq,Dh]", "queries after projection and head split", (
+        CheckSpec(1, "shape", "the derived [B, Nh, Tq, Dh]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(4, "matches_reference", "agrees with a float64 projection and split"),
+    ), _P),
+    StageSpec("k", "[B,Nkv,Tk,Dh]", "keys after projection and head split", (
+        CheckSpec(1, "shape", "the derived [B, Nkv, Tk, Dh]"),
+        CheckSpec(2, "kv_head_pairing", "with kv heads labelled by index, query head h reads kv head h // (Nh / Nkv)"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(4, "matches_reference", "agrees with a float64 projection and split"),
+    ), _P),
+    StageSpec("v", "[B,Nkv,Tk,Dv]", "values after projection and head split", (
+        CheckSpec(1, "shape", "the derived [B, Nkv, Tk, Dv]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(4, "matches_reference", "agrees with a float64 projection and split"),
+    ), _P),
+    StageSpec("scores", "[B,Nh,Tq,Tk]", "scaled scores q k^T / sqrt(Dh), before masking", (
+        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(3, "exp_headroom", "largest |score| of an allowed pair stays below log(dtype max), where exp "
+                  "overflows without max-subtraction", "a warning, never a finding"),
+        CheckSpec(4, "matches_reference", _VS_F64),
+        CheckSpec(1, "user_scores_shape", "the given scores have the score grid's shape", "--tensors with wrong-shaped scores", _T),
+        CheckSpec(4, "user_scores_matches_reference", "the given scores agree with the float64 reference",
+                  "--tensors with scores", _T),
+    )),
+    StageSpec("masked_scores", "[B,Nh,Tq,Tk]", "scores with forbidden pairs excluded (-inf)", (
+        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
+        CheckSpec(3, "finite", "no NaN and no +inf (-inf marks an excluded key)"),
+        CheckSpec(3, "no_fully_blocked_query", "no query has every key blocked, beyond rows declared empty "
+                  "(empty_rows = zeros)"),
+        CheckSpec(3, "forbidden_excluded", "every forbidden (query, key) score is excluded",
+                  "not applicable without a mask relation"),
+        CheckSpec(3, "allowed_kept", "no allowed (query, key) score is excluded", "with a mask relation"),
+    )),
+    StageSpec("weights", "[B,Nh,Tq,Tk]", "softmax over keys", (
+        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(3, "key_row_sums", "each query's weights sum to 1 over keys"),
+        CheckSpec(3, "forbidden_weight", "the largest weight on a forbidden key is 0 (within the row-sum tolerance)"),
+        CheckSpec(3, "empty_rows_zero", "rows declared empty hold only zeros", "empty_rows = zeros with such rows"),
+        CheckSpec(4, "matches_reference", _VS_F64),
+        CheckSpec(1, "user_weights_shape", "the given weights have the score grid's shape",
+                  "--tensors with wrong-shaped weights", _T),
+        CheckSpec(3, "user_weights_finite", "the given weights: no NaN or infinity", "--tensors with weights", _T),
+        CheckSpec(3, "user_weights_key_row_sums", "the given weights sum to 1 over keys", "--tensors with weights", _T),
+        CheckSpec(3, "user_weights_forbidden_weight", "the given weights put nothing on a forbidden key",
+                  "--tensors with weights", _T),
+        CheckSpec(4, "user_weights_matches_reference", "the given weights agree with the float64 reference",
+                  "--tensors with weights", _T),
+    )),
+    StageSpec("context", "[B,Nh,Tq,Dv]", "weights @ v", (
+        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Dv]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(3, "in_value_range", "each row lies inside the per-coordinate range of the value rows it mixes"),
+        CheckSpec(4, "matches_reference", _VS_F64),
+        CheckSpec(4, "matches_sdpa", "agrees with F.scaled_dot_product_attention on the same q, k, v, scale and "
+                  "mask (in its polarity, dropout off)"),
+        CheckSpec(4, "sdpa[BACKEND,DTYPE]", "the same comparison with one SDPA backend pinned, in one dtype",
+                  "--backends"),
+        CheckSpec(3, "user_out_finite", "the given out: no NaN or infinity", "--tensors with out", _T),
+        CheckSpec(3, "user_out_in_value_range", "the given out lies inside the range of the value rows it may mix",
+                  "--tensors with out", _T),
+        CheckSpec(4, "user_out_matches_reference", "the given out agrees with the float64 reference",
+                  "--tensors with out", _T),
+        CheckSpec(4, "user_out_matches_sdpa", "the given out agrees with F.scaled_dot_product_attention",
+                  "--tensors with out, float32 or float64", _T),
+    )),
+    StageSpec("merged", "[B,Tq,Nh*Dv]", "heads merged back", (
+        CheckSpec(1, "shape", "the derived [B, Tq, Nh*Dv]"),
+        CheckSpec(2, "merge_head_slices", "head h's context lands in features h*Dv..(h+1)*Dv"),
+        CheckSpec(4, "matches_reference", "agrees with the float64 reference"),
+    ), _P),
+    StageSpec("output", "[B,Tq,E]", "the output projection", (
+        CheckSpec(1, "external_layout", "the output keeps the external [B, Tq, E] layout"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(4, "matches_reference", "agrees with the float64 reference"),
+        CheckSpec(4, "matches_sdpa", "agrees with a forward built on F.scaled_dot_product_attention"),
+    ), _P),
+)
+
+
+def stage_names(mode: str = PIPELINE) -> tuple[str, ...]:
+    """The ledger's rows, in order, for the built-in pipeline or for saved tensors."""
+    return tuple(s.name for s in STAGES if mode in s.modes)
+
+
+def find(stage: str, name: str) -> CheckSpec | None:
+    """The entry for a check the ledger reported at ``stage``, or None if the list does not have it."""
+    for spec in STAGES:
+        if spec.name == stage:
+            for c in (*spec.checks, *ANY_STAGE):
+                if c.matches(name):
+                    return c
+    return None
+
+
+def markdown_table(mode: str = PIPELINE) -> str:
+    """The stage table of ``docs/run.md``: one line per check, grouped by stage, for one mode."""
+    if mode not in (PIPELINE, TENSORS):
+        raise ValueError(f"mode: got {mode!r}, expected {PIPELINE!r} or {TENSORS!r}")
+    lines = ["| stage | axes | level | check | passes when | appears |", "| --- | --- | --- | --- | --- | --- |"]
+    for spec in STAGES:
+        if mode not in spec.modes:
+            continue
+        checks = [c for c in spec.checks if mode in c.modes]
+        head = f"| `{spec.name}` | `{spec.axes_in(mode)}` "
+        if not checks:
+            lines.append(head + f"| | | {spec.holds}: validated before anything runs (bad input is exit 2, not a row) | |")
+            continue
+        for i, c in enumerate(checks):
+            lead = head if i == 0 else "| | "
+            lines.append(f"{lead}| L{c.level} {LEVEL_NAMES[c.level]} | `{c.name}` | {_cell(c.meaning)} | {_cell(c.when or 'always')} |")
+    for c in ANY_STAGE:
+        lines.append(f"| any computed stage | | L{c.level} {LEVEL_NAMES[c.level]} | `{c.name}` | {_cell(c.meaning)} | {_cell(c.when)} |")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
