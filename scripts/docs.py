@@ -13,7 +13,7 @@ Marked blocks (the marker is an HTML comment on the line before the block; GitHu
     $ echo $?                                    <- optional: the exit status, generated
     ```
 
-    <!-- example -->
+    <!-- example [raises] -->
     ```pycon
     >>> from attn_ledger.config import load_config   <- written by hand
     >>> report.verdict
@@ -31,11 +31,11 @@ prefixes, ``2>/dev/null`` and pipes into ``head -n N``, ``tail -n N`` or
 list gives one per line); ``width`` the terminal width (COLUMNS, default 100). Each block
 runs in a fresh temporary directory that links the repository's top-level entries, so
 ``--output`` writes nothing into the tree. Exempt blocks (timing figures, install lines,
-GPU-only examples) are neither run nor compared; nothing else may be exempt.
+GPU-only examples) are neither run nor compared; nothing else may be exempt. A pycon
+statement that raises is an error unless the marker says ``raises``.
 
 Examples run in worker processes with one thread, ``MKL_ENABLE_INSTRUCTIONS=AVX2`` and
-``ATEN_CPU_CAPABILITY=avx2``,
-so a page does not depend on the machine that wrote it. Comparison masks values below
+``ATEN_CPU_CAPABILITY=avx2``, so a page does not depend on the machine that wrote it. Comparison masks values below
 1e-5 (rounding-level differences vary with the CPU's instruction set), normalises paths and
 whitespace, and keeps every other number exact. A block whose output compares equal is
 left as it is, so regenerating twice, or on another machine, leaves the tree unchanged.
@@ -125,8 +125,8 @@ def parse_options(text: str, where: str) -> dict[str, str]:
     options: dict[str, str] = {}
     for token in shlex.split(text):
         key, _, value = token.partition("=")
-        if key not in ("exit", "width", "exempt"):
-            raise PageError(f"{where}: unknown marker option {key!r}, expected exit=, width= or exempt=")
+        if key not in ("exit", "width", "exempt", "raises"):
+            raise PageError(f"{where}: unknown marker option {key!r}, expected exit=, width=, exempt= or raises")
         options[key] = value
     if "exempt" in options and options["exempt"] not in EXEMPT_REASONS:
         raise PageError(f"{where}: exempt={options['exempt']!r}, expected one of {', '.join(EXEMPT_REASONS)}")
@@ -374,24 +374,28 @@ def run_console(commands: list[str], width: int) -> tuple[list[str], list[int]]:
     return outputs, statuses
 
 
-def run_pycon(statements: list[str]) -> list[str]:
-    """Each statement as the interactive interpreter runs it: expression values are printed."""
+def run_pycon(statements: list[str]) -> tuple[list[str], list[int]]:
+    """Each statement as the interactive interpreter runs it: expression values are printed.
+
+    Returns the outputs and the indices of the statements that raised.
+    """
     import contextlib
     import io
     import traceback
 
     namespace: dict[str, Any] = {"__name__": "__main__"}
-    outputs = []
-    for src in statements:
+    outputs, raised = [], []
+    for i, src in enumerate(statements):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             try:
                 exec(compile(src + "\n", "<example>", "single"), namespace)
             except Exception as exc:  # shown as the interpreter shows it
+                raised.append(i)
                 buf.write("Traceback (most recent call last):\n  ...\n")
                 buf.write("".join(traceback.format_exception_only(type(exc), exc)))
         outputs.append(buf.getvalue())
-    return outputs
+    return outputs, raised
 
 
 def run_request(request: dict[str, Any]) -> dict[str, Any]:
@@ -408,7 +412,8 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
             outputs, statuses = run_console(request["inputs"], request["width"])
             return {"outputs": [_paths(o, workdir) for o in outputs], "statuses": statuses}
         if kind == "pycon":
-            return {"outputs": [_paths(o, workdir) for o in run_pycon(request["inputs"])], "statuses": []}
+            outputs, raised = run_pycon(request["inputs"])
+            return {"outputs": [_paths(o, workdir) for o in outputs], "statuses": [], "raised": raised}
         name, _, arg = request["inputs"][0].partition(" ")
         if name not in GENERATORS:
             raise ExampleError(f"unknown generator {name!r}, expected one of {', '.join(sorted(GENERATORS))}")
@@ -577,18 +582,23 @@ def judge(block: Block, result: dict[str, Any]) -> dict[str, Any]:
     if block.kind == "console" and statuses != want:
         return {**out, "status": "error",
                 "error": f"attn-ledger exit status {statuses}, the marker expects exit={block.options.get('exit', '0')}"}
+    if result.get("raised") and "raises" not in block.options:
+        first = block.inputs[result["raised"][0]].splitlines()[0]
+        return {**out, "status": "error",
+                "error": f"the statement {first!r} raised (mark the example 'raises' if it is meant to)"}
     new = render_body(block, result["outputs"])
+    out.update(outputs=result["outputs"], new=new)
     if same(block.body, new):
         return {**out, "status": "same"}
-    return {**out, "status": "differs", "new": new, "diff": diff_text(block.body, new, block.page)}
+    return {**out, "status": "differs", "diff": diff_text(block.body, new, block.page)}
 
 
-def apply(text: str, blocks: list[Block], judged: dict[str, dict[str, Any]]) -> str:
-    """The page with every differing block's body replaced by its new body."""
+def apply(text: str, blocks: list[Block], judged: dict[str, dict[str, Any]], force: bool = False) -> str:
+    """The page with every differing block's body (every run block's, with ``force``) replaced by its new body."""
     lines = text.split("\n")
     for block in sorted(blocks, key=lambda b: b.body_start, reverse=True):
         verdict = judged.get(block.id)
-        if verdict and verdict["status"] == "differs":
+        if verdict and (verdict["status"] == "differs" or (force and "new" in verdict)):
             lines[block.body_start:block.body_end] = verdict["new"]
     return "\n".join(lines)
 

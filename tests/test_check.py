@@ -454,7 +454,7 @@ def test_cli_module_protocol():
 def test_check_help_and_docs_show_the_options():
     res = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0
-    docs = (ROOT / "README.md").read_text()
+    docs = (ROOT / "docs" / "check.md").read_text()
     for opt in ("--case", "--empty-rows", "--module", "--embed-dim", "--heads", "--causal", "--format", "--seed",
                 "--timeout", "--in-process"):
         assert opt in res.output and opt in docs, opt
