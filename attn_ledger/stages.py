@@ -141,6 +141,7 @@ STAGES: tuple[StageSpec, ...] = (
                   "mask (in its polarity, dropout off)"),
         CheckSpec(4, "sdpa[BACKEND,DTYPE]", "the same comparison with one SDPA backend pinned, in one dtype",
                   "--backends"),
+        CheckSpec(1, "user_out_shape", "the given out has the context's shape", "--tensors with a wrong-shaped out", _T),
         CheckSpec(3, "user_out_finite", "the given out: no NaN or infinity", "--tensors with out", _T),
         CheckSpec(3, "user_out_in_value_range", "the given out lies inside the range of the value rows it may mix",
                   "--tensors with out", _T),
