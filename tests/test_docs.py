@@ -201,5 +201,6 @@ def test_links_between_pages_resolve():
             dest = (path.parent / file).resolve() if file else path
             assert dest.exists(), f"{page}: link to {target}: no such file"
             if anchor and dest.suffix == ".md":
-                slugs = {_slug(h) for h in re.findall(r"(?m)^#+ (.+)$", dest.read_text())}
+                prose = re.sub(r"(?ms)^(```|~~~).*?^\1", "", dest.read_text())
+                slugs = {_slug(h) for h in re.findall(r"(?m)^#+ (.+)$", prose)}
                 assert anchor in slugs, f"{page}: link to {target}: no such heading"
