@@ -347,10 +347,11 @@ def test_check_html_lists_the_failing_cases_with_their_reproduction(tmp_path):
     assert not doc.with_class("wcell")  # check sees outputs only: no grids to draw
 
 
-def test_help_and_readme_name_the_picture_options():
-    readme = (ROOT / "README.md").read_text()
+def test_help_and_docs_name_the_picture_options():
+    run_page = (ROOT / "docs" / "run.md").read_text()
+    check_page = (ROOT / "docs" / "check.md").read_text()
     run_help = invoke("run", "--help", columns=200).output
     check_help = invoke("check", "--help", columns=200).output
     for opt in ("--show", "--html"):
-        assert opt in run_help and opt in readme
-    assert "--html" in check_help
+        assert opt in run_help and opt in run_page
+    assert "--html" in check_help and "--html" in check_page
