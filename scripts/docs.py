@@ -24,8 +24,9 @@ Marked blocks (the marker is an HTML comment on the line before the block; GitHu
     ...                                          <- generated from the code (see GENERATORS)
     <!-- end generated -->
 
-A console block runs each ``$`` line: ``attn-ledger ...`` (with optional ``NAME=value``
-prefixes, ``2>/dev/null`` and pipes into ``head -n N``, ``tail -n N`` or
+A console block runs each ``$`` line: ``NAME=value`` (a shell variable, expanded as
+``$NAME`` in the lines below), ``attn-ledger ...`` (with optional ``NAME=value``
+environment prefixes, ``2>/dev/null`` and pipes into ``head -n N``, ``tail -n N`` or
 ``grep [-E] [-i] [-v] [-c] PATTERN``), ``echo $?`` and ``cat FILE``.
 ``exit`` is the status every ``attn-ledger`` line must end with (default 0; a comma-separated
 list gives one per line); ``width`` the terminal width (COLUMNS, default 100). Each block
@@ -317,14 +318,19 @@ class Shell:
     def __init__(self, width: int) -> None:
         self.width = width
         self.status = 0
+        self.variables: dict[str, str] = {}
 
     def run(self, command: str) -> tuple[str, int | None]:
         """Run one command line: its stdout through any pipes, then its stderr (as a terminal shows them)."""
+        command = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: self.variables.get(m.group(1), ""), command)
         argv, pipes = _split_pipeline(command)
         env: dict[str, str] = {}
-        while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+        while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]):
             key, _, value = argv.pop(0).partition("=")
             env[key] = value
+        if not argv and not pipes:  # NAME=value alone: a shell variable for the lines below
+            self.variables.update(env)
+            return "", None
         quiet_stderr = "2>/dev/null" in argv
         merge_stderr = "2>&1" in argv
         argv = [a for a in argv if a not in ("2>/dev/null", "2>&1")]

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("run", "check", "faults", "sweep-scale", "polarity", "intervene")
-PAGES = ("run", "check", "faults", "sweep-scale", "polarity", "intervene", "json", "ci", "performance", "library")
+PAGES = ("run", "check", "check-decode", "faults", "sweep-scale", "polarity", "intervene", "json", "ci", "performance", "library")
 
 
 def _load_script():
