@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from attn_ledger.engine import relations as mask_relations
-from attn_ledger.errors import ConfigError, InputError
+from attn_ledger.errors import ConfigError, InputError, clip, shown, shown_path
+from attn_ledger.limits import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, MAX_INT_DIGITS, MAX_MASK_CHARS, MAX_MASK_PARTS, MAX_POSITION, SEED_MAX
 
 FAULTS = (
     "split-reshape",
@@ -43,6 +44,24 @@ class Fault(str, Enum):
     mask_after_softmax = "mask-after-softmax"
 
 
+# keys that only a relation of the mask uses
+KEY_NEEDS = {"valid_lengths": "padding", "padding_side": "padding", "window": "sliding-window",
+             "prefix_len": "prefix-lm", "segment_lengths": "segments"}
+
+
+class UnusedKey(ValueError):
+    """A config key or option given for a relation the mask does not include."""
+
+    def __init__(self, key: str, value: Any, relation: str, mask: str) -> None:
+        super().__init__(f"{key}: got {shown(value)}, expected it only with a mask that includes {relation!r} "
+                         f"(the mask is {shown(mask)})")
+        self.key, self.value, self.relation, self.mask = key, value, relation, mask
+
+    def named(self, name: str) -> str:
+        return (f"{name}: got {shown(self.value)}, expected it only with a mask that includes {self.relation!r} "
+                f"(the mask is {shown(self.mask)})")
+
+
 class RunConfig(BaseModel):
     """One ledger run on the built-in multi-head attention.
 
@@ -55,28 +74,38 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=True)
 
-    batch_size: int = Field(2, ge=0)
-    seq_len: Optional[int] = Field(None, ge=1)
-    query_len: Optional[int] = Field(None, ge=1)
-    key_len: Optional[int] = Field(None, ge=1)
-    embed_dim: int = Field(12, ge=1)
-    num_heads: int = Field(3, ge=1)
-    num_kv_heads: Optional[int] = Field(None, ge=1)
-    value_dim: Optional[int] = Field(None, ge=1, description="Dv, the per-head value width (default Dh)")
-    mask: str = "causal"
-    valid_lengths: Optional[list[int]] = None
+    # Strict types: a bool, a float or a string is not an integer. Sizes have no cap of their own:
+    # every size is the side of some tensor, so one memory estimate bounds them all (limits.py).
+    batch_size: int = Field(2, ge=0, strict=True)
+    seq_len: Optional[int] = Field(None, ge=1, strict=True)
+    query_len: Optional[int] = Field(None, ge=1, strict=True)
+    key_len: Optional[int] = Field(None, ge=1, strict=True)
+    embed_dim: int = Field(12, ge=1, strict=True)
+    num_heads: int = Field(3, ge=1, strict=True)
+    num_kv_heads: Optional[int] = Field(None, ge=1, strict=True)
+    value_dim: Optional[int] = Field(None, ge=1, strict=True, description="Dv, the per-head value width (default Dh)")
+    mask: str = Field("causal", max_length=MAX_MASK_CHARS, strict=True)
+    valid_lengths: Optional[list[Annotated[int, Field(strict=True)]]] = None
     padding_side: Literal["right", "left"] = "right"
-    window: Optional[int] = Field(None, ge=1)
-    prefix_len: Optional[int] = Field(None, ge=0)
-    segment_lengths: Optional[list[int]] = None
+    window: Optional[int] = Field(None, ge=1, le=MAX_POSITION, strict=True)
+    prefix_len: Optional[int] = Field(None, ge=0, le=MAX_POSITION, strict=True)
+    segment_lengths: Optional[list[Annotated[int, Field(strict=True)]]] = None
     empty_rows: Literal["error", "zeros"] = "error"
     dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX, strict=True)
     input: Literal["random", "arange"] = "random"
     fault: Optional[Fault] = None
-    device: str = "cpu"
-    block_size: Optional[int] = Field(None, ge=1)
-    keep_grids: bool = False
+    device: str = Field("cpu", max_length=32, strict=True)
+    block_size: Optional[int] = Field(None, ge=1, le=MAX_POSITION, strict=True)
+    keep_grids: bool = Field(False, strict=True)
+
+    @field_validator("mask")
+    @classmethod
+    def _few_parts(cls, mask: str) -> str:
+        parts = mask.count("+") + 1
+        if parts > MAX_MASK_PARTS:
+            raise ValueError(f"mask: got {parts} relations joined by '+', expected at most {MAX_MASK_PARTS}")
+        return mask
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -105,6 +134,21 @@ class RunConfig(BaseModel):
             raise ValueError(str(exc)) from None
         if self.device not in ("cpu", "cuda", "mps", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: got {self.device!r}, expected cpu, cuda, mps or auto")
+        return self
+
+    @model_validator(mode="after")
+    def _used(self) -> "RunConfig":
+        """A key the chosen mask does not use is refused, not silently ignored; positions stay inside Tk."""
+        relations = self.relations
+        given = self.model_fields_set
+        for key, relation in KEY_NEEDS.items():
+            value = getattr(self, key)
+            if relation not in relations and key in given and value is not None:
+                raise UnusedKey(key, value, relation, self.mask)
+        for key in ("window", "prefix_len"):
+            value = getattr(self, key)
+            if value is not None and value > self.tk:
+                raise ValueError(f"{key}: got {value}, expected at most key_len={self.tk}")
         return self
 
     @property
@@ -144,24 +188,41 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 
-def _describe(err: dict[str, Any]) -> str:
-    loc = ".".join(str(p) for p in err.get("loc", ())) or "config"
+def _describe(err: dict[str, Any], names: Mapping[str, str]) -> str:
+    """One line for pydantic's first error, naming the key as the user gave it (``names``: key -> option)."""
+    key = ".".join(str(p) for p in err.get("loc", ())) or "config"
+    loc = names.get(key, key)
     kind = err.get("type", "")
     value = err.get("input")
     if kind == "extra_forbidden":
         known = ", ".join(RunConfig.model_fields)
-        return f"unknown config key {loc!r} (value {value!r}), expected one of: {known}"
+        return f"unknown config key {shown(key)} (value {shown(value)}), expected one of: {known}"
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, UnusedKey):
+        return cause.named(names.get(cause.key, cause.key))
     msg = err.get("msg", "invalid")
     if kind == "value_error":
         return msg.removeprefix("Value error, ")
     if isinstance(value, dict):
         return f"{loc}: {msg}"
-    expected = msg.removeprefix("Input should be ").removeprefix("input should be ") or "a valid value"
-    return f"{loc}: got {value!r}, expected {expected}"
+    ctx = err.get("ctx") or {}
+    bounds = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at most", "le"),
+              "string_too_long": ("a string of at most {} characters", "max_length")}
+    if kind in bounds:
+        words, field = bounds[kind]
+        bound = ctx.get(field)
+        expected = words.format(bound) if "{}" in words else f"{words} {bound}"
+    else:
+        expected = msg.removeprefix("Input should be ").removeprefix("input should be ") or "a valid value"
+    return f"{loc}: got {shown(value)}, expected {expected}"
 
 
-def make_config(values: dict[str, Any], source: str = "config") -> RunConfig:
+def make_config(values: dict[str, Any], source: str = "config", names: Mapping[str, str] | None = None) -> RunConfig:
     """Validate a dict of settings into a :class:`RunConfig`.
+
+    Args:
+        names: how the user spelled a key (``{"valid_lengths": "--valid-lengths"}`` for a CLI
+            option), used in the message.
 
     Raises:
         ConfigError: one line naming the field, the value and what was expected.
@@ -171,50 +232,139 @@ def make_config(values: dict[str, Any], source: str = "config") -> RunConfig:
     except ValidationError as exc:
         first = exc.errors()[0]
         prefix = "" if source == "config" else f"{source}: "
-        raise ConfigError(prefix + _describe(first)) from None
+        raise ConfigError(prefix + _describe(first, names or {})) from None
     except TypeError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 
 
+class _LongInteger(Exception):
+    """An integer literal longer than MAX_INT_DIGITS, met while parsing."""
+
+
+def _bounded_int(text: str) -> int:
+    """JSON's integers, refused beyond MAX_INT_DIGITS digits before Python converts them."""
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _LongInteger(len(text.lstrip("-")))
+    return int(text)
+
+
+def nesting_depth(text: str, limit: int = MAX_CONFIG_DEPTH) -> int:
+    """How deep ``[``/``{`` nest outside strings and comments; counting stops once past ``limit``.
+
+    Read before parsing, so a file nested thousands deep is refused without recursing into it.
+    Quotes toggle a string (a backslash escapes inside double quotes); ``#`` starts a TOML
+    comment outside strings.
+    """
+    depth = deepest = 0
+    quote = ""
+    escaped = comment = False
+    for ch in text:
+        if comment:
+            comment = ch != "\n"
+        elif quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\" and quote == '"':
+                escaped = True
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            comment = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML or JSON config file into a plain dict (not yet validated)."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config: file not found: {str(p)!r}")
-    if not p.is_file():
-        raise ConfigError(f"config: not a regular file: {str(p)!r}")
+    """Read a TOML or JSON config file into a plain dict (not yet validated).
+
+    Bounded: at most MAX_CONFIG_BYTES, nesting at most MAX_CONFIG_DEPTH deep, integers of at
+    most MAX_INT_DIGITS digits; beyond any of these it is one line, exit 2.
+    """
+    from attn_ledger.paths import input_file
+
+    p = input_file(path, "config", ConfigError)
+    name = shown_path(p)
+    suffix = p.suffix.lower()
+    if suffix not in (".json", ".toml"):
+        raise ConfigError(f"config: unsupported file type {shown(suffix or '(none)')} for {name}, expected .toml or .json")
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config: {name} holds {size} bytes, expected at most {MAX_CONFIG_BYTES}")
     try:
         text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config: cannot read {str(p)!r}: {exc}") from None
-    suffix = p.suffix.lower()
-    if suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config: malformed JSON in {str(p)!r}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    elif suffix == ".toml":
-        import tomllib
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config: {name} is not UTF-8 text (byte {exc.start}), expected a .toml or .json file") from None
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {name}: {exc.strerror or exc}") from None
+    depth = nesting_depth(text)
+    if depth > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"config: {name} nests lists or tables more than {MAX_CONFIG_DEPTH} deep, "
+                          f"expected at most {MAX_CONFIG_DEPTH} levels")
+    try:
+        if suffix == ".json":
+            try:
+                data = json.loads(text, parse_int=_bounded_int)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"config: malformed JSON in {name}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+            except _LongInteger as exc:
+                raise ConfigError(f"config: {name} holds an integer of {exc.args[0]} digits, "
+                                  f"expected at most {MAX_INT_DIGITS} digits") from None
+        else:
+            import tomllib
 
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config: malformed TOML in {str(p)!r}: {exc}") from None
-    else:
-        raise ConfigError(f"config: unsupported file type {suffix or '(none)'!r} for {str(p)!r}, expected .toml or .json")
+            try:
+                data = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"config: malformed TOML in {name}: {clip(str(exc))}") from None
+            except ValueError as exc:  # an integer past Python's conversion limit
+                raise ConfigError(f"config: {name} holds a value TOML cannot convert ({clip(str(exc))}), "
+                                  f"expected integers of at most {MAX_INT_DIGITS} digits") from None
+    except RecursionError:  # the scan above bounds nesting; this only guards against what it cannot see
+        raise ConfigError(f"config: {name} nests too deeply to parse, expected at most {MAX_CONFIG_DEPTH} levels") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config: {str(p)!r} holds a {type(data).__name__}, expected a table of keys")
+        raise ConfigError(f"config: {name} holds a {type(data).__name__}, expected a table of keys")
+    _check_ints(data, name)
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """The embedded default, updated by a config file, updated by explicit overrides (CLI options)."""
+def _check_ints(data: dict[str, Any], name: str) -> None:
+    """TOML has no integer hook: a parsed integer longer than MAX_INT_DIGITS is refused here."""
+    stack: list[Any] = [data]
+    while stack:
+        item = stack.pop()
+        values = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for v in values:
+            if isinstance(v, int) and abs(v) >= 10**MAX_INT_DIGITS:
+                raise ConfigError(f"config: {name} holds an integer of {len(str(abs(v)))} digits, "
+                                  f"expected at most {MAX_INT_DIGITS} digits")
+            if isinstance(v, (dict, list)):
+                stack.append(v)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                option_names: Mapping[str, str] | None = None) -> RunConfig:
+    """The embedded default, updated by a config file, updated by explicit overrides (CLI options).
+
+    Args:
+        option_names: key -> the option that sets it (``{"valid_lengths": "--valid-lengths"}``);
+            a message about a key that came from an option names the option.
+    """
     values: dict[str, Any] = dict(DEFAULT_CONFIG)
     if path is not None:
         data = read_config_file(path)
         if "query_len" in data or "key_len" in data:
             values.pop("seq_len", None)
         values.update(data)
+    names: dict[str, str] = {}
     for key, value in (overrides or {}).items():
         if value is None:
             continue
@@ -224,4 +374,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             values.pop("query_len", None)
             values.pop("key_len", None)
         values[key] = value
-    return make_config(values)
+        if option_names and key in option_names:
+            names[key] = option_names[key]
+    return make_config(values, names=names)

@@ -49,6 +49,7 @@ from attn_ledger.errors import SetupError
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.intervention import abs_delta, output_scale
 from attn_ledger.report import Check, Report, Row, bounded, first_finding_of, row_status, unjudged
+from attn_ledger.seeding import generator
 from attn_ledger.tolerance import relative as relative_tolerance
 
 if TYPE_CHECKING:
@@ -596,7 +597,7 @@ def _replaced(x: "torch.Tensor", position: int, seed: int) -> "torch.Tensor":
     """``x`` with the token at ``position`` replaced by a fresh one of the same size (seeded)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed * 1009 + position + 7)
+    g = generator(seed * 1009 + position + 7)
     x64 = x.detach().to(torch.float64)
     rms = float(x64.square().mean().sqrt()) or 1.0
     out = x.detach().clone()
@@ -776,7 +777,7 @@ def decode_rows(module: "nn.Module", decode: Callable[..., Any], embed_dim: int,
     module.eval()
     dtype = module_dtype(module)
     sub = _Subject(_Decoder(module, decode), lambda x: call_forward(module, x), relative_tolerance(dtype), seed)
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     seqs = []
     for _ in range(2):
         x = torch.randn(batch_size, length, embed_dim, generator=g, dtype=torch.float64).to(dtype)  # [B, T, E]

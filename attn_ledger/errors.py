@@ -27,6 +27,34 @@ class SetupError(AttnLedgerError):
     """A user's implementation cannot be imported, found or constructed."""
 
 
+class ResourceError(AttnLedgerError):
+    """The request needs more of a resource (memory) than the machine or the stated budget has."""
+
+
+SHOWN_CHARS = 60  # an echoed value is cut to about this many characters
+PATH_CHARS = 240  # a path is shown whole up to this length
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, saying how long it was, so a line stays readable."""
+    r = repr(value)
+    if len(r) <= limit:
+        return r
+    length = f"{len(value)} characters" if isinstance(value, str) else f"{len(r)} characters as text"
+    return f"{r[:limit]}... ({length})"
+
+
+def shown_path(path: object) -> str:
+    """A path as it is echoed in a message: quoted, and cut only when absurdly long."""
+    return shown(str(path), PATH_CHARS)
+
+
+def clip(text: str, limit: int = 120) -> str:
+    """``text`` cut to about ``limit`` characters (for a library's message quoted in ours)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def field_error(field: str, value: object, expected: str, cls: type[InputError] = InputError) -> InputError:
-    """Build the standard one-line message: the field, the value received and what was expected."""
-    return cls(f"{field}: got {value!r}, expected {expected}")
+    """Build the standard one-line message: the field, the value received (cut to a readable length)
+    and what was expected."""
+    return cls(f"{field}: got {shown(value)}, expected {expected}")

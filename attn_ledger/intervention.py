@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 from attn_ledger.errors import SetupError
 from attn_ledger.guard import UserCodeError, outcome, user_call
 from attn_ledger.report import Check, bounded, counted
+from attn_ledger.seeding import generator
 from attn_ledger.tolerance import relative as relative_tolerance
 
 if TYPE_CHECKING:
@@ -325,7 +326,7 @@ def _replacement(x: "torch.Tensor", cut: int, seed: int) -> "torch.Tensor":
     """x with positions cut+1.. replaced by fresh values of x's own size (seeded)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed * 1000 + cut + 17)
+    g = generator(seed * 1000 + cut + 17)
     b, t, e = x.shape
     x64 = x.detach().to(torch.float64)
     rms = float(x64.square().mean().sqrt()) or 1.0

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 from attn_ledger.errors import InputError
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.report import Check, Finding, Report, Row, bounded, counted, find_check, row_status, unjudged
+from attn_ledger.seeding import generator
 from attn_ledger.tolerance import KERNEL_FACTOR, kernel_floor
 
 if TYPE_CHECKING:
@@ -286,7 +287,7 @@ def case_inputs(case: Case | str, seed: int = 0) -> tuple["Tensor", "Tensor", "T
     import torch
 
     case = parse_case(case) if isinstance(case, str) else case
-    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) ^ (seed & 0xFFFFFFFF))
+    gen = generator(zlib.crc32(case.id.encode()) ^ seed)  # every bit of the seed counts
     index = case.inputs == "index"
     qk_scale = _LARGE if case.inputs == "large" else 1.0
     dt = _torch_dtype(case.dtype_name)
@@ -652,7 +653,7 @@ def _check_case(fn: Callable[..., Any], case: Case, empty_rows: str, seed: int) 
 
     q, k, v, kwargs = case_inputs(case, seed)
     kernel = _Kernel(fn, kwargs, case.call_text())
-    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 7919 * (seed + 1))
+    gen = generator(zlib.crc32(case.id.encode()) + 7919 * (seed + 1))
     dt = q.dtype
 
     try:

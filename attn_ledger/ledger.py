@@ -20,8 +20,9 @@ SDPA reference runs on every row.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from attn_ledger import checks as C
 from attn_ledger.cells import locate
@@ -425,7 +426,7 @@ def _tensor_rows(rows: _Rows, q: "Tensor", k: "Tensor", v: "Tensor", one_head: b
 
 
 def run_ledger_tensors(
-    path: str,
+    path: "str | os.PathLike[str] | Mapping[str, Tensor]",
     *,
     mask: str = "none",
     window: int | None = None,
@@ -438,11 +439,17 @@ def run_ledger_tensors(
     keep_going: bool = False,
     progress: ProgressFn | None = None,
     backends: "str | list[str] | None" = None,
+    source: str | None = None,
 ) -> Report:
-    """Load a ``.pt``/``.safetensors``/``.npz`` file of q, k, v (and optional masks and intermediates) and run the ledger."""
+    """Load a ``.pt``/``.safetensors``/``.npz`` file of q, k, v (and optional masks and intermediates) and run the ledger.
+
+    ``path`` may also be the file's tensors, loaded already with
+    :func:`~attn_ledger.tensorio.load_tensor_file`; ``source`` then names them in the title.
+    """
+    source = source or (str(path) if isinstance(path, (str, os.PathLike)) else "tensors")
     t = inputs.load(path, None if dtype is None else inputs.torch_dtype(dtype), inputs.resolve_device(device))
     return ledger_on_qkv(
         t["q"], t["k"], t["v"], allow_mask=t.get("allow_mask"), key_valid=t.get("key_valid"), mask=mask,
         window=window, prefix_len=prefix_len, scores=t.get("scores"), weights=t.get("weights"), out=t.get("out"),
         empty_rows=empty_rows, block_size=block_size, keep_grids=keep_grids, keep_going=keep_going,
-        progress=progress, source=str(path), backends=backends)
+        progress=progress, source=source, backends=backends)

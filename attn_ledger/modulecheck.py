@@ -50,6 +50,7 @@ from attn_ledger.intervention import (
     path_check,
 )
 from attn_ledger.report import Check, Coverage, Report, Row, Status, bounded, counted, row_status, unjudged
+from attn_ledger.seeding import generator, manual_seed
 from attn_ledger.tolerance import relative as relative_tolerance
 
 if TYPE_CHECKING:
@@ -299,7 +300,7 @@ def _permutation(s: _Subject) -> Check:
     import torch
 
     t = s.x.shape[1]
-    g = torch.Generator().manual_seed(s.seed + 5)
+    g = generator(s.seed + 5)
     perm = torch.randperm(t, generator=g)
     if t > 1 and torch.equal(perm, torch.arange(t)):
         perm = torch.roll(perm, 1)
@@ -412,7 +413,7 @@ def _gradient_form(s: _Subject) -> Check:
     import torch
 
     b, t, e = s.x.shape
-    g = torch.Generator().manual_seed(s.seed + 9)
+    g = generator(s.seed + 9)
     r = torch.randn(b, t, e, generator=g, dtype=torch.float64).to(s.x.dtype)  # [B, T, E] probe direction
     x_in = s.x.detach().clone().requires_grad_(True)
     with torch.enable_grad():
@@ -596,7 +597,7 @@ def check_module(
         raise field_error("decode", getattr(decode, "__name__", "decode"),
                           "a causal module (decode parity compares with the causal forward)")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        manual_seed(seed)
         module = build_module(factory, embed_dim, num_heads)
         return check_built_module(module, embed_dim, num_heads, causal=causal, seed=seed, batch_size=batch_size,
                                   seq_len=seq_len, progress=progress, subject=subject, decode=decode)
@@ -634,7 +635,7 @@ def check_built_module(
     param_dtype = module_dtype(module)
     dtype = str(param_dtype).removeprefix("torch.")
     sizes = {"B": batch_size, "T": seq_len, "E": embed_dim, "Nh": num_heads}
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     x = torch.randn(batch_size, seq_len, embed_dim, generator=g, dtype=torch.float64).to(param_dtype)  # [B, T, E]
     module.eval()
     layout, why_not = recognise_layout(module, num_heads)

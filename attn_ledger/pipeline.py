@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
+from attn_ledger.seeding import generator
+
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
@@ -199,7 +201,7 @@ def make_weights(e: int, nh: int, nkv: int, dh: int, dv: int, seed: int, dtype: 
     """Seeded projection weights with ``nn.Linear``'s default scale, made in float64 then cast."""
     import torch
 
-    g = torch.Generator().manual_seed(seed + 1)
+    g = generator(seed + 1)
 
     def lin(out_f: int, in_f: int) -> "Tensor":
         bound = 1.0 / math.sqrt(in_f)
@@ -217,7 +219,7 @@ def make_input(b: int, t: int, e: int, kind: str, seed: int, dtype: "torch.dtype
         n = b * t * e
         x = (torch.arange(n, dtype=torch.float64) + offset) / max(n + offset, 1)
         return x.reshape(b, t, e).to(dtype=dtype, device=device)
-    g = torch.Generator().manual_seed(seed + offset)
+    g = generator(seed + offset)
     return torch.randn(b, t, e, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
 
 

@@ -29,6 +29,7 @@ from attn_ledger.intervention import build_module
 from attn_ledger.kernelcheck import Case, CaseResult, check_case, failed_call, kernel_report, parse_case, runnable_cases
 from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, check_built_module, stopped_module_report
 from attn_ledger.report import Check, Coverage, Finding, Report, Row
+from attn_ledger.seeding import manual_seed
 from attn_ledger.userload import load_object
 
 Progress = Callable[[int, int], None] | None
@@ -73,7 +74,7 @@ def _module_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     factory = load_object(args["spec"], args["field"])
     # Seeded just before the factory, as check_module does in-process, so both draw the same weights;
     # the worker is disposable, so its global generator need not be restored.
-    torch.manual_seed(args["seed"])
+    manual_seed(args["seed"])
     return build_module(factory, args["embed_dim"], args["num_heads"], args["field"]), {"units": [0]}
 
 

@@ -173,10 +173,10 @@ def _bad_tensor_files(tmp: Path) -> dict[str, tuple[Path, str]]:
     evil = tmp / "evil.pt"
     with open(evil, "wb") as fh:
         pickle.dump({"q": Evil()}, fh)
-    out["pickled object"] = (evil, "weights_only")
+    out["pickled object"] = (evil, "plain pickle")
     junk = tmp / "junk.safetensors"
     junk.write_bytes(b"not a tensor file")
-    out["unreadable"] = (junk, "cannot read")
+    out["unreadable"] = (junk, "not a pickle, a zip archive or a safetensors file")
     out["missing file"] = (tmp / "nope.pt", "file not found")
     out["wrong suffix"] = (tmp / "x.txt", "unsupported file type")
     (tmp / "x.txt").write_text("q")
@@ -234,7 +234,7 @@ def test_missing_config_file():
 def test_bad_options():
     assert invoke("run", "--fault", "bogus").exit_code == 2
     r = invoke("run", "--valid-lengths", "3,x", "--mask", "padding")
-    assert r.exit_code == 2 and "valid_lengths" in r.stderr
+    assert r.exit_code == 2 and "--valid-lengths" in r.stderr
     r = invoke("run", "--tensors", str(ROOT / "fixtures/tensors/seed000.safetensors"), "--fault", "no-scale")
     assert r.exit_code == 2 and "fault" in r.stderr
 

@@ -8,7 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.options import INT
 
 
 class EmptyRows(str, Enum):
@@ -28,9 +30,9 @@ def check(
         Optional[str],
         typer.Option("--module", help="Check a module instead: 'file.py:FACTORY', FACTORY(embed_dim, num_heads) -> nn.Module."),
     ] = None,
-    embed_dim: Annotated[Optional[int], typer.Option("--embed-dim", help="E, for --module.")] = None,
-    heads: Annotated[Optional[int], typer.Option("--heads", help="Nh, for --module.")] = None,
-    causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Whether the module is meant to be causal (--module).")] = True,
+    embed_dim: Annotated[Optional[str], typer.Option("--embed-dim", metavar=INT, help="E, for --module.")] = None,
+    heads: Annotated[Optional[str], typer.Option("--heads", metavar=INT, help="Nh, for --module.")] = None,
+    causal: Annotated[Optional[bool], typer.Option("--causal/--no-causal", help="Whether the module is meant to be causal (--module).", show_default="causal")] = None,
     decode: Annotated[
         Optional[str],
         typer.Option("--decode", help="With --module: check its KV-cache decode path against the full forward, "
@@ -40,9 +42,9 @@ def check(
         Optional[list[str]], typer.Option("--case", help="Run only this case id (repeatable); any well-formed id works.")
     ] = None,
     empty_rows: Annotated[
-        EmptyRows, typer.Option("--empty-rows", help="Contract for a query whose every key is blocked.")
-    ] = EmptyRows.zeros,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for the random inputs and perturbations.")] = 0,
+        Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked (kernel protocol).", show_default="zeros")
+    ] = None,
+    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random inputs and perturbations (0..2^63-1).", show_default="0")] = None,
     timeout: Annotated[
         Optional[float],
         typer.Option("--timeout", metavar="SECONDS", help=(
@@ -60,6 +62,7 @@ def check(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the failing cases and their reproduction.")] = None,
+    max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget for --module sizes, such as 8G (default: what the machine has free).")] = None,
 ) -> None:
     """Check an attention function or module from outside and name the first level where it goes wrong.
 
@@ -78,32 +81,40 @@ def check(
 
         if decode is not None and module is None:
             raise InputError(f"--decode: got {decode!r} without --module; a decode path is checked with its module")
-        if decode is not None and not causal:
+        if decode is not None and causal is False:
             raise InputError("--decode: cannot be used with --no-causal; decode parity compares with the causal forward")
         if (target is None) == (module is None):
             raise InputError("target: expected exactly one of a function 'file.py:NAME' or --module 'file.py:FACTORY'")
+        seed_value = opt.seed(seed) or 0
         if module is not None:
-            if case:
-                raise InputError("--case: applies to a kernel-protocol function, not to --module")
-            if embed_dim is None or heads is None:
-                raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={embed_dim}, heads={heads}")
-            if embed_dim < 1 or heads < 1 or embed_dim % heads:
-                raise InputError(f"embed_dim must be a positive multiple of heads: embed_dim={embed_dim}, heads={heads}")
+            opt.refuse_given({"--case": case or None, "--empty-rows": empty_rows.value if empty_rows else None},
+                             "with --module (it applies to a kernel-protocol function)")
+            e, nh = opt.integer(embed_dim, "--embed-dim", 1), opt.integer(heads, "--heads", 1)
+            if e is None or nh is None:
+                raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={e}, heads={nh}")
+            if e % nh:
+                raise InputError(f"embed_dim must be a positive multiple of heads: embed_dim={e}, heads={nh}")
+            from attn_ledger.limits import estimate_module
+            from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN
+
+            opt.guard(estimate_module(e, nh, BATCH_SIZE, SEQ_LEN, f"check --module E={e} Nh={nh}"), opt.memory(max_memory))
             parse_spec(module, "--module")
             if decode is not None:
                 parse_spec(decode, "--decode")
-            name, args, label = "module_check", {"spec": module, "field": "--module", "embed_dim": embed_dim,
-                                                 "num_heads": heads, "causal": causal, "seed": seed,
-                                                 "decode": decode}, "checking module"
+            name, args, label = "module_check", {"spec": module, "field": "--module", "embed_dim": e,
+                                                 "num_heads": nh, "causal": True if causal is None else causal,
+                                                 "seed": seed_value, "decode": decode}, "checking module"
         else:
-            if embed_dim is not None or heads is not None:
-                raise InputError("--embed-dim/--heads: apply only with --module")
+            opt.refuse_given({"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal,
+                              "--max-memory": max_memory},
+                             "for a kernel-protocol function (it applies to --module)")
             from attn_ledger.kernelcheck import select_cases
 
             cases = [c.id for c in select_cases(case)]
             parse_spec(target, "target")
             name, args, label = "kernel_check", {"target": target, "field": "target", "cases": cases,
-                                                 "empty_rows": empty_rows.value, "seed": seed}, "checking cases"
+                                                 "empty_rows": (empty_rows or EmptyRows.zeros).value,
+                                                 "seed": seed_value}, "checking cases"
         with Progress(label) as bar:
             outcome = run_user_task(name, args, in_process=in_process, timeout=timeout, progress=bar)
         show_output(outcome.output)

@@ -7,11 +7,13 @@ from typing import Annotated, Optional
 
 import typer
 
+from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.options import INT
 
 
 def faults(
-    seed: Annotated[int, typer.Option("--seed", help="Seed for the random inputs and perturbations.")] = 0,
+    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random inputs and perturbations (0..2^63-1).", show_default="0")] = None,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
@@ -25,6 +27,6 @@ def faults(
         from attn_ledger.catalogue import run_catalogue
 
         with Progress("running the fault catalogue") as bar:
-            return run_catalogue(seed=seed, progress=bar)
+            return run_catalogue(seed=opt.seed(seed) or 0, progress=bar)
 
     execute(build, output_format, output, command="faults", timings=timings)

@@ -7,23 +7,32 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.options import INT
+from attn_ledger.limits import MAX_POSITION
+
+
+# config key -> the option that sets it, so a message about a key names what the user typed
+OPTION_NAMES = {"embed_dim": "--embed-dim", "num_heads": "--heads", "seq_len": "--seq-len", "batch_size": "--batch-size",
+                "seed": "--seed"}
 
 
 def intervene(
     config: Annotated[Optional[Path], typer.Argument(help="TOML or JSON config for the built-in pipeline; omitted: the embedded default.")] = None,
     module: Annotated[Optional[str], typer.Option("--module", help="Test your module instead: path/to/file.py:FACTORY or pkg.mod:FACTORY, called as FACTORY(embed_dim, num_heads).")] = None,
-    embed_dim: Annotated[Optional[int], typer.Option("--embed-dim", help="E (required with --module).")] = None,
-    heads: Annotated[Optional[int], typer.Option("--heads", help="Nh (required with --module).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="T, at least 2.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="B.")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Seeds the weights, the input and the replacement values.")] = None,
-    at: Annotated[Optional[int], typer.Option("--at", help="Test one cut i (0..T-2) instead of all of them.")] = None,
+    embed_dim: Annotated[Optional[str], typer.Option("--embed-dim", metavar=INT, help="E (required with --module).")] = None,
+    heads: Annotated[Optional[str], typer.Option("--heads", metavar=INT, help="Nh (required with --module).")] = None,
+    seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, help="T, at least 2.")] = None,
+    batch_size: Annotated[Optional[str], typer.Option("--batch-size", metavar=INT, help="B.")] = None,
+    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seeds the weights, the input and the replacement values.")] = None,
+    at: Annotated[Optional[str], typer.Option("--at", metavar=INT, help="Test one cut i (0..T-2) instead of all of them.")] = None,
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Also run the two leaking controls on the built-in pipeline.")] = True,
     timeout: Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS", help="With --module: limit on each call into your code (import, factory, each forward). A call past it is named in the report as an L1 call finding (exit 2 at import or factory time). Default 60; with --in-process, none unless given.")] = None,
     in_process: Annotated[bool, typer.Option("--in-process", help="With --module: run your code in this process, for debugging; sys.exit in it is still a finding, but a hang or a crash is not caught.")] = False,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free).")] = None,
 ) -> None:
     """Test causality by intervention: for each cut i, change only positions after i and rerun.
 
@@ -38,16 +47,22 @@ def intervene(
         from attn_ledger.errors import InputError
         from attn_ledger.experiments.intervene import module_task_args, plan_intervene, run_intervene
 
-        overrides = {"embed_dim": embed_dim, "num_heads": heads, "seq_len": seq_len, "batch_size": batch_size, "seed": seed}
+        overrides = {"embed_dim": opt.integer(embed_dim, "--embed-dim"), "num_heads": opt.integer(heads, "--heads"),
+                     "seq_len": opt.integer(seq_len, "--seq-len"), "batch_size": opt.integer(batch_size, "--batch-size"),
+                     "seed": opt.seed(seed)}
+        cut = opt.integer(at, "--at", 0, MAX_POSITION)
+        budget = opt.memory(max_memory)
         if module is None:
             if timeout is not None or in_process:
                 raise InputError("--timeout/--in-process: apply only with --module (the built-in pipeline runs no code of yours)")
             with Progress("intervening") as bar:
-                return run_intervene(config, overrides=overrides, at=at, with_controls=controls, progress=bar)
+                return run_intervene(config, overrides=overrides, at=cut, with_controls=controls, progress=bar,
+                                     max_memory=budget, option_names=OPTION_NAMES)
         from attn_ledger.userload import parse_spec
         from attn_ledger.worker import run_user_task, show_output
 
-        cfg, cuts = plan_intervene(config, module_spec=module, overrides=overrides, at=at)
+        cfg, cuts = plan_intervene(config, module_spec=module, overrides=overrides, at=cut, max_memory=budget,
+                                   option_names=OPTION_NAMES)
         parse_spec(module, "--module")
         with Progress("intervening") as bar:
             outcome = run_user_task("intervene_module", module_task_args(cfg, module, cuts, controls),

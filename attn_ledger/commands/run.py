@@ -8,8 +8,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.options import INT
 from attn_ledger.config import Fault as FaultName
+from attn_ledger.limits import MAX_POSITION
 
 
 class DType(str, Enum):
@@ -22,6 +25,15 @@ class DType(str, Enum):
 class InputKind(str, Enum):
     random = "random"
     arange = "arange"
+
+
+# config key -> the option that sets it, so a message about a key names what the user typed
+OPTION_NAMES = {"batch_size": "--batch-size", "seq_len": "--seq-len", "query_len": "--query-len", "key_len": "--key-len",
+                "embed_dim": "--embed-dim", "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads",
+                "value_dim": "--value-dim", "mask": "--mask", "valid_lengths": "--valid-lengths", "window": "--window",
+                "prefix_len": "--prefix-len", "empty_rows": "--empty-rows", "dtype": "--dtype", "seed": "--seed",
+                "input": "--input", "device": "--device", "block_size": "--block-size", "keep_grids": "--keep-grids",
+                "fault": "--fault"}
 
 
 class EmptyRows(str, Enum):
@@ -39,39 +51,28 @@ class Show(str, Enum):
 PICTURE_KEEP = 64  # --show/--html keep whole grids up to this Tq and Tk, the largest the HTML page draws cell by cell
 
 
-def _int_list(text: str | None, field: str) -> list[int] | None:
-    from attn_ledger.errors import InputError
-
-    if text is None:
-        return None
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise InputError(f"{field}: got {text!r}, expected comma-separated whole numbers such as 3,5") from None
-
-
 def run(
     config: Annotated[Optional[Path], typer.Argument(help="TOML or JSON config; omitted: the embedded default (B=2, T=5, E=12, Nh=3, causal).", show_default=False)] = None,
     tensors: Annotated[Optional[Path], typer.Option("--tensors", help="Saved q, k, v (.pt, .safetensors, .npz), with optional allow_mask, key_valid, scores, weights, out.")] = None,
     fault: Annotated[Optional[FaultName], typer.Option("--fault", help="Inject one deliberate failure into the built-in pipeline.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="B.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="T for self-attention.")] = None,
-    query_len: Annotated[Optional[int], typer.Option("--query-len", help="Tq for cross-attention (with --key-len).")] = None,
-    key_len: Annotated[Optional[int], typer.Option("--key-len", help="Tk for cross-attention (with --query-len).")] = None,
-    embed_dim: Annotated[Optional[int], typer.Option("--embed-dim", help="E.")] = None,
-    num_heads: Annotated[Optional[int], typer.Option("--num-heads", "--heads", help="Nh.")] = None,
-    num_kv_heads: Annotated[Optional[int], typer.Option("--num-kv-heads", help="Nkv for grouped-query attention (divides Nh).")] = None,
-    value_dim: Annotated[Optional[int], typer.Option("--value-dim", help="Dv, the per-head value width (default Dh).")] = None,
+    batch_size: Annotated[Optional[str], typer.Option("--batch-size", metavar=INT, help="B.")] = None,
+    seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, help="T for self-attention.")] = None,
+    query_len: Annotated[Optional[str], typer.Option("--query-len", metavar=INT, help="Tq for cross-attention (with --key-len).")] = None,
+    key_len: Annotated[Optional[str], typer.Option("--key-len", metavar=INT, help="Tk for cross-attention (with --query-len).")] = None,
+    embed_dim: Annotated[Optional[str], typer.Option("--embed-dim", metavar=INT, help="E.")] = None,
+    num_heads: Annotated[Optional[str], typer.Option("--num-heads", "--heads", metavar=INT, help="Nh.")] = None,
+    num_kv_heads: Annotated[Optional[str], typer.Option("--num-kv-heads", metavar=INT, help="Nkv for grouped-query attention (divides Nh).")] = None,
+    value_dim: Annotated[Optional[str], typer.Option("--value-dim", metavar=INT, help="Dv, the per-head value width (default Dh).")] = None,
     mask: Annotated[Optional[str], typer.Option("--mask", help="Relations joined by '+': none, causal, causal-top-left, padding, sliding-window, prefix-lm, segments.")] = None,
     valid_lengths: Annotated[Optional[str], typer.Option("--valid-lengths", help="Per-example key lengths for padding, e.g. 5,3.")] = None,
-    window: Annotated[Optional[int], typer.Option("--window", help="Window length for sliding-window.")] = None,
-    prefix_len: Annotated[Optional[int], typer.Option("--prefix-len", help="Prefix length for prefix-lm.")] = None,
+    window: Annotated[Optional[str], typer.Option("--window", metavar=INT, help="Window length for sliding-window.")] = None,
+    prefix_len: Annotated[Optional[str], typer.Option("--prefix-len", metavar=INT, help="Prefix length for prefix-lm.")] = None,
     empty_rows: Annotated[Optional[EmptyRows], typer.Option("--empty-rows", help="Rows with every key blocked: an error, or declared and required to be zeros.")] = None,
     dtype: Annotated[Optional[DType], typer.Option("--dtype", help="Compute dtype.")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for inputs and weights.")] = None,
+    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for inputs and weights.")] = None,
     input_kind: Annotated[Optional[InputKind], typer.Option("--input", help="random or arange inputs.")] = None,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, mps or auto.")] = None,
-    block_size: Annotated[Optional[int], typer.Option("--block-size", help="Query rows per block for the score-grid stages.")] = None,
+    block_size: Annotated[Optional[str], typer.Option("--block-size", metavar=INT, help="Query rows per block for the score-grid stages.")] = None,
     keep_grids: Annotated[bool, typer.Option("--keep-grids", help="Keep whole score grids in memory even when large.")] = False,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Evaluate every row after the first divergence (marked downstream).")] = False,
     backends: Annotated[Optional[str], typer.Option("--backends", help="Repeat the context comparison per SDPA backend: 'all' or names from math, flash, efficient, cudnn joined by ','.")] = None,
@@ -79,6 +80,7 @@ def run(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file instead of stdout.")] = None,
     show: Annotated[Optional[list[Show]], typer.Option("--show", help="After the table, draw a heatmap per head of the diverging example: the weights, or what masking did (repeatable; up to Tq, Tk = 32 cell by cell, pooled beyond).")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the mask and weight heatmaps.")] = None,
+    max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free); a run estimated above it is refused.")] = None,
 ) -> None:
     """Run attention as named stages, check each, and name the first stage that diverges.
 
@@ -88,38 +90,66 @@ def run(
     pictures = bool(shown) or html is not None
 
     def build():
-        from attn_ledger.errors import InputError
-
+        budget = opt.memory(max_memory)
+        sizes = {"--batch-size": opt.integer(batch_size, "--batch-size"), "--seq-len": opt.integer(seq_len, "--seq-len"),
+                 "--query-len": opt.integer(query_len, "--query-len"), "--key-len": opt.integer(key_len, "--key-len"),
+                 "--embed-dim": opt.integer(embed_dim, "--embed-dim"), "--num-heads": opt.integer(num_heads, "--num-heads"),
+                 "--num-kv-heads": opt.integer(num_kv_heads, "--num-kv-heads"),
+                 "--value-dim": opt.integer(value_dim, "--value-dim")}
+        positions = {"--window": opt.integer(window, "--window", hi=MAX_POSITION),
+                     "--prefix-len": opt.integer(prefix_len, "--prefix-len", hi=MAX_POSITION),
+                     "--block-size": opt.integer(block_size, "--block-size", hi=MAX_POSITION)}
+        lengths = opt.int_list(valid_lengths, "--valid-lengths")
+        seed_value = opt.seed(seed)
         progress = Progress("ledger blocks")
         if tensors is not None:
-            from attn_ledger.ledger import run_ledger_tensors
-
-            if config is not None:
-                raise InputError(f"config: got {str(config)!r} together with --tensors, expected one input or the other")
-            if fault is not None:
-                raise InputError("fault: got a fault with --tensors, expected faults only for the built-in pipeline")
-            with progress:
-                return run_ledger_tensors(
-                    str(tensors), mask=mask or "none", window=window, prefix_len=prefix_len,
-                    empty_rows=(empty_rows.value if empty_rows else "error"), dtype=dtype.value if dtype else None,
-                    device=device or "cpu", block_size=block_size, keep_grids=keep_grids, keep_going=keep_going,
-                    progress=progress, backends=backends)
+            return _on_tensors(sizes, positions, budget, progress)
         from attn_ledger.config import load_config
         from attn_ledger.ledger import run_ledger
+        from attn_ledger.limits import estimate_run
 
         overrides = {
-            "fault": fault.value if fault else None, "batch_size": batch_size, "seq_len": seq_len,
-            "query_len": query_len, "key_len": key_len, "embed_dim": embed_dim, "num_heads": num_heads,
-            "num_kv_heads": num_kv_heads, "value_dim": value_dim, "mask": mask,
-            "valid_lengths": _int_list(valid_lengths, "valid_lengths"), "window": window, "prefix_len": prefix_len,
+            "fault": fault.value if fault else None, "batch_size": sizes["--batch-size"], "seq_len": sizes["--seq-len"],
+            "query_len": sizes["--query-len"], "key_len": sizes["--key-len"], "embed_dim": sizes["--embed-dim"],
+            "num_heads": sizes["--num-heads"], "num_kv_heads": sizes["--num-kv-heads"], "value_dim": sizes["--value-dim"],
+            "mask": mask, "valid_lengths": lengths, "window": positions["--window"], "prefix_len": positions["--prefix-len"],
             "empty_rows": empty_rows.value if empty_rows else None, "dtype": dtype.value if dtype else None,
-            "seed": seed, "input": input_kind.value if input_kind else None, "device": device,
-            "block_size": block_size, "keep_grids": keep_grids or None,
+            "seed": seed_value, "input": input_kind.value if input_kind else None, "device": device,
+            "block_size": positions["--block-size"], "keep_grids": keep_grids or None,
         }
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, OPTION_NAMES)
         if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
             cfg = cfg.model_copy(update={"keep_grids": True})  # the heatmaps draw every cell at this size
+        opt.guard(estimate_run(cfg), budget, progress=progress)
         with progress:
             return run_ledger(cfg, keep_going=keep_going, progress=progress, backends=backends)
+
+    def _on_tensors(sizes, positions, budget, progress):
+        from attn_ledger.errors import InputError
+        from attn_ledger.ledger import run_ledger_tensors
+        from attn_ledger.limits import estimate_tensors
+        from attn_ledger.tensorio import load_tensor_file
+
+        if config is not None:
+            raise InputError(f"config: got {str(config)!r} together with --tensors, expected one input or the other")
+        if fault is not None:
+            raise InputError("fault: got a fault with --tensors, expected faults only for the built-in pipeline")
+        opt.refuse_given({**sizes, "--valid-lengths": valid_lengths, "--seed": seed,
+                          "--input": input_kind.value if input_kind else None},
+                         "with --tensors (the file sets every size and holds the inputs)")
+        relations = [r.strip() for r in (mask or "none").split("+")]
+        for option, relation in (("--window", "sliding-window"), ("--prefix-len", "prefix-lm")):
+            if positions[option] is not None and relation not in relations:
+                raise InputError(f"{option}: got {positions[option]}, expected it only with a mask that includes "
+                                 f"{relation!r} (the mask is {(mask or 'none')!r})")
+        found = load_tensor_file(tensors, "tensors", max_memory=budget)
+        opt.guard(estimate_tensors(found, dtype=dtype.value if dtype else None, block_size=positions["--block-size"],
+                                   keep_grids=keep_grids, mask=mask or "none"), budget, progress=progress)
+        with progress:
+            return run_ledger_tensors(
+                found, mask=mask or "none", window=positions["--window"], prefix_len=positions["--prefix-len"],
+                empty_rows=(empty_rows.value if empty_rows else "error"), dtype=dtype.value if dtype else None,
+                device=device or "cpu", block_size=positions["--block-size"], keep_grids=keep_grids,
+                keep_going=keep_going, progress=progress, backends=backends, source=str(tensors))
 
     execute(build, output_format, output, command="run", show=shown, html=html)

@@ -7,20 +7,23 @@ from typing import Annotated, Optional
 
 import typer
 
+from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.options import INT
 
 
 def sweep_scale(
-    dh: Annotated[str, typer.Option("--dh", help="Comma-separated head widths Dh to sweep.")] = "8,32,128,512",
-    queries: Annotated[int, typer.Option("--queries", help="Query vectors Tq per Dh.")] = 512,
-    keys: Annotated[int, typer.Option("--keys", help="Key vectors Tk per Dh.")] = 512,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for the random q and k.")] = 0,
+    dh: Annotated[Optional[str], typer.Option("--dh", help="Comma-separated head widths Dh to sweep.", show_default="8,32,128,512")] = None,
+    queries: Annotated[Optional[str], typer.Option("--queries", metavar=INT, help="Query vectors Tq per Dh.", show_default="512")] = None,
+    keys: Annotated[Optional[str], typer.Option("--keys", metavar=INT, help="Key vectors Tk per Dh.", show_default="512")] = None,
+    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random q and k (0..2^63-1).", show_default="0")] = None,
     tensors: Annotated[
         Optional[Path], typer.Option("--tensors", help="Saved q and k ([B, T, Dh] or [B, Nh, T, Dh]) to measure instead.")
     ] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of std and entropy against Dh (needs matplotlib).")] = None,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free).")] = None,
 ) -> None:
     """Does 1/sqrt(Dh) hold the score spread near 1 and the softmax entropy flat across Dh?
 
@@ -28,9 +31,17 @@ def sweep_scale(
     """
 
     def build():
-        from attn_ledger.experiments.scale import sweep_scale as run_sweep_scale
+        from attn_ledger.experiments import scale
 
+        if tensors is not None:
+            opt.refuse_given({"--dh": dh, "--queries": queries, "--keys": keys, "--seed": seed},
+                             "with --tensors (the file sets the sizes and holds q and k)")
+        tq = opt.integer(queries, "--queries", 2, scale.MAX_T)
+        tk = opt.integer(keys, "--keys", 2, scale.MAX_T)
         with Progress("sweep-scale") as progress:
-            return run_sweep_scale(dh, queries, keys, seed, tensors=tensors, plot=plot, progress=progress)
+            return scale.sweep_scale(dh if dh is not None else scale.DEFAULT_DH,
+                                     scale.DEFAULT_QUERIES if tq is None else tq, scale.DEFAULT_KEYS if tk is None else tk,
+                                     opt.seed(seed) or 0, tensors=tensors, plot=plot, progress=progress,
+                                     max_memory=opt.memory(max_memory))
 
     execute(build, output_format, output, command="sweep-scale")

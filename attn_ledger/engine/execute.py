@@ -119,6 +119,8 @@ class Execution:
         import torch
 
         with torch.inference_mode():
+            if self.progress is not None:  # shown from here on, through SDPA's whole-input call, long on long inputs
+                self.progress(0, len(self.plan.blocks))
             self._start()
             for blk in self.plan.blocks:
                 if not (yield from self._block(blk)):

@@ -8,7 +8,8 @@ comes back as a :class:`~attn_ledger.engine.measure.Broken` measurement, judged 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Mapping
 
 from attn_ledger.engine.measure import Broken
 from attn_ledger.errors import InputError, TensorFileError
@@ -93,12 +94,14 @@ def given_tensors(found: "dict[str, Tensor | None]", one_head: bool, b: int, nh:
     return given, broken
 
 
-def load(path: str, dtype: "torch.dtype | None", device: "torch.device") -> dict[str, "Tensor"]:
+def load(path: "str | os.PathLike[str] | Mapping[str, Tensor]", dtype: "torch.dtype | None",
+         device: "torch.device") -> dict[str, "Tensor"]:
     """The tensors of a ``.pt`` / ``.safetensors`` / ``.npz`` file, named from :data:`TENSOR_NAMES`, on ``device``
-    (floating-point ones cast to ``dtype`` when given)."""
+    (floating-point ones cast to ``dtype`` when given). ``path`` may also be the file's tensors, loaded already
+    with :func:`~attn_ledger.tensorio.load_tensor_file`."""
     from attn_ledger.tensorio import load_tensor_file
 
-    found = load_tensor_file(path, "tensors")
+    found = load_tensor_file(path, "tensors") if isinstance(path, (str, os.PathLike)) else dict(path)
     unknown = sorted(set(found) - set(TENSOR_NAMES))
     if unknown:
         raise TensorFileError(f"tensors: {path!r} holds unexpected tensor {unknown[0]!r}, "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from attn_ledger.intervention import (
     GRAD_MODES,
@@ -43,6 +43,7 @@ from attn_ledger.intervention import (
 )
 from attn_ledger.guard import UserCodeError
 from attn_ledger.report import Check, Coverage, Report, Row, row_status
+from attn_ledger.seeding import manual_seed
 
 if TYPE_CHECKING:
     import torch
@@ -221,19 +222,25 @@ def stopped_intervention(subject: str, shape: tuple[int, ...], num_heads: int, r
 
 
 def plan_intervene(config: Path | None = None, *, module_spec: str | None = None,
-                   overrides: dict[str, Any] | None = None, at: int | None = None) -> tuple[Any, list[int] | None]:
+                   overrides: dict[str, Any] | None = None, at: int | None = None, max_memory: int | None = None,
+                   option_names: Mapping[str, str] | None = None) -> tuple[Any, list[int] | None]:
     """Validate an ``intervene`` request: the config with its overrides, and the cuts (None: all).
+
+    ``option_names`` (config key -> option) names the option in a message about a key that came
+    from one; ``max_memory`` is the memory budget in bytes (default: what the machine has free).
 
     Raises:
         InputError: a config or option out of range.
+        ResourceError: the sizes would not fit in memory.
     """
     from attn_ledger.config import load_config
     from attn_ledger.errors import InputError
+    from attn_ledger.limits import estimate_module, require_fits
 
     overrides = dict(overrides or {})
     if module_spec is not None and (overrides.get("embed_dim") is None or overrides.get("num_heads") is None):
         raise InputError("--module needs --embed-dim and --heads: the factory is called as FACTORY(embed_dim, num_heads)")
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, option_names)
     if cfg.tq != cfg.tk:
         raise InputError(f"intervene needs self-attention: got query_len={cfg.tq}, key_len={cfg.tk}, expected seq_len")
     t = cfg.tq
@@ -243,6 +250,8 @@ def plan_intervene(config: Path | None = None, *, module_spec: str | None = None
         raise InputError(f"batch_size: got {cfg.batch_size}, expected at least 1")
     if at is not None and not 0 <= at <= t - 2:
         raise InputError(f"--at: got {at}, expected a cut between 0 and seq_len-2={t - 2}")
+    require_fits(estimate_module(cfg.embed_dim, cfg.num_heads, cfg.batch_size, t,
+                                 f"intervene B={cfg.batch_size} T={t} E={cfg.embed_dim}"), max_memory)
     return cfg, None if at is None else [at]
 
 
@@ -271,7 +280,7 @@ def intervene_module(module: "nn.Module", args: dict[str, Any], progress: Callab
     with_controls = args["with_controls"]
     control_list = builtin_controls(args["embed_dim"], args["num_heads"], args["seed"], x.dtype) if with_controls else []
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args["seed"])
+        manual_seed(args["seed"])
         return intervene_report(module, x, subject=f"module {args['spec']}", num_heads=args["num_heads"],
                                 cuts=args["cuts"], controls=control_list,
                                 controls_note=MODULE_CONTROLS_NOTE if with_controls else "", seed=args["seed"],
@@ -286,6 +295,8 @@ def run_intervene(
     at: int | None = None,
     with_controls: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    max_memory: int | None = None,
+    option_names: Mapping[str, str] | None = None,
 ) -> Report:
     """``attn-ledger intervene`` in this process: the built-in pipeline from a config, or a user's module.
 
@@ -302,22 +313,25 @@ def run_intervene(
         at: test this one cut instead of all of them.
         with_controls: also run the two leaking controls on the built-in pipeline.
         progress: ``callback(done, total)``.
+        max_memory, option_names: as for :func:`plan_intervene`.
 
     Raises:
         InputError: a config or option out of range.
         SetupError: the module cannot be loaded or its factory fails.
+        ResourceError: the sizes would not fit in memory.
     """
     import torch
 
     from attn_ledger.pipeline import make_input
 
-    cfg, cuts = plan_intervene(config, module_spec=module_spec, overrides=overrides, at=at)
+    cfg, cuts = plan_intervene(config, module_spec=module_spec, overrides=overrides, at=at, max_memory=max_memory,
+                               option_names=option_names)
     if module_spec is not None:
         from attn_ledger.userload import load_object
 
         factory = load_object(module_spec, "--module")
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
+            manual_seed(cfg.seed)
             subject_module = build_module(factory, cfg.embed_dim, cfg.num_heads, "--module")
         return intervene_module(subject_module, module_task_args(cfg, module_spec, cuts, with_controls), progress)
     dtype = getattr(torch, cfg.dtype)
@@ -326,7 +340,7 @@ def run_intervene(
     control_list = builtin_controls(cfg.embed_dim, cfg.num_heads, cfg.seed, x.dtype) if with_controls else []
     # Seed torch's own generator too, so that the same run gives the same report twice.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
+        manual_seed(cfg.seed)
         return intervene_report(subject_module, x, subject=subject, num_heads=cfg.num_heads, cuts=cuts,
                                 controls=control_list, controls_note=note, seed=cfg.seed, progress=progress)
 

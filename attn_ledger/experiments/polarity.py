@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from attn_ledger.errors import TensorFileError, field_error
 from attn_ledger.report import Check, Report, Row, bounded, row_status
+from attn_ledger.seeding import generator
 from attn_ledger.tolerance import PROBE_ATOL
 
 if TYPE_CHECKING:
@@ -237,7 +238,7 @@ def _forbidden_weight(weights: "torch.Tensor", allow: "torch.Tensor") -> float:
 def _seeded_case(seed: int):
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     dh = E // NH
     q = torch.randn(B, NH, T, dh, generator=gen)  # [B, Nh, Tq, Dh]
     k = torch.randn(B, NH, T, dh, generator=gen)  # [B, Nh, Tk, Dh]

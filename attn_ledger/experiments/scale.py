@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from attn_ledger.errors import TensorFileError, field_error
+from attn_ledger.errors import TensorFileError, field_error, shown
 from attn_ledger.report import Check, Report, Row, bounded, counted, row_status, unjudged
+from attn_ledger.seeding import generator
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +95,10 @@ def score_stats(q: "torch.Tensor", k: "torch.Tensor") -> tuple[ScaleStats, "torc
 
     dh = q.shape[-1]
     tk = k.shape[-2]
+    if q.numel() == 0 or k.numel() == 0:  # an empty batch: nothing to measure, nothing saturated
+        nan = math.nan
+        return ScaleStats(dh=dh, raw_std=nan, scaled_std=nan, sqrt_dh=math.sqrt(dh), raw_maxp=nan, scaled_maxp=nan,
+                          raw_entropy=nan, scaled_entropy=nan, ln_tk=math.log(tk)), q.new_zeros(q.shape[:-1]), 0.0
     q64 = q.to(torch.float64)
     k64 = k.to(torch.float64)
     raw = q64 @ k64.transpose(-2, -1)  # [..., Tq, Tk]
@@ -179,11 +184,12 @@ def parse_dh(text: str) -> tuple[int, ...]:
     """``"8,32,128"`` -> ``(8, 32, 128)``, validated: positive, distinct, at most MAX_DH."""
     parts = [p.strip() for p in str(text).split(",")]
     values: list[int] = []
+    if len(parts) > MAX_DH:
+        raise field_error("--dh", text, f"at most {MAX_DH} distinct widths")
     for p in parts:
-        try:
-            v = int(p)
-        except ValueError:
-            raise field_error("--dh", text, f"comma-separated positive integers, e.g. 8,32,128,512 ({p!r} is not an integer)") from None
+        if not (p.isascii() and p.isdigit() and len(p) <= 20):  # int() would also take '８' and '1_0'
+            raise field_error("--dh", text, f"comma-separated positive integers in ASCII digits, e.g. 8,32,128,512 ({shown(p)} is not)")
+        v = int(p)
         if not 1 <= v <= MAX_DH:
             raise field_error("--dh", text, f"each Dh between 1 and {MAX_DH} ({v} is not)")
         values.append(v)
@@ -212,7 +218,7 @@ def measure_sweep(
     dhs = tuple(sorted(dh))
     if not dhs:
         raise field_error("--dh", "", "at least one Dh")
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = generator(int(seed))
     stats = []
     for i, d in enumerate(dhs):
         q = torch.randn(queries, d, generator=gen, dtype=torch.float64)  # [Tq, Dh]
@@ -243,14 +249,21 @@ def _to_heads(t: "torch.Tensor", name: str, path: str) -> "torch.Tensor":
     raise TensorFileError(f"{name}: got shape {list(t.shape)} in {path!r}, expected [B, T, Dh] or [B, Nh, T, Dh]")
 
 
-def _load_qk(path: str | Path) -> tuple["torch.Tensor", "torch.Tensor"]:
+def _std(t: "torch.Tensor") -> float:
+    """Component standard deviation; NaN for fewer than two components (an empty batch)."""
+    import torch
+
+    return float(t.to(torch.float64).std()) if t.numel() > 1 else math.nan
+
+
+def _load_qk(path: str | Path, max_memory: int | None = None) -> tuple["torch.Tensor", "torch.Tensor"]:
     """The file's ``q`` and ``k``, validated: present, floating point, finite."""
     import torch
 
     from attn_ledger.tensorio import load_tensor_file
 
     p = str(path)
-    tensors = load_tensor_file(path, "--tensors")
+    tensors = load_tensor_file(path, "--tensors", max_memory=max_memory)
     missing = [n for n in ("q", "k") if n not in tensors]
     if missing:
         raise TensorFileError(f"--tensors: {p!r} holds {sorted(tensors)}, expected tensors named 'q' and 'k' (missing {missing})")
@@ -278,14 +291,19 @@ def _headroom_check(q: "torch.Tensor", k: "torch.Tensor", largest: float) -> Che
                    data={"dtype": str(low).replace("torch.", ""), "dtype_max": dtype_max, "max_abs_raw_score": largest})
 
 
-def tensor_stats(path: str | Path) -> Report:
-    """The sweep's statistics on a user's saved ``q`` and ``k``, with saturation and headroom flags."""
+def tensor_stats(path: str | Path, *, max_memory: int | None = None) -> Report:
+    """The sweep's statistics on a user's saved ``q`` and ``k``, with saturation and headroom flags.
+
+    ``max_memory``: the memory budget in bytes (default: what the machine has free); a file, or
+    score grids, that would not fit are refused before they are read or computed.
+    """
     import torch
 
+    from attn_ledger.limits import Estimate, require_fits
     from attn_ledger.reference import repeat_kv
 
     p = str(path)
-    q, k = _load_qk(path)
+    q, k = _load_qk(path, max_memory)
     q4 = _to_heads(q, "q", p)  # [B, Nh, Tq, Dh]
     k4 = _to_heads(k, "k", p)  # [B, Nkv, Tk, Dh]
     if q.dim() != k.dim():
@@ -298,6 +316,9 @@ def tensor_stats(path: str | Path) -> Report:
         raise TensorFileError(f"k: got Nkv={nkv} with Nh={nh} in {p!r}, expected Nkv to divide Nh")
     if tq < 1 or tk < 2 or dh < 1:
         raise TensorFileError(f"k: got Tq={tq}, Tk={tk}, Dh={dh} in {p!r}, expected Tq >= 1, Tk >= 2, Dh >= 1")
+    grid = b * nh * tq * tk
+    require_fits(Estimate(f"sweep-scale --tensors B={b} Nh={nh} Tq={tq} Tk={tk}",
+                          (("float64 q, k", b * nh * (tq + tk) * dh * 8), ("score grids", 8 * grid * 8)), grid), max_memory)
     k4 = repeat_kv(k4, nh)  # [B, Nh, Tk, Dh]
     stats, maxp, largest = score_stats(q4, k4)
     saturated = int((maxp > SATURATED_P).sum())
@@ -307,7 +328,7 @@ def tensor_stats(path: str | Path) -> Report:
                 data={"threshold": SATURATED_P, "total_rows": total}),
         _headroom_check(q, k, largest),
     )
-    q_std, k_std = float(q.to(torch.float64).std()), float(k.to(torch.float64).std())
+    q_std, k_std = _std(q), _std(k)
     row = Row(dh_row_name(dh), row_status(checks), checks, shape=tuple(q.shape), axes=QK_AXES[q.dim()],
               fields={**stats.fields(), "q_std": q_std, "k_std": k_std, "max_abs_raw_score": largest})
     headroom = checks[1]
@@ -332,18 +353,25 @@ def sweep_scale(
     tensors: str | Path | None = None,
     plot: str | Path | None = None,
     progress: Callable[[int, int], None] | None = None,
+    max_memory: int | None = None,
 ) -> Report:
     """``attn-ledger sweep-scale``: the sweep (or ``tensors``' statistics), and a PNG at ``plot``.
 
     ``dh`` is a sequence of head widths or the ``--dh`` text (``"8,32,128"``). The plot's
-    requirements (matplotlib, an existing directory) are checked before any work.
+    requirements (matplotlib, an existing directory) are checked before any work, and the
+    sizes against ``max_memory`` (default: what the machine has free).
     """
+    from attn_ledger.limits import estimate_sweep, require_fits
+
     if plot is not None:
         _check_plot_path(plot)
     if tensors is not None:
-        report = tensor_stats(tensors)
+        report = tensor_stats(tensors, max_memory=max_memory)
     else:
         widths = parse_dh(dh) if isinstance(dh, str) else tuple(dh)
+        _check_size("--queries", queries)
+        _check_size("--keys", keys)
+        require_fits(estimate_sweep(widths, queries, keys), max_memory)
         report = sweep(widths, queries, keys, seed, progress=progress)
     if plot is None:
         return report

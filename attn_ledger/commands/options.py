@@ -1,0 +1,124 @@
+"""Option values parsed strictly, the same way in every command.
+
+Integer options are taken as text and parsed here rather than by click, so that only ASCII
+digits count (``int("５")`` is 5 in Python, and click would accept it), a value is never
+converted when it is absurdly long, and a refusal is the tool's own one-line message naming
+the option, the value and the range. Sizes have no cap here beyond their digit count: the
+memory estimate bounds them (:mod:`attn_ledger.limits`). Also here: the memory guard every
+command that allocates from user sizes runs before it starts.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from attn_ledger.limits import MAX_INT_DIGITS as MAX_DIGITS  # torch-free, like everything --help imports
+
+INT = "INTEGER"  # metavar of the integer options
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def integer(text: str | None, option: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    """``text`` as an integer in ``lo..hi`` (either end open when None), or None when not given.
+
+    Raises:
+        InputError: one line naming the option, the value (cut to a readable length) and the range.
+    """
+    from attn_ledger.errors import InputError, shown
+
+    if text is None:
+        return None
+    stripped = text.strip()
+    if not _INTEGER.fullmatch(stripped) or len(stripped) > MAX_DIGITS + 1:
+        raise InputError(f"{option}: got {shown(text)}, expected {_range(lo, hi)} written in ASCII digits")
+    value = int(stripped)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise InputError(f"{option}: got {value}, expected {_range(lo, hi)}")
+    return value
+
+
+def _range(lo: int | None, hi: int | None) -> str:
+    if lo is not None and hi is not None:
+        return f"an integer from {lo} to {hi}"
+    if lo is not None:
+        return f"an integer of at least {lo}"
+    if hi is not None:
+        return f"an integer of at most {hi}"
+    return "an integer"
+
+
+def seed(text: str | None, option: str = "--seed") -> int | None:
+    """A seed: 0..2**63-1."""
+    from attn_ledger.seeding import SEED_MAX
+
+    return integer(text, option, 0, SEED_MAX)
+
+
+def int_list(text: str | None, option: str, lo: int = 0, max_items: int = 1 << 16) -> list[int] | None:
+    """Comma-separated integers (``"5,3"``); an empty string is an empty list (batch 0)."""
+    from attn_ledger.errors import InputError, shown
+
+    if text is None:
+        return None
+    if text.count(",") >= max_items:
+        raise InputError(f"{option}: got {text.count(',') + 1} values, expected at most {max_items}")
+    parts = [p for p in text.split(",")]
+    if len(parts) == 1 and parts[0].strip() == "":
+        return []
+    values = []
+    for part in parts:
+        if not _INTEGER.fullmatch(part.strip()) or len(part.strip()) > MAX_DIGITS:
+            raise InputError(f"{option}: got {shown(text)}, expected comma-separated whole numbers in ASCII digits, "
+                             "such as 5,3")
+        values.append(int(part.strip()))
+    bad = [v for v in values if v < lo]
+    if bad:
+        raise InputError(f"{option}: got {bad[0]} in {shown(text)}, expected whole numbers of at least {lo}")
+    return values
+
+
+def memory(text: str | None) -> int | None:
+    """``--max-memory``: bytes, or None when not given."""
+    if text is None:
+        return None
+    from attn_ledger.limits import parse_size
+
+    return parse_size(text, "--max-memory")
+
+
+def refuse_given(given: dict[str, Any], context: str) -> None:
+    """Options the chosen mode does not use are an error, not silently ignored.
+
+    Args:
+        given: option name -> the value given, or None when it was not given.
+        context: the mode and why, as it reads after "expected no OPTION" (``"with --tensors (...)"``).
+    """
+    from attn_ledger.errors import InputError, shown
+
+    for option, value in given.items():
+        if value is not None:
+            raise InputError(f"{option}: got {shown(value)}, expected no {option} {context}")
+
+
+def guard(estimate: Any, max_memory: int | None, say: Any = None) -> None:
+    """Refuse a request that will not fit (exit 2); announce on stderr one that is large.
+
+    Args:
+        estimate: a :class:`attn_ledger.limits.Estimate`, or None when the sizes are not known yet.
+        say: prints one line on stderr (default: the commands' stderr console).
+    """
+    if estimate is None:
+        return
+    from attn_ledger import limits
+
+    room = limits.require_fits(estimate, max_memory)
+    line = limits.announcement(estimate, room)
+    if line is not None:
+        if say is None:
+            from attn_ledger.commands.common import stderr_console
+
+            stderr_console().print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            say(line)
+

@@ -1,0 +1,344 @@
+"""Bounds on what a request may ask for, checked before anything is allocated.
+
+Every size a user gives (batch, lengths, widths, heads) ends up as the side of some tensor,
+so sizes are bounded by one memory estimate rather than by a cap per option: a request is
+refused (exit 2) when its estimated peak memory exceeds the headroom, the smallest of
+
+* the cgroup's ``memory.max - memory.current`` (v2) or ``memory.limit_in_bytes -
+  memory.usage_in_bytes`` (v1), over the process's cgroup and its ancestors,
+* ``RLIMIT_AS`` less the process's current ``VmSize``,
+* ``MemAvailable`` from ``/proc/meminfo``,
+
+or the ``--max-memory`` a user states instead. Values that never become a tensor's side
+(seeds, windows, the count of mask parts, config files) have fixed bounds here.
+
+The estimates model what the ledger allocates (see ``ledger._choose_blocks``): the inputs and
+their float64 reference copies, the projection weights, the context and SDPA's, one query
+block's score grids while streaming (or every grid when they are kept whole), and SDPA's own
+grid for a group of rows. They are meant to land within a factor of two of the peak resident
+memory, on the high side (``tests/test_limits.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from attn_ledger.errors import InputError, ResourceError, shown
+
+if TYPE_CHECKING:
+    from attn_ledger.config import RunConfig
+
+SEED_MAX = 2**63 - 1  # seeds are 0..SEED_MAX in every command and config
+MAX_MASK_PARTS = 8  # relations joined by '+' (there are seven relation names)
+MAX_MASK_CHARS = 200
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 8  # a config is a table of values and lists; deeper nesting is refused
+MAX_INT_DIGITS = 100  # the longest integer literal a config or option may hold
+MAX_POSITION = 1 << 48  # windows, prefix lengths, cuts and block sizes stay far inside int64
+ANNOUNCE_GRID = 1 << 28  # score-grid entries above which a run prints its estimate before starting
+ANNOUNCE_BYTES = 1 << 30  # or estimated bytes above which it does
+
+REF_BYTES = 8  # the float64 reference (float32 where a device has no float64)
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units: ``512 B``, ``3.0 MiB``, ``1.5 GiB``; huge values in powers of ten."""
+    if n >= 1 << 70:
+        return f"{n:.2e} bytes"
+    for unit, size in (("EiB", 1 << 60), ("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+_SIZE = re.compile(r"([0-9]{1,20})(?:\.([0-9]{1,6}))?\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
+
+
+def parse_size(text: str, field: str = "--max-memory") -> int:
+    """``"8G"``, ``"512MiB"``, ``"1.5g"`` or plain bytes ``"1000000"`` (binary units) -> bytes."""
+    m = _SIZE.fullmatch(text.strip()) if text.isascii() else None
+    if m is None:
+        raise InputError(f"{field}: got {shown(text)}, expected a size such as 8G, 512M or a number of bytes")
+    whole, frac, unit = m.group(1), m.group(2) or "", m.group(3).upper()
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    value = int(whole) * scale + ((int(frac) * scale) // 10 ** len(frac) if frac else 0)
+    if value < 1:
+        raise InputError(f"{field}: got {shown(text)}, expected a positive size")
+    return value
+
+
+# --- headroom ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Headroom:
+    """Bytes a request may still allocate, and which limit set it."""
+
+    bytes: int | None  # None: no limit could be read
+    source: str
+
+
+def _read_int(path: Path) -> int | None:
+    """An integer file of /proc or /sys; ``max`` (no limit) and anything unreadable are None."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text.isdigit():
+        return None
+    value = int(text)
+    return None if value >= 1 << 60 else value  # cgroup v1 writes "no limit" as a page-rounded 2^63
+
+
+def _cgroup_paths(proc: Path) -> tuple[str | None, str | None]:
+    """This process's cgroup v2 path and cgroup v1 memory-controller path."""
+    v2 = v1 = None
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "memory" in parts[1].split(","):
+            v1 = parts[2]
+    return v2, v1
+
+
+def _ancestors(root: Path, rel: str) -> Iterable[Path]:
+    """The cgroup directory for ``rel`` under ``root`` and each parent up to ``root``.
+
+    Inside a container the path from /proc may not exist under its own cgroup mount; then
+    only the mount's root is read (it is the container's own cgroup).
+    """
+    parts = [p for p in rel.split("/") if p]
+    for n in range(len(parts), -1, -1):
+        d = root.joinpath(*parts[:n])
+        if d.is_dir():
+            yield d
+
+
+def cgroup_headroom(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The least of ``limit - usage`` over this process's memory cgroup and its ancestors (v2 or v1)."""
+    v2, v1 = _cgroup_paths(proc)
+    best: int | None = None
+    if v2 is not None and (cgroup_root / "cgroup.controllers").exists():
+        for d in _ancestors(cgroup_root, v2):
+            limit, used = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+            if limit is not None:
+                room = limit - (used or 0)
+                best = room if best is None else min(best, room)
+    if v1 is not None:
+        root = cgroup_root / "memory"
+        for d in _ancestors(root, v1):
+            limit, used = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+            if limit is not None:
+                room = limit - (used or 0)
+                best = room if best is None else min(best, room)
+    return None if best is None else max(0, best)
+
+
+def _status_kib(proc: Path, key: str) -> int | None:
+    try:
+        for line in (proc / "self" / "status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def address_space_headroom(proc: Path = Path("/proc")) -> int | None:
+    """``RLIMIT_AS`` less the current ``VmSize``; None when address space is unlimited."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+    except (ImportError, OSError, ValueError):
+        return None
+    vm = _status_kib(proc, "VmSize")
+    return max(0, soft - (vm or 0) * 1024)
+
+
+def available_memory(proc: Path = Path("/proc")) -> int | None:
+    """``MemAvailable`` from /proc/meminfo, in bytes."""
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def headroom(max_memory: int | None = None, *, proc: Path = Path("/proc"),
+             cgroup_root: Path = Path("/sys/fs/cgroup")) -> Headroom:
+    """What a request may allocate: ``max_memory`` when given, else the least of the machine's limits."""
+    if max_memory is not None:
+        return Headroom(max_memory, "--max-memory")
+    found = [(cgroup_headroom(proc, cgroup_root), "cgroup memory limit less usage"),
+             (address_space_headroom(proc), "RLIMIT_AS less VmSize"),
+             (available_memory(proc), "MemAvailable")]
+    known = [(n, src) for n, src in found if n is not None]
+    if not known:
+        return Headroom(None, "no memory limit readable")
+    n, src = min(known)
+    return Headroom(n, src)
+
+
+# --- estimates -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Estimate:
+    """Peak memory a request is expected to add, by part, and how many score-grid entries it computes."""
+
+    what: str
+    parts: tuple[tuple[str, int], ...]
+    grid_entries: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.parts)
+
+    def largest(self) -> str:
+        name, n = max(self.parts, key=lambda p: p[1])
+        return f"{name} {format_bytes(n)}"
+
+
+def require_fits(estimate: Estimate, max_memory: int | None = None, **where: Any) -> Headroom:
+    """Refuse (exit 2) a request whose estimate exceeds the headroom; return the headroom otherwise.
+
+    Raises:
+        ResourceError: one line naming the estimate, its largest part and the headroom.
+    """
+    room = headroom(max_memory, **where)
+    if room.bytes is not None and estimate.bytes > room.bytes:
+        raise ResourceError(
+            f"memory: {estimate.what} needs about {format_bytes(estimate.bytes)} (largest part: {estimate.largest()}), "
+            f"expected at most the {format_bytes(room.bytes)} available ({room.source}); use smaller sizes"
+            + ("" if max_memory is not None else " or state a budget with --max-memory")
+        )
+    return room
+
+
+def announcement(estimate: Estimate, room: Headroom) -> str | None:
+    """One line to print before a large request starts, or None for a small one."""
+    if estimate.grid_entries < ANNOUNCE_GRID and estimate.bytes < ANNOUNCE_BYTES:
+        return None
+    room_text = "" if room.bytes is None else f" of {format_bytes(room.bytes)} available"
+    return (f"estimate: {estimate.what} needs about {format_bytes(estimate.bytes)}{room_text}"
+            f" and computes {estimate.grid_entries:.3g} score-grid entries; progress follows")
+
+
+def _blocks(b: int, nh: int, tq: int, tk: int, block_size: int | None) -> tuple[int, bool]:
+    """Query rows of the largest block and whether grids are kept whole, as the ledger plans them."""
+    from attn_ledger import ledger
+
+    if b * nh * tq * tk == 0:
+        return max(1, min(tq, block_size or tq)), True
+    if b * nh * tq * tk > 1 << 40:  # planning would only confirm the smallest block the engine uses
+        return ledger.MIN_BLOCK_ROWS if block_size is None else max(1, min(block_size, tq)), False
+    blocks = ledger._choose_blocks(b, nh, tq, tk, block_size)
+    return max(q1 - q0 for q0, q1 in blocks), b * nh * tq * tk <= ledger.SMALL_GRID
+
+
+def estimate_attention(b: int, nh: int, nkv: int, tq: int, tk: int, dh: int, dv: int, itemsize: int, *,
+                       block_size: int | None = None, keep_grids: bool = False, given: Iterable[str] = (),
+                       what: str = "the ledger") -> Estimate:
+    """The ledger's score-grid stages on Q, K, V already in memory (``run --tensors``).
+
+    ``given`` names the user's own intermediates (scores, weights, out) that are compared
+    block by block. The inputs themselves are not counted: they are loaded already.
+    """
+    from attn_ledger import ledger
+
+    s, r = itemsize, REF_BYTES
+    grid = b * nh * tq * tk
+    rows, small = _blocks(b, nh, tq, tk, block_size)
+    keep = keep_grids or small
+    block = b * nh * rows * tk
+    sdpa_rows = max(rows, min(ledger.SDPA_ROWS, tq))
+    parts = [
+        ("kv heads repeated", (b * nh * tk * (dh + dv) * s) if nkv != nh else 0),
+        ("context and SDPA context", 2 * b * nh * tq * dv * s),
+        ("score grids of one query block", 6 * block * s + 2 * block),
+        ("SDPA on a group of rows", 3 * b * nh * sdpa_rows * tk * 4),
+        ("float64 reference sample", 6 * min(grid, ledger.F64_BUDGET) * r
+         + b * nh * (tk * (dh + dv)) * r * (1 if (b * nh * tk * (dh + dv)) * r <= ledger.REF_CAST_ONCE_BYTES else 0)),
+        ("value-range check", 2 * b * nh * rows * dv * s * 2),
+        ("score grids kept whole", 6 * grid * s if keep else 0),
+        ("given intermediates compared", sum(2 * block * s for name in given if name in ("scores", "weights"))),
+    ]
+    return Estimate(what, tuple((n, int(v)) for n, v in parts if v), grid)
+
+
+def estimate_tensors(found: "Mapping[str, Any]", *, dtype: str | None = None, block_size: int | None = None,
+                     keep_grids: bool = False, what: str = "run --tensors") -> Estimate | None:
+    """``run --tensors`` on tensors already loaded: None when q, k, v are missing or cannot be
+    attention inputs (the ledger's own validation then says why, before allocating)."""
+    q, k, v = (found.get(n) for n in ("q", "k", "v"))
+    if q is None or k is None or v is None or not (q.dim() == k.dim() == v.dim()) or q.dim() not in (3, 4):
+        return None
+    q4, k4, v4 = ((t.shape[0], 1, *t.shape[1:]) if t.dim() == 3 else tuple(t.shape) for t in (q, k, v))
+    b, nh, tq, dh = q4
+    _, nkv, tk, _ = k4
+    dv = v4[-1]
+    itemsize = ITEMSIZE.get(dtype or "", q.element_size())
+    given = [n for n in ("scores", "weights", "out") if n in found]
+    est = estimate_attention(b, nh, nkv, tq, tk, dh, dv, itemsize, block_size=block_size, keep_grids=keep_grids,
+                             given=given, what=f"{what} B={b} Nh={nh} Tq={tq} Tk={tk} Dh={dh} Dv={dv}")
+    converted = sum(t.numel() * itemsize for n, t in found.items() if dtype and t.is_floating_point())
+    return Estimate(est.what, (*est.parts, ("inputs converted to the run's dtype", converted)), est.grid_entries)
+
+
+def estimate_run(cfg: "RunConfig", *, what: str | None = None) -> Estimate:
+    """``run`` on the built-in pipeline: inputs, weights, projections, the float64 chain and the grid stages."""
+    b, tq, tk, e, nh, nkv, dh, dv = cfg.batch_size, cfg.tq, cfg.tk, cfg.embed_dim, cfg.num_heads, cfg.nkv, cfg.dh, cfg.dv
+    s, r = ITEMSIZE[cfg.dtype], REF_BYTES
+    cross = cfg.query_len is not None
+    label = what or f"run B={b} Tq={tq} Tk={tk} E={e} Nh={nh} Dv={dv} {cfg.dtype}"
+    grid_part = estimate_attention(b, nh, nkv, tq, tk, dh, dv, s, block_size=cfg.block_size,
+                                   keep_grids=cfg.keep_grids, what=label)
+    tokens = b * (tq + (tk if cross else 0))
+    weights = e * (nh * dh + nkv * dh + nkv * dv + nh * dv)
+    largest_weight = e * max(nh * dh, nkv * dv, nh * dv)
+    probe = min(b, 2) * tq
+    parts = [
+        ("inputs and their float64 copies", tokens * e * (s + 2 * r)),
+        ("projection weights", weights * s + 2 * largest_weight * r),
+        ("q, k, v and their float64 copies", (b * nh * tq * dh + b * nkv * tk * (dh + dv)) * (s + r)
+         + (b * nh * tk * (dh + dv) * r if nkv != nh else 0)),
+        ("head split/merge probes", probe * e * 3 * r + probe * nh * dv * 3 * r),
+        ("merge, output and their references", b * tq * nh * dv * (3 * s + 3 * r) + b * tq * e * (2 * s + 2 * r)),
+        *grid_part.parts,
+    ]
+    return Estimate(label, tuple((n, int(v)) for n, v in parts if v), grid_part.grid_entries)
+
+
+def estimate_sweep(dhs: Iterable[int], queries: int, keys: int) -> Estimate:
+    """``sweep-scale``: float64 q ``[Tq, Dh]``, k ``[Tk, Dh]`` and a few ``[Tq, Tk]`` grids per Dh, one Dh at a time."""
+    dhs = list(dhs)
+    widest = max(dhs, default=1)
+    parts = (("q and k", (queries + keys) * widest * 8), ("score grids", 6 * queries * keys * 8))
+    return Estimate(f"sweep-scale Tq={queries} Tk={keys} Dh up to {widest}", parts, queries * keys * len(dhs))
+
+
+def estimate_module(embed_dim: int, num_heads: int, batch: int, seq_len: int, what: str) -> Estimate:
+    """A module of width ``embed_dim`` run at ``[batch, seq_len, E]``, sized as the built-in attention.
+
+    A user's module may hold more than an attention layer's projections; this bounds what the
+    tool itself feeds it and keeps of its outputs.
+    """
+    parts = (("weights", 4 * embed_dim * embed_dim * 8),
+             ("activations", 12 * batch * seq_len * embed_dim * 8),
+             ("score grids", 6 * batch * num_heads * seq_len * seq_len * 8))
+    return Estimate(what, parts, batch * num_heads * seq_len * seq_len)
+
