@@ -30,6 +30,10 @@ class SetupError(AttnLedgerError):
 class ResourceError(AttnLedgerError):
     """The request needs more of a resource (memory) than the machine or the stated budget has."""
 
+    def __init__(self, message: str, needed: int | None = None, available: int | None = None) -> None:
+        super().__init__(message)
+        self.needed, self.available = needed, available  # bytes: the estimate and the headroom
+
 
 SHOWN_CHARS = 60  # an echoed value is cut to about this many characters
 PATH_CHARS = 240  # a path is shown whole up to this length

@@ -101,12 +101,14 @@ def refuse_given(given: dict[str, Any], context: str) -> None:
             raise InputError(f"{option}: got {shown(value)}, expected no {option} {context}")
 
 
-def guard(estimate: Any, max_memory: int | None, say: Any = None) -> None:
+def guard(estimate: Any, max_memory: int | None, say: Any = None, progress: Any = None) -> None:
     """Refuse a request that will not fit (exit 2); announce on stderr one that is large.
 
     Args:
         estimate: a :class:`attn_ledger.limits.Estimate`, or None when the sizes are not known yet.
         say: prints one line on stderr (default: the commands' stderr console).
+        progress: the command's :class:`~attn_ledger.commands.common.Progress`; for an announced
+            request it shows from the first report on, without its usual one-second wait.
     """
     if estimate is None:
         return
@@ -115,6 +117,8 @@ def guard(estimate: Any, max_memory: int | None, say: Any = None) -> None:
     room = limits.require_fits(estimate, max_memory)
     line = limits.announcement(estimate, room)
     if line is not None:
+        if progress is not None:
+            progress.delay_s = 0.0
         if say is None:
             from attn_ledger.commands.common import stderr_console
 

@@ -28,7 +28,7 @@ class PaddingSide(str, Enum):
 def polarity(
     mask: Annotated[Optional[Path], typer.Option("--mask", help="A mask file (.pt, .npz, .safetensors) to fingerprint.")] = None,
     expect: Annotated[Optional[Expect], typer.Option("--expect", help="The relation the mask should encode.")] = None,
-    padding_side: Annotated[PaddingSide, typer.Option("--padding-side", help="Padding side for --expect padding.")] = PaddingSide.right,
+    padding_side: Annotated[Optional[PaddingSide], typer.Option("--padding-side", help="Padding side for --expect padding.", show_default="right")] = None,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
 ) -> None:
@@ -39,9 +39,13 @@ def polarity(
     """
 
     def build():
+        from attn_ledger.errors import field_error
         from attn_ledger.experiments.polarity import polarity as run_polarity
 
+        if padding_side is not None and expect is not Expect.padding:  # the side of a padding mask, nothing else
+            raise field_error("--padding-side", padding_side.value, "it only with --mask FILE --expect padding")
         with Progress("polarity") as progress:
-            return run_polarity(mask, expect.value if expect else None, padding_side.value, progress=progress)
+            return run_polarity(mask, expect.value if expect else None, (padding_side or PaddingSide.right).value,
+                                progress=progress)
 
     execute(build, output_format, output, command="polarity")

@@ -1,0 +1,129 @@
+"""Every key a `run --tensors` file may hold has its shape checked before anything is compared.
+
+The oracle is written here, apart from the tool: a consistent file whose intermediates are
+computed by a plain float64 softmax attention, then one key's shape changed at a time.
+A changed shape must never pass: q, k, v and the masks are refused at load (exit 2, one
+line), and a given intermediate of the wrong shape is an L1 shape finding (exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attn_ledger.cli import app
+from attn_ledger.ledger import TENSOR_NAMES
+from attn_ledger.tensorio import save_tensor_file
+
+runner = CliRunner()
+
+B, NH, NKV, TQ, TK, DH, DV = 2, 4, 2, 3, 5, 6, 7  # all different, so a change to one axis matches no other
+KEYS = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out")
+
+
+def consistent_file() -> dict[str, torch.Tensor]:
+    """q, k, v, masks and the intermediates a correct attention gives, in float64."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, NH, TQ, DH, generator=g, dtype=torch.float64)
+    k = torch.randn(B, NKV, TK, DH, generator=g, dtype=torch.float64)
+    v = torch.randn(B, NKV, TK, DV, generator=g, dtype=torch.float64)
+    allow = torch.ones(TQ, TK, dtype=torch.bool).tril(TK - TQ).expand(B, NH, TQ, TK).clone()  # causal, bottom-right
+    key_valid = torch.ones(B, TK, dtype=torch.bool)
+    key_valid[1, -1] = False  # example 1 has one padded key; no query loses every key
+    kr, vr = k.repeat_interleave(NH // NKV, 1), v.repeat_interleave(NH // NKV, 1)
+    scores = q @ kr.transpose(-2, -1) / math.sqrt(DH)  # [B, Nh, Tq, Tk]
+    keep = allow & key_valid[:, None, None, :]
+    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    out = weights @ vr  # [B, Nh, Tq, Dv]
+    return {"q": q, "k": k, "v": v, "allow_mask": allow, "key_valid": key_valid,
+            "scores": scores, "weights": weights, "out": out}
+
+
+def reshaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``shape`` with ``t``'s dtype and values from the same distribution."""
+    if t.dtype == torch.bool:
+        return torch.ones(shape, dtype=torch.bool)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(5), dtype=t.dtype)
+
+
+def wrong_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Each axis one longer and one shorter, one axis dropped, one added in front."""
+    out = []
+    for i, n in enumerate(shape):
+        out.append(shape[:i] + (n + 1,) + shape[i + 1:])
+        if n > 1:
+            out.append(shape[:i] + (n - 1,) + shape[i + 1:])
+    out.append(shape[:-1])
+    out.append((1, *shape))
+    return out
+
+
+def loadable(t: dict[str, torch.Tensor]) -> bool:
+    """Whether q, k, v and the masks describe attention together (the shapes alone decide)."""
+    q, k, v = t["q"].shape, t["k"].shape, t["v"].shape
+    if not (len(q) == len(k) == len(v) and len(q) in (3, 4)):
+        return False
+    if len(q) == 3:
+        q, k, v = ((s[0], 1, *s[1:]) for s in (q, k, v))
+    b, nh, tq, dh = q
+    _, nkv, tk, _ = k
+    if not (k[0] == v[0] == b and k[3] == dh and v[1] == nkv and v[2] == tk and nh % nkv == 0):
+        return False
+    if "allow_mask" in t and tuple(t["allow_mask"].shape) not in ((tq, tk), (b, tq, tk), (b, nh, tq, tk)):
+        return False
+    return "key_valid" not in t or tuple(t["key_valid"].shape) == (b, tk)
+
+
+def headline(doc: dict) -> tuple[str, int, str] | None:
+    f = doc.get("first_finding", doc.get("first_divergence"))
+    return None if f is None else (f.get("row", f.get("stage")), f["level"], f["check"])
+
+
+def run_file(tensors: dict[str, torch.Tensor], path) -> tuple[int, str, dict | None]:
+    save_tensor_file(tensors, path)
+    r = runner.invoke(app, ["run", "--tensors", str(path), "--format", "json"])
+    doc = json.loads(r.stdout) if r.exit_code in (0, 1) else None
+    return r.exit_code, r.stderr, doc
+
+
+def test_the_walk_covers_every_key_the_loader_accepts():
+    assert set(KEYS) == set(TENSOR_NAMES)
+
+
+def test_the_consistent_file_passes(tmp_path):
+    code, err, doc = run_file(consistent_file(), tmp_path / "ok.pt")
+    assert code == 0, err
+    assert headline(doc) is None
+
+
+CASES = [(key, shape) for key, t in consistent_file().items() for shape in wrong_shapes(tuple(t.shape))]
+
+
+@pytest.mark.parametrize("key,shape", CASES, ids=[f"{k}-{list(s)}" for k, s in CASES])
+def test_a_wrong_shape_on_any_key_never_passes(tmp_path, key, shape):
+    tensors = consistent_file()
+    if key == "allow_mask" and len(shape) in (2, 3) and shape in ((TQ, TK), (B, TQ, TK)):
+        pytest.skip("a valid placement of the mask")  # [Tq, Tk] and [B, Tq, Tk] are accepted layouts
+    tensors[key] = reshaped(tensors[key], shape)
+    code, err, doc = run_file(tensors, tmp_path / "bad.pt")
+    assert "Traceback" not in err
+    if not loadable(tensors):  # q, k, v and the masks disagree: refused at load
+        assert code == 2, (key, shape, code, err)
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    else:  # they agree, so the given intermediate is the one of the wrong shape: an L1 finding
+        assert code == 1, (key, shape, code, err)
+        stage, level, check = headline(doc)
+        assert level == 1 and check.endswith("shape"), (key, shape, headline(doc))
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 2, 4, 7), (2, 2, 4), (1, 2, 4, 8)])
+def test_a_saved_out_of_the_wrong_shape_is_an_l1_finding_at_context(tmp_path, shape):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=g) for _ in range(3))
+    code, err, doc = run_file({"q": q, "k": k, "v": v, "out": torch.randn(shape, generator=g)}, tmp_path / "o.pt")
+    assert code == 1, err
+    assert headline(doc) == ("context", 1, "user_out_shape")
