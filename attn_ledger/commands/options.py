@@ -40,12 +40,12 @@ def integer(text: str | None, option: str, lo: int | None = None, hi: int | None
 
 def _range(lo: int | None, hi: int | None) -> str:
     if lo is not None and hi is not None:
-        return f"an integer from {lo} to {hi}"
+        return f"a whole number from {lo} to {hi}"
     if lo is not None:
-        return f"an integer of at least {lo}"
+        return f"a whole number of at least {lo}"
     if hi is not None:
-        return f"an integer of at most {hi}"
-    return "an integer"
+        return f"a whole number of at most {hi}"
+    return "a whole number"
 
 
 def seed(text: str | None, option: str = "--seed") -> int | None:
