@@ -262,5 +262,5 @@ def test_sweep_scale_on_a_batch_0_file_runs(tmp_path):
     torch.save({"q": torch.randn(0, 4, 8), "k": torch.randn(0, 4, 8)}, path)
     r = invoke("sweep-scale", "--tensors", str(path), "--format", "json")
     assert r.exit_code == 0, r.output
-    doc = json.loads(r.stdout)
-    assert (doc["saturated_rows"], doc["total_rows"]) == (0, 0)
+    details = json.loads(r.stdout)["details"]
+    assert (details["saturated_rows"], details["total_rows"]) == (0, 0)

@@ -35,23 +35,38 @@ def one_line(r) -> str:
 
 # --- the estimate against the peak --------------------------------------------------------
 
-# Peak resident memory grows by the run's peak over what the process held after a warm-up
-# run; the sizes rise so each one's peak is above the last one's (ru_maxrss only rises).
+# The peak of the process's anonymous resident memory (RssAnon, sampled every millisecond)
+# over what it held after a warm-up run, at rising sizes, each peak above the last. Anonymous pages only: file-backed pages (torch's
+# libraries) come and go with the machine's page cache, and there is no swap to take these.
 MEASURE = """
-import json, resource, sys
+import json, sys, threading, time
 from attn_ledger.alloc import retain_freed_memory
 from attn_ledger.config import load_config
 from attn_ledger.ledger import run_ledger
 from attn_ledger.limits import estimate_run
+
+def anon():
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+
+peak = [0]
+def sample():
+    while True:
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.001)
+
 retain_freed_memory()  # as the command does
 run_ledger(load_config(None, {"seq_len": 64, "embed_dim": 64, "num_heads": 4}))
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = anon()
+threading.Thread(target=sample, daemon=True).start()
 out = []
-for over in json.loads(sys.argv[1]):
+for over in json.loads(sys.argv[1]):  # rising sizes: each reuses the memory the last one freed and kept
     cfg = load_config(None, over)
     run_ledger(cfg)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    out.append({"config": over, "estimate": estimate_run(cfg).bytes, "peak": peak})
+    time.sleep(0.01)
+    out.append({"config": over, "estimate": estimate_run(cfg).bytes, "peak": peak[0] - base})
 print(json.dumps(out))
 """
 

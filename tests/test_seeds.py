@@ -80,7 +80,7 @@ def test_sweep_inputs_differ_for_seeds_2_to_the_32_apart():
 
     a = sweep((8,), 16, 16, seed=9).rows[0]
     b = sweep((8,), 16, 16, seed=9 + 2**32).rows[0]
-    assert a.raw_std != b.raw_std
+    assert a.fields["raw_std"] != b.fields["raw_std"]
 
 
 @pytest.mark.parametrize("command", [
