@@ -312,6 +312,8 @@ def _show_relation(rows: _Rows, order: tuple[str, ...], meta: dict[str, Any], re
     where = _first_where(rows, order)
     at_divergence = where is not None and relations.varies(relation, tq)
     allow, b, h = relations.view(relation, tq, *((where.example, where.head) if at_divergence else (0, 0)))  # [Tq, Tk]
+    if allow is None:  # an empty batch
+        return
     counts = [int(n) for n in allow.sum(dim=-1).tolist()]
     meta["relation_shown"] = {"example": b, "head": h, "allowed_keys_per_query": counts, "at_divergence": at_divergence}
     which = f"b={b}, h={h}" + ("; the example of the first finding" if at_divergence else "")

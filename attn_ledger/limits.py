@@ -12,7 +12,7 @@ refused (exit 2) when its estimated peak memory exceeds the headroom, the smalle
 or the ``--max-memory`` a user states instead. Values that never become a tensor's side
 (seeds, windows, the count of mask parts, config files) have fixed bounds here.
 
-The estimates model what the ledger allocates (see ``ledger._choose_blocks``): the inputs and
+The estimates model what the ledger allocates (see ``engine.plan.choose_blocks``): the inputs and
 their float64 reference copies, the projection weights, the context and SDPA's, one query
 block's score grids while streaming (or every grid when they are kept whole), and SDPA's own
 grid for a group of rows. They are meant to land within a factor of two of the peak resident
@@ -242,14 +242,14 @@ def announcement(estimate: Estimate, room: Headroom) -> str | None:
 
 def _plan(b: int, nh: int, tq: int, tk: int, block_size: int | None) -> tuple[int, bool]:
     """Query rows of the largest block and whether grids are kept whole, as the ledger plans them."""
-    from attn_ledger import ledger
+    from attn_ledger.engine import plan
 
     if b * nh * tq * tk == 0:
         return max(1, min(tq, block_size or tq)), True
     if b * nh * tq * tk > 1 << 40:  # beyond any machine: the smallest block the engine would use
-        return ledger.MIN_BLOCK_ROWS if block_size is None else max(1, min(block_size, tq)), False
-    blocks = ledger._choose_blocks(b, nh, tq, tk, block_size)
-    return max(q1 - q0 for q0, q1 in blocks), b * nh * tq * tk <= ledger.SMALL_GRID
+        return plan.MIN_BLOCK_ROWS if block_size is None else max(1, min(block_size, tq)), False
+    blocks = plan.choose_blocks(b, nh, tq, tk, block_size)
+    return max(q1 - q0 for q0, q1 in blocks), b * nh * tq * tk <= plan.SMALL_GRID
 
 
 COMPARE = 5  # float64 copies alive while one tensor is compared with its reference (checks.excess_error)
@@ -267,30 +267,30 @@ def _grid_stage(b: int, nh: int, nkv: int, tq: int, tk: int, dh: int, dv: int, s
     and masks while streaming (with K and V cast for the reference once, when ``ref_cast``),
     and the comparison of the gathered rows with the reference afterwards.
     """
-    from attn_ledger import ledger
+    from attn_ledger.engine import execute, plan
 
     r = REF_BYTES
     grid = b * nh * tq * tk
     rows, small = _plan(b, nh, tq, tk, block_size)
     keep = keep_grids or small
     block = b * nh * rows * tk
-    if grid <= ledger.F64_BUDGET:
+    if grid <= plan.F64_BUDGET:
         ref_rows = tq
-    else:  # a few rows of a few blocks (ledger._sampled)
-        ref_rows = min(tq, ledger.F64_SAMPLES * max(1, ledger.F64_SAMPLE // max(1, b * nh * tk * ledger.F64_SAMPLES)))
+    else:  # a few rows of a few blocks (plan.sample_rows)
+        ref_rows = min(tq, plan.F64_SAMPLES * max(1, plan.F64_SAMPLE // max(1, b * nh * tk * plan.F64_SAMPLES)))
     sample = b * nh * ref_rows * (3 * tk + dv)  # scores, masked scores, weights and out on the sampled rows
     held = [("kv heads repeated", b * nh * tk * (dh + dv) * s if nkv != nh else 0),
             ("context and SDPA context", 2 * b * nh * tq * dv * s),
             ("float64 reference sample and the rows gathered beside it", 2 * sample * r),
             ("score grids kept whole", 2 * 3 * grid * s if keep else 0)]  # three stages, and their concatenation
     kv_cast = b * nh * tk * (dh + dv) * r
-    sdpa_rows = max(rows, min(ledger.SDPA_ROWS, tq))
+    sdpa_rows = max(rows, min(plan.SDPA_ROWS, tq))
     streaming = (4 * block * s + 2 * block  # scores, masked, weights and a temporary; two bool masks
                  + (b * nh * sdpa_rows * tk if masked else 0)  # SDPA's boolean mask for a group of rows
-                 + (kv_cast if ref_cast and kv_cast <= ledger.REF_CAST_ONCE_BYTES else ledger.REF_CHUNK_BYTES if ref_cast else 0)
+                 + (kv_cast if ref_cast and kv_cast <= execute.REF_CAST_ONCE_BYTES else execute.REF_CHUNK_BYTES if ref_cast else 0)
                  + 4 * b * nh * rows * dv * s  # value-range bounds
                  + sum(COMPARE * block * r for name in given if name in ("scores", "weights")))
-    judging = 2 * b * nh * ref_rows * max(tk, dv) * r  # ledger._excess: two float64 copies, in place
+    judging = 2 * b * nh * ref_rows * max(tk, dv) * r  # the sample's comparison: two float64 copies, in place
     transient = [("score-grid stages streaming", streaming), ("comparing the sampled rows", judging)]
     return [(n, v) for n, v in held if v], transient, ref_rows
 

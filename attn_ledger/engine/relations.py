@@ -262,7 +262,7 @@ def view(relation: Relation, tq: int, example: int = 0, head: int = 0) -> tuple[
     """The relation ``[Tq, Tk]`` of one example and head (None without a relation), with that example
     and the head it stands for (head 0 when the relation is the same for every head)."""
     allow = relation.block(0, tq)  # [B|1, Nh|1, Tq, Tk]
-    if allow is None:
+    if allow is None or allow.shape[0] == 0:  # no relation, or an empty batch: no example to show
         return None, example, 0
     h = min(head, allow.shape[1] - 1) if allow.shape[1] > 1 else 0
     return allow[min(example, allow.shape[0] - 1), h].expand(tq, allow.shape[-1]), example, h
