@@ -40,7 +40,7 @@ MAX_INT_DIGITS = 100  # the longest integer literal a config or option may hold
 MAX_POSITION = 1 << 48  # windows, prefix lengths, cuts and block sizes stay far inside int64
 ANNOUNCE_GRID = 1 << 28  # score-grid entries above which a run prints its estimate before starting
 ANNOUNCE_BYTES = 1 << 30  # or estimated bytes above which it does
-SLACK = 0.4  # allocator slack and short-lived temporaries the parts do not name, as a share of the parts
+SLACK = 0.25  # allocator slack and short-lived temporaries the parts do not name, as a share of the parts
 
 REF_BYTES = 8  # the float64 reference (float32 where a device has no float64)
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -285,7 +285,7 @@ def _grid_stage(b: int, nh: int, nkv: int, tq: int, tk: int, dh: int, dv: int, s
             ("score grids kept whole", 2 * 3 * grid * s if keep else 0)]  # three stages, and their concatenation
     kv_cast = b * nh * tk * (dh + dv) * r
     sdpa_rows = max(rows, min(plan.SDPA_ROWS, tq))
-    streaming = (4 * block * s + 2 * block  # scores, masked, weights and a temporary; two bool masks
+    streaming = (2 * block * s + 2 * block  # two grids alive at once (a stage's input and output); two bool masks
                  + (b * nh * sdpa_rows * tk if masked else 0)  # SDPA's boolean mask for a group of rows
                  + (kv_cast if ref_cast and kv_cast <= execute.REF_CAST_ONCE_BYTES else execute.REF_CHUNK_BYTES if ref_cast else 0)
                  + 4 * b * nh * rows * dv * s  # value-range bounds
