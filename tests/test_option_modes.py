@@ -33,7 +33,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     torch.save({"mask": torch.ones(2, 5, dtype=torch.bool)}, d / "padding.pt")
     (d / "segments.toml").write_text('mask = "segments"\nsegment_lengths = [2, 3]\n')
     return {"qkv": str(d / "qkv.pt"), "causal": str(d / "causal.pt"), "padding": str(d / "padding.pt"),
-            "segments": str(d / "segments.toml"), "out": str(d / "report.json"), "plot": str(d / "plot.png")}
+            "segments": str(d / "segments.toml"), "out": str(d / "report.json"), "plot": str(d / "plot.png"),
+            "html": str(d / "report.html")}
 
 
 # option -> its arguments (a flag alone, or the option and a value that suits every mode using it)
@@ -46,10 +47,11 @@ RUN_OPTIONS = {
     "--input": ["--input", "arange"], "--device": ["--device", "cpu"], "--block-size": ["--block-size", "2"],
     "--keep-grids": ["--keep-grids"], "--keep-going": ["--keep-going"], "--backends": ["--backends", "math"],
     "--format": ["--format", "json"], "--output": ["--output", "{out}"], "--max-memory": ["--max-memory", "8G"],
+    "--show": ["--show", "weights"], "--html": ["--html", "{html}"],
 }
 SIZE_OPTIONS = {"--batch-size", "--seq-len", "--query-len", "--embed-dim", "--num-heads", "--num-kv-heads", "--value-dim"}
 EVERY_RUN = {"--empty-rows", "--dtype", "--device", "--block-size", "--keep-grids", "--keep-going", "--backends",
-             "--format", "--output", "--max-memory"}
+             "--format", "--output", "--max-memory", "--show", "--html"}
 RELATION_OPTIONS = {"--valid-lengths": "padding", "--window": "sliding-window", "--prefix-len": "prefix-lm"}
 
 
@@ -166,26 +168,32 @@ def test_sweep_scale_every_option_against_the_mode(files, mode, base, uses):
     accepted(base + [a for o in sorted(uses) for a in fill(SWEEP_OPTIONS[o], files)])
 
 
+DECODE_MODULE = str(ROOT / "fixtures/modules/decode_modules.py:plain")
+DECODE = str(ROOT / "fixtures/modules/decode_modules.py:decode_list")
 CHECK_OPTIONS = {"--embed-dim": ["--embed-dim", "12"], "--heads": ["--heads", "3"], "--causal": ["--causal"],
-                 "--no-causal": ["--no-causal"], "--case": ["--case", CASE], "--empty-rows": ["--empty-rows", "any"],
-                 "--seed": ["--seed", "1"], "--format": ["--format", "json"], "--output": ["--output", "{out}"],
-                 "--max-memory": ["--max-memory", "8G"]}
+                 "--no-causal": ["--no-causal"], "--decode": ["--decode", DECODE], "--case": ["--case", CASE],
+                 "--empty-rows": ["--empty-rows", "any"], "--seed": ["--seed", "1"], "--timeout": ["--timeout", "120"],
+                 "--in-process": ["--in-process"], "--format": ["--format", "json"], "--output": ["--output", "{out}"],
+                 "--timings": ["--timings"], "--html": ["--html", "{html}"], "--max-memory": ["--max-memory", "8G"]}
+CHECK_EVERY = {"--seed", "--timeout", "--in-process", "--format", "--output", "--timings", "--html"}
 
 
 @pytest.mark.parametrize("mode,base,uses", [
-    ("kernel", ["check", KERNEL], {"--case", "--empty-rows", "--seed", "--format", "--output", "--max-memory"}),
+    ("kernel", ["check", KERNEL], CHECK_EVERY | {"--case", "--empty-rows"}),
     ("module", ["check", "--module", MODULE],
-     {"--embed-dim", "--heads", "--causal", "--no-causal", "--seed", "--format", "--output", "--max-memory"}),
+     CHECK_EVERY | {"--embed-dim", "--heads", "--causal", "--no-causal", "--decode", "--max-memory"}),
 ])
 def test_check_every_option_against_the_mode(files, mode, base, uses):
     sizes = ["--embed-dim", "12", "--heads", "3"] if mode == "module" else []
     for option, extra in CHECK_OPTIONS.items():
         if option not in uses:
-            refused(base + sizes + extra, option.replace("--no-causal", "--causal"))
-    chosen = [a for o in sorted(uses - {"--no-causal", "--embed-dim", "--heads"}) for a in fill(CHECK_OPTIONS[o], files)]
+            refused(base + sizes + fill(extra, files), option.replace("--no-causal", "--causal"))
+    chosen = [a for o in sorted(uses - {"--no-causal", "--embed-dim", "--heads", "--decode"})
+              for a in fill(CHECK_OPTIONS[o], files)]
     accepted(base + sizes + chosen)
     if mode == "module":
         accepted(base + sizes + ["--no-causal"])
+        accepted(["check", "--module", DECODE_MODULE, "--decode", DECODE, "--embed-dim", "8", "--heads", "2"])
 
 
 def test_polarity_padding_side_only_with_expect_padding(files):
@@ -197,6 +205,13 @@ def test_polarity_padding_side_only_with_expect_padding(files):
 
 
 @pytest.mark.parametrize("base", [["intervene"], ["intervene", "--module", MODULE]])
-def test_intervene_uses_every_option_in_both_modes(base):
-    accepted(base + ["--embed-dim", "12", "--heads", "3", "--seq-len", "4", "--batch-size", "1", "--seed", "2",
-                     "--at", "1", "--no-controls", "--format", "json", "--max-memory", "8G"])
+def test_intervene_every_option_against_the_mode(base):
+    common = ["--embed-dim", "12", "--heads", "3", "--seq-len", "4", "--batch-size", "1", "--seed", "2", "--at", "1",
+              "--no-controls", "--format", "json", "--max-memory", "8G"]
+    if "--module" in base:
+        accepted(base + common + ["--timeout", "120"])
+        accepted(base + common + ["--in-process"])
+    else:  # the built-in pipeline runs no user code: the worker's options do not apply
+        accepted(base + common)
+        refused(base + ["--timeout", "5"], "--timeout")
+        refused(base + ["--in-process"], "--in-process")
