@@ -104,8 +104,9 @@ def test_run_every_option_against_the_mode(files, mode):
     for option, extra in RUN_OPTIONS.items():
         if option not in uses and not (option == "--query-len" and "segments" in mode):
             refused(without_repeats(base, fill(extra, files)), option)
-    together = [a for o in sorted(uses) if o not in ("--fault", "--query-len") for a in fill(RUN_OPTIONS[o], files)]
+    together = [a for o in sorted(uses) if o not in ("--fault", "--query-len", "--show") for a in fill(RUN_OPTIONS[o], files)]
     accepted(_merge(base, together))
+    accepted(_merge(base, RUN_OPTIONS["--show"]))  # heatmaps follow a table, so not with --format json
     if "--fault" in uses:  # a fault is a finding (exit 1), not a refusal
         accepted(_merge(base, RUN_OPTIONS["--fault"]))
     if "--query-len" in uses:  # cross-attention lengths replace --seq-len
