@@ -449,7 +449,7 @@ def run_ledger_tensors(
     :func:`~attn_ledger.tensorio.load_tensor_file`; ``source`` then names them in the title.
     """
     source = source or (str(path) if isinstance(path, (str, os.PathLike)) else "tensors")
-    t = inputs.load(path, None if dtype is None else inputs.torch_dtype(dtype), inputs.resolve_device(device))
+    t = inputs.load(path, None if dtype is None else inputs.torch_dtype(dtype), inputs.resolve_device(device), source)
     return ledger_on_qkv(
         t["q"], t["k"], t["v"], allow_mask=t.get("allow_mask"), key_valid=t.get("key_valid"), mask=mask,
         window=window, prefix_len=prefix_len, scores=t.get("scores"), weights=t.get("weights"), out=t.get("out"),

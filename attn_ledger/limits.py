@@ -24,12 +24,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from attn_ledger.errors import InputError, ResourceError, shown
 
-if TYPE_CHECKING:
-    from attn_ledger.config import RunConfig
 
 SEED_MAX = 2**63 - 1  # seeds are 0..SEED_MAX in every command and config
 MAX_MASK_PARTS = 8  # relations joined by '+' (there are seven relation names)
@@ -337,8 +335,8 @@ def estimate_tensors(found: "Mapping[str, Any]", *, dtype: str | None = None, bl
     return Estimate(est.what, parts, est.grid_entries)
 
 
-def estimate_run(cfg: "RunConfig", *, what: str | None = None) -> Estimate:
-    """``run`` on the built-in pipeline: what the run holds, plus its busiest moment: the
+def estimate_run(cfg: Any, *, what: str | None = None) -> Estimate:
+    """``run`` on the built-in pipeline (``cfg`` a :class:`~attn_ledger.config.RunConfig`): what the run holds, plus its busiest moment: the
     projections compared with their float64 chain, the score-grid stages streaming, the sampled
     rows compared, or the merge and output stages compared on every row."""
     b, tq, tk, e, nh, nkv, dh, dv = cfg.batch_size, cfg.tq, cfg.tk, cfg.embed_dim, cfg.num_heads, cfg.nkv, cfg.dh, cfg.dv

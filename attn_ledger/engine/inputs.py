@@ -95,20 +95,21 @@ def given_tensors(found: "dict[str, Tensor | None]", one_head: bool, b: int, nh:
 
 
 def load(path: "str | os.PathLike[str] | Mapping[str, Tensor]", dtype: "torch.dtype | None",
-         device: "torch.device") -> dict[str, "Tensor"]:
+         device: "torch.device", source: str | None = None) -> dict[str, "Tensor"]:
     """The tensors of a ``.pt`` / ``.safetensors`` / ``.npz`` file, named from :data:`TENSOR_NAMES`, on ``device``
     (floating-point ones cast to ``dtype`` when given). ``path`` may also be the file's tensors, loaded already
-    with :func:`~attn_ledger.tensorio.load_tensor_file`."""
+    with :func:`~attn_ledger.tensorio.load_tensor_file`, and ``source`` the name messages give them."""
     from attn_ledger.tensorio import load_tensor_file
 
     found = load_tensor_file(path, "tensors") if isinstance(path, (str, os.PathLike)) else dict(path)
+    name = source or (str(path) if isinstance(path, (str, os.PathLike)) else "tensors")
     unknown = sorted(set(found) - set(TENSOR_NAMES))
     if unknown:
-        raise TensorFileError(f"tensors: {path!r} holds unexpected tensor {unknown[0]!r}, "
+        raise TensorFileError(f"tensors: {name!r} holds unexpected tensor {unknown[0]!r}, "
                               f"expected names from {', '.join(TENSOR_NAMES)}")
     missing = [n for n in ("q", "k", "v") if n not in found]
     if missing:
-        raise TensorFileError(f"tensors: {path!r} has no {missing[0]!r} tensor (found {sorted(found) or 'none'}), "
+        raise TensorFileError(f"tensors: {name!r} has no {missing[0]!r} tensor (found {sorted(found) or 'none'}), "
                               "expected q, k and v")
     t = {n: x.to(device) for n, x in found.items()}
     if dtype is not None:
