@@ -32,7 +32,7 @@ def check(
     ] = None,
     embed_dim: Annotated[Optional[str], typer.Option("--embed-dim", metavar=INT, help="E, for --module.")] = None,
     heads: Annotated[Optional[str], typer.Option("--heads", metavar=INT, help="Nh, for --module.")] = None,
-    causal: Annotated[Optional[bool], typer.Option("--causal/--no-causal", help="Whether the module is meant to be causal (--module).", show_default="causal")] = None,
+    causal: Annotated[Optional[bool], typer.Option("--causal/--no-causal", help="Whether the module is meant to be causal (--module). Default: causal.")] = None,
     decode: Annotated[
         Optional[str],
         typer.Option("--decode", help="With --module: check its KV-cache decode path against the full forward, "
@@ -42,9 +42,9 @@ def check(
         Optional[list[str]], typer.Option("--case", help="Run only this case id (repeatable); any well-formed id works.")
     ] = None,
     empty_rows: Annotated[
-        Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked (kernel protocol).", show_default="zeros")
+        Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked (kernel protocol). Default: zeros.")
     ] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random inputs and perturbations (0..2^63-1).", show_default="0")] = None,
+    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random inputs and perturbations, 0..2^63-1. Default: 0.")] = None,
     timeout: Annotated[
         Optional[float],
         typer.Option("--timeout", metavar="SECONDS", help=(

@@ -25,7 +25,7 @@ def intervene(
     heads: Annotated[Optional[str], typer.Option("--heads", metavar=INT, help="Nh (required with --module).")] = None,
     seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, help="T, at least 2.")] = None,
     batch_size: Annotated[Optional[str], typer.Option("--batch-size", metavar=INT, help="B.")] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seeds the weights, the input and the replacement values.")] = None,
+    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seeds the weights, the input and the replacement values; 0..2^63-1.")] = None,
     at: Annotated[Optional[str], typer.Option("--at", metavar=INT, help="Test one cut i (0..T-2) instead of all of them.")] = None,
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Also run the two leaking controls on the built-in pipeline.")] = True,
     timeout: Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS", help="With --module: limit on each call into your code (import, factory, each forward). A call past it is named in the report as an L1 call finding (exit 2 at import or factory time). Default 60; with --in-process, none unless given.")] = None,

@@ -15,7 +15,7 @@ from typing import Any
 
 from attn_ledger.limits import MAX_INT_DIGITS as MAX_DIGITS  # torch-free, like everything --help imports
 
-INT = "INTEGER"  # metavar of the integer options
+INT = "<int>"  # metavar of the integer options, as the help shows click's own integers
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 
 

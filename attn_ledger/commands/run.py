@@ -69,7 +69,7 @@ def run(
     prefix_len: Annotated[Optional[str], typer.Option("--prefix-len", metavar=INT, help="Prefix length for prefix-lm.")] = None,
     empty_rows: Annotated[Optional[EmptyRows], typer.Option("--empty-rows", help="Rows with every key blocked: an error, or declared and required to be zeros.")] = None,
     dtype: Annotated[Optional[DType], typer.Option("--dtype", help="Compute dtype.")] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for inputs and weights.")] = None,
+    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for inputs and weights, 0..2^63-1.")] = None,
     input_kind: Annotated[Optional[InputKind], typer.Option("--input", help="random or arange inputs.")] = None,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, mps or auto.")] = None,
     block_size: Annotated[Optional[str], typer.Option("--block-size", metavar=INT, help="Query rows per block for the score-grid stages.")] = None,

@@ -13,10 +13,10 @@ from attn_ledger.commands.options import INT
 
 
 def sweep_scale(
-    dh: Annotated[Optional[str], typer.Option("--dh", help="Comma-separated head widths Dh to sweep.", show_default="8,32,128,512")] = None,
-    queries: Annotated[Optional[str], typer.Option("--queries", metavar=INT, help="Query vectors Tq per Dh.", show_default="512")] = None,
-    keys: Annotated[Optional[str], typer.Option("--keys", metavar=INT, help="Key vectors Tk per Dh.", show_default="512")] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random q and k (0..2^63-1).", show_default="0")] = None,
+    dh: Annotated[Optional[str], typer.Option("--dh", help="Comma-separated head widths Dh to sweep. Default: 8,32,128,512.")] = None,
+    queries: Annotated[Optional[str], typer.Option("--queries", metavar=INT, help="Query vectors Tq per Dh, 2..4096. Default: 512.")] = None,
+    keys: Annotated[Optional[str], typer.Option("--keys", metavar=INT, help="Key vectors Tk per Dh, 2..4096. Default: 512.")] = None,
+    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random q and k, 0..2^63-1. Default: 0.")] = None,
     tensors: Annotated[
         Optional[Path], typer.Option("--tensors", help="Saved q and k ([B, T, Dh] or [B, Nh, T, Dh]) to measure instead.")
     ] = None,
