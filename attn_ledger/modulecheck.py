@@ -3,36 +3,43 @@
 The factory protocol: ``factory(embed_dim, num_heads)`` returns an ``nn.Module`` whose
 ``forward(x)`` maps ``[B, T, E]`` to ``[B, T, E]`` (or a tuple whose first item is that).
 It may come back in training mode with dropout; the checks that compare outputs run it
-in eval mode, the gradient checks in training mode.
+in eval mode, the gradient checks in training mode (gradcheck in eval mode, in float64).
 
-The checks, in rows by aspect and ordered by level, so the first failure is the lowest
-level that shows a problem:
+Two kinds of check, in rows by aspect and ordered by level, so the first failure is the
+lowest level that shows a problem:
 
-* ``shape`` (L1): the output keeps ``[B, T, E]``; T = 1 and B = 1 inputs work too.
-* ``axes`` (L2): each example's output is the one it gets alone (batch independence;
-  this is what catches ``nn.MultiheadAttention(batch_first=False)`` fed ``[B, T, E]``);
-  without ``causal``, permuting positions permutes the output.
-* ``numerics`` (L3): finite output; finite gradients reach the input and every parameter
-  after one backward pass.
-* ``determinism`` (L4): two eval-mode calls agree bitwise.
-* ``causality`` (L4, with ``causal``): the intervention on both grad paths, its controls
-  and the gradient form of causality.
-* ``reference`` (L4): a float64 rebuild from the module's own weights, where the
-  projection layout is recognised; where it is not, the report's coverage says the
-  verdict rests on black-box checks only.
+* black-box, from calls on ``[B, T, E]``: the output layout and the T = 1 / B = 1 calls (L1),
+  batch independence and, without ``causal``, permutation equivariance (L2), finite output and
+  gradients (L3), eval determinism and the causal intervention with its controls (L4);
+* observed: the forward runs once under a torch function mode that records the projections
+  of the input, the q, k, v that entered the attention computation and its context
+  (:mod:`attn_ledger.observe`), whatever the module's parameter names and layout; the core
+  is judged from those tensors (:mod:`attn_ledger.coreaudit`): head split, kv pairing and
+  head merge (L2), the mask relation, the effective softmax scale, rotary positions, score
+  designs and the context against float64 attention (L4).
 
+When no core can be observed (a fused kernel that never exposes q, k, v), the observed
+checks are skipped and the report's ``coverage`` says the verdict rests on black-box checks.
 Only a factory that raises, exits or returns no module is an error (:class:`SetupError`);
 every other problem is a result. A forward or backward that exits, or runs past the time
 limit of :mod:`attn_ledger.guard` (or, in a worker, crashes), stops the check: the report then
 has one ``call`` row, the L1 ``call`` finding naming that call, and nothing else is reached.
+The observed forwards and gradcheck are guarded calls like the others, so in a worker the
+observation runs where the module runs and its results cross back as plain data.
+
+Public: :func:`check_module` (build with the factory, then check) and
+:func:`check_built_module` (check a module already built), :func:`stopped_module_report`,
+:func:`validate_module_options`, :data:`ASPECTS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from attn_ledger import decodecheck
+from attn_ledger.coreaudit import AXIS_CHECKS, CORE_CHECKS, Audit, Declared, audit_core
 from attn_ledger.errors import field_error
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.intervention import (
@@ -49,6 +56,7 @@ from attn_ledger.intervention import (
     module_forward,
     path_check,
 )
+from attn_ledger.modulegrads import gradcheck_check, gradient_checks
 from attn_ledger.report import Check, Coverage, Report, Row, Status, bounded, counted, row_status, unjudged
 from attn_ledger.seeding import generator, manual_seed
 from attn_ledger.tolerance import relative as relative_tolerance
@@ -58,7 +66,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 # Parameter or buffer names that suggest the module encodes positions, which makes a
-# permutation probe inconclusive rather than failed.
+# permutation probe inconclusive rather than failed, where observation found nothing positional.
 _POSITIONAL_HINTS = ("pos", "rotary", "rope", "alibi", "position", "wpe", "relative")
 
 # Why checks were not judged.
@@ -72,12 +80,12 @@ SEQ_LEN = 6  # T of the input
 # at a call that did not come back has a ``call`` row before them: see stopped_module_report.)
 ASPECTS: dict[str, tuple[tuple[int, str], ...]] = {
     "shape": ((1, "output_layout"), (1, "single_position"), (1, "single_example"), (1, "single_example_position")),
-    "axes": ((2, "batch_independence"), (2, "permutation_equivariance")),
-    "numerics": ((3, "finite_output"), (3, "input_gradient"), (3, "parameter_gradients")),
+    "axes": ((2, "batch_independence"), (2, "permutation_equivariance"), *((2, n) for n in AXIS_CHECKS)),
+    "numerics": ((3, "finite_output"), (3, "input_gradient"), (3, "parameter_gradients"), (3, "gradcheck")),
     "determinism": ((4, "eval_determinism"),),
     "causality": ((4, "causal_intervention_no_grad"), (4, "causal_intervention_autograd"),
                   (4, "intervention_controls"), (4, "causal_gradient_form")),
-    "reference": ((4, "reference_rebuild"),),
+    "core": tuple((4, n) for n in CORE_CHECKS),
 }
 CAUSAL_ONLY = frozenset({"causal_intervention_no_grad", "causal_intervention_autograd", "intervention_controls",
                          "causal_gradient_form"})
@@ -88,113 +96,10 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else "(no message)"
 
-
-# --- layout recognition and the float64 rebuild ---------------------------------------
-
-@dataclass(frozen=True)
-class _Projections:
-    """Weights in ``nn.Linear`` layout ``[out, in]`` and optional biases, plus how they were found."""
-
-    layout: str
-    owner: str
-    wq: "torch.Tensor"
-    wk: "torch.Tensor"
-    wv: "torch.Tensor"
-    wo: "torch.Tensor"
-    bq: "torch.Tensor | None"
-    bk: "torch.Tensor | None"
-    bv: "torch.Tensor | None"
-    bo: "torch.Tensor | None"
-    num_heads: int
-    covered: frozenset[str]
-    hint: str = ""
-
-
-def _linear(mod: Any) -> bool:
-    from torch import nn
-
-    return isinstance(mod, nn.Linear)
-
-
-def _qualified(prefix: str, names: list[str]) -> frozenset[str]:
-    return frozenset(f"{prefix}.{n}" if prefix else n for n in names)
-
-
 def _batch_first_hint(prefix: str, mha: "nn.MultiheadAttention") -> str:
     if mha.batch_first:
         return ""
     return f"nn.MultiheadAttention at {prefix or '(root)'} has batch_first=False: it reads [B, T, E] as [T, B, E]"
-
-
-def _mha_projections(prefix: str, sub: "nn.MultiheadAttention") -> _Projections:
-    if sub._qkv_same_embed_dim:
-        wq, wk, wv = sub.in_proj_weight.chunk(3, dim=0)
-    else:
-        wq, wk, wv = sub.q_proj_weight, sub.k_proj_weight, sub.v_proj_weight
-    bq = bk = bv = None
-    if sub.in_proj_bias is not None:
-        bq, bk, bv = sub.in_proj_bias.chunk(3, dim=0)
-    names = [n for n, _ in sub.named_parameters()]
-    return _Projections("nn.MultiheadAttention", prefix, wq, wk, wv, sub.out_proj.weight, bq, bk, bv, sub.out_proj.bias,
-                        sub.num_heads, _qualified(prefix, names), _batch_first_hint(prefix, sub))
-
-
-def _named_projections(prefix: str, sub: "nn.Module", num_heads: int) -> _Projections | None:
-    """q_proj/k_proj/v_proj with out_proj/o_proj, or a fused qkv/c_attn with c_proj/proj/out_proj."""
-    children = dict(sub.named_children())
-    out_name = next((n for n in ("out_proj", "o_proj", "c_proj", "proj") if _linear(children.get(n))), None)
-    if out_name is None:
-        return None
-    out = children[out_name]
-    if all(_linear(children.get(n)) for n in ("q_proj", "k_proj", "v_proj")) and out_name in ("out_proj", "o_proj"):
-        q, k, v = children["q_proj"], children["k_proj"], children["v_proj"]
-        names = [f"{c}.{n}" for c in ("q_proj", "k_proj", "v_proj", out_name) for n, _ in children[c].named_parameters()]
-        return _Projections(f"q_proj/k_proj/v_proj + {out_name}", prefix, q.weight, k.weight, v.weight, out.weight,
-                            q.bias, k.bias, v.bias, out.bias, num_heads, _qualified(prefix, names))
-    fused = next((n for n in ("qkv", "c_attn") if _linear(children.get(n))), None)
-    if fused is None or children[fused].out_features % 3:
-        return None
-    lin = children[fused]
-    wq, wk, wv = lin.weight.chunk(3, dim=0)
-    bq = bk = bv = None
-    if lin.bias is not None:
-        bq, bk, bv = lin.bias.chunk(3, dim=0)
-    names = [f"{c}.{n}" for c in (fused, out_name) for n, _ in children[c].named_parameters()]
-    return _Projections(f"fused {fused} + {out_name}", prefix, wq, wk, wv, out.weight, bq, bk, bv, out.bias, num_heads,
-                        _qualified(prefix, names))
-
-
-def recognise_layout(module: "nn.Module", num_heads: int) -> tuple[_Projections | None, str]:
-    """Find the projections of a common layout, or say why none was recognised.
-
-    Recognised: ``nn.MultiheadAttention``; ``q_proj``/``k_proj``/``v_proj`` with
-    ``out_proj`` or ``o_proj``; a fused ``qkv`` or ``c_attn`` Linear with ``c_proj``,
-    ``proj`` or ``out_proj``. A layout counts only if its projections hold every
-    parameter of the module; anything else (a norm, a residual weight, positions)
-    would make the rebuild compare against a different computation.
-    """
-    from torch import nn
-
-    candidates: list[_Projections] = []
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, nn.MultiheadAttention):
-            if sub.bias_k is not None or sub.add_zero_attn:
-                return None, f"nn.MultiheadAttention at {prefix or '(root)'} uses add_bias_kv or add_zero_attn, which the rebuild does not model"
-            candidates.append(_mha_projections(prefix, sub))
-            continue
-        found = _named_projections(prefix, sub, num_heads)
-        if found is not None:
-            candidates.append(found)
-    if not candidates:
-        return None, "no nn.MultiheadAttention, q_proj/k_proj/v_proj with out_proj/o_proj, or fused qkv/c_attn with c_proj/proj/out_proj"
-    if len(candidates) > 1:
-        return None, f"{len(candidates)} attention layouts found ({', '.join(c.layout for c in candidates)}); the rebuild needs exactly one"
-    found = candidates[0]
-    extra = sorted(frozenset(n for n, _ in module.named_parameters()) - found.covered)
-    if extra:
-        shown = ", ".join(extra[:4]) + (", ..." if len(extra) > 4 else "")
-        return None, f"{found.layout} found, but the module has parameters outside it ({shown}), so a rebuild would compute something else"
-    return found, ""
 
 
 def _mha_hint(module: "nn.Module") -> str:
@@ -205,32 +110,6 @@ def _mha_hint(module: "nn.Module") -> str:
         if isinstance(sub, nn.MultiheadAttention) and not sub.batch_first:
             return _batch_first_hint(prefix, sub)
     return ""
-
-
-def rebuild_reference(p: _Projections, x: "torch.Tensor", causal: bool) -> "torch.Tensor":
-    """The module's attention recomputed in float64 from its own weights: ``[B, T, E] -> [B, T, E]``."""
-    import torch
-    import torch.nn.functional as F
-
-    from attn_ledger.pipeline import merge_heads
-    from attn_ledger.reference import reference_attention
-
-    def f64(t: "torch.Tensor | None") -> "torch.Tensor | None":
-        return None if t is None else t.detach().to(torch.float64)
-
-    x64 = x.detach().to(torch.float64)  # [B, T, E]
-    nh = p.num_heads
-    q = F.linear(x64, f64(p.wq), f64(p.bq))  # [B, T, Nh*Dh]
-    k = F.linear(x64, f64(p.wk), f64(p.bk))  # [B, T, Nkv*Dh]
-    v = F.linear(x64, f64(p.wv), f64(p.bv))  # [B, T, Nkv*Dv]
-    dh = q.shape[-1] // nh
-    nkv = k.shape[-1] // dh
-    b, t, _ = x64.shape
-    qh = q.reshape(b, t, nh, dh).transpose(1, 2)  # [B, Nh, T, Dh]
-    kh = k.reshape(b, t, nkv, dh).transpose(1, 2)  # [B, Nkv, T, Dh]
-    vh = v.reshape(b, t, nkv, v.shape[-1] // nkv).transpose(1, 2)  # [B, Nkv, T, Dv]
-    ctx = reference_attention(qh, kh, vh, is_causal=causal)  # [B, Nh, T, Dv]
-    return F.linear(merge_heads(ctx), f64(p.wo), f64(p.bo))  # [B, T, E]
 
 
 # --- the checks -------------------------------------------------------------------------
@@ -244,7 +123,11 @@ class _Subject:
     x: "torch.Tensor"  # [B, T, E]
     y: "torch.Tensor"  # [B, T, E], the eval-mode output
     seed: int
-    causal: bool
+    declared: Declared
+
+    @property
+    def causal(self) -> bool:
+        return self.declared.causal
 
 
 def _not_reached(level: int, name: str, why: str) -> Check:
@@ -296,7 +179,7 @@ def _positional_names(module: "nn.Module") -> list[str]:
     return [n for n in names if any(h in n.lower() for h in _POSITIONAL_HINTS)]
 
 
-def _permutation(s: _Subject) -> Check:
+def _permutation(s: _Subject, observed: tuple[str, ...]) -> Check:
     import torch
 
     t = s.x.shape[1]
@@ -311,6 +194,10 @@ def _permutation(s: _Subject) -> Check:
     data = {**c.data(), "permutation": perm.tolist()}
     if c.ok:
         return bounded(2, "permutation_equivariance", measure, c.delta, c.tolerance, data=data)
+    if observed:
+        return Check(2, "permutation_equivariance", "inconclusive", measure, c.delta, c.tolerance, "<=",
+                     reason=f"the module encodes positions ({'; '.join(observed)}), so order may legitimately matter",
+                     data={**data, "positional": list(observed)})
     positional = _positional_names(s.module)
     if positional:
         return Check(2, "permutation_equivariance", "inconclusive", measure, c.delta, c.tolerance, "<=",
@@ -321,11 +208,11 @@ def _permutation(s: _Subject) -> Check:
                           "(a module that encodes positions under names this probe does not know makes this inconclusive)")
 
 
-def _axis_checks(s: _Subject, hint: str, noisy: bool) -> list[Check]:
-    """L2: batch independence; without ``causal``, permutation equivariance."""
+def _axis_checks(s: _Subject, hint: str, noisy: bool, positional: tuple[str, ...]) -> list[Check]:
+    """L2 black-box: batch independence; without ``causal``, permutation equivariance."""
     probes: list[tuple[str, Callable[[], Check]]] = [("batch_independence", lambda: _batch_independence(s, hint))]
     if not s.causal:
-        probes.append(("permutation_equivariance", lambda: _permutation(s)))
+        probes.append(("permutation_equivariance", lambda: _permutation(s, positional)))
     checks = []
     for name, probe in probes:
         if noisy:
@@ -335,76 +222,6 @@ def _axis_checks(s: _Subject, hint: str, noisy: bool) -> list[Check]:
             checks.append(probe())
         except ForwardError as exc:
             checks.append(forward_failure(2, name, exc))
-    return checks
-
-
-def _parameter_gradients(module: "nn.Module") -> Check:
-    import torch
-
-    missing, nonfinite, count = [], [], 0
-    for name, p in module.named_parameters():
-        if not p.requires_grad:
-            continue
-        count += 1
-        if p.grad is None:
-            missing.append(name)
-        elif not bool(torch.isfinite(p.grad).all()):
-            nonfinite.append(name)
-    if count == 0:
-        return unjudged(3, "parameter_gradients", "not_applicable", "the module has no trainable parameters")
-    return counted(3, "parameter_gradients", "trainable parameters without a finite gradient", len(missing) + len(nonfinite),
-                   data={"of": count, "no_gradient": missing, "non_finite": nonfinite})
-
-
-def _input_gradient(g: "torch.Tensor | None") -> Check:
-    import torch
-
-    if g is None:
-        return Check(3, "input_gradient", "fail", reason="no gradient reached the input (the graph was detached)")
-    bad = int((~torch.isfinite(g)).sum())
-    if bad:
-        return counted(3, "input_gradient", "non-finite input gradient values", bad)
-    return Check(3, "input_gradient", "pass", "input gradient norm", float(g.norm()))
-
-
-def _gradient_checks(module: "nn.Module", x: "torch.Tensor") -> list[Check]:
-    """L3, in training mode: one backward pass of ``out.square().mean()`` reaches the input and every parameter."""
-    import torch
-
-    was_training = module.training
-    module.train()
-    try:
-        module.zero_grad(set_to_none=True)
-        x_in = x.detach().clone().requires_grad_(True)
-        with torch.enable_grad():
-            try:
-                y = call_forward(module_forward(module), x_in,
-                                 what=f"forward(x) in training mode on input {tuple(x.shape)}")  # [B, T, E]
-                with user_call("backward through the training-mode forward"):
-                    y.square().mean().backward()
-            except ForwardError as exc:
-                return [forward_failure(3, "input_gradient", exc, "training mode: "),
-                        _not_reached(3, "parameter_gradients", "the training-mode forward failed")]
-            except UserCodeError:
-                raise
-            except Exception as exc:  # the user's backward may raise anything
-                why = f"backward raised {type(exc).__name__}: {_first_line(exc)}"
-                data = {"exception": type(exc).__name__}
-                return [Check(3, "input_gradient", "fail", reason=why, data=data),
-                        Check(3, "parameter_gradients", "fail", reason=why, data=data)]
-        return [_input_gradient(x_in.grad), _parameter_gradients(module)]
-    finally:
-        module.zero_grad(set_to_none=True)
-        module.train(was_training)
-
-
-def _numeric_checks(s: _Subject) -> list[Check]:
-    """L3: finite output, then the gradient checks (which leave the module in eval mode)."""
-    import torch
-
-    finite = counted(3, "finite_output", "non-finite output values", int((~torch.isfinite(s.y)).sum()))
-    checks = [finite] + _gradient_checks(s.module, s.x)
-    s.module.eval()
     return checks
 
 
@@ -455,8 +272,11 @@ def _controls_check(embed_dim: int, num_heads: int, x: "torch.Tensor", seed: int
                      data={"embed_dim": embed_dim, "num_heads": num_heads})
     dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     results = {}
+    t = x.shape[1]
+    cuts = sorted({0, (t - 1) // 2, t - 2})  # a control leaks at every cut; three show it at the edges and middle
     for name, _desc, control in builtin_controls(embed_dim, num_heads, seed, dtype):
-        results[name] = causal_intervention(module_forward(control), x.to(dtype), grad_mode="no_grad", seed=seed)
+        results[name] = causal_intervention(module_forward(control), x.to(dtype), cuts=cuts, grad_mode="no_grad",
+                                            seed=seed)
     leaked = sum(r.verdict == "leak" for r in results.values())
     data = {name: {"verdict": r.verdict, "max_prefix_delta": r.max_prefix_delta, "tolerance": r.tolerance}
             for name, r in results.items()}
@@ -487,18 +307,20 @@ def _causal_checks(s: _Subject, embed_dim: int, num_heads: int, noisy: bool) -> 
                             data={"exception": type(exc).__name__}))
     return checks
 
+def _numeric_checks(s: _Subject, embed_dim: int, noisy: bool) -> list[Check]:
+    """L3: finite output, gradients in training mode, gradcheck in float64 (the module is left in eval mode).
 
-def _rebuild_check(s: _Subject, layout: _Projections | None, why_not: str, noisy: bool) -> Check:
-    """L4: the output against a float64 rebuild from the module's own weights."""
-    if layout is None:
-        return unjudged(4, "reference_rebuild", "skipped", f"layout not recognised: {why_not}")
-    if noisy:
-        return _not_reached(4, "reference_rebuild", NOISY)
-    ref = rebuild_reference(layout, s.x, s.causal)  # [B, T, E] float64
-    c = closeness(s.y, ref, s.y.dtype)
-    return bounded(4, "reference_rebuild", "max |f(x)-f64_rebuild(x)|",
-                   c.delta, c.tolerance, reason="" if c.ok else layout.hint,
-                   data={**c.data(), "layout": layout.layout, "mask": "causal" if s.causal else "none"})
+    gradcheck compares the backward with finite differences of eval-mode forwards, so it is
+    not reached when eval-mode calls differ.
+    """
+    import torch
+
+    finite = counted(3, "finite_output", "non-finite output values", int((~torch.isfinite(s.y)).sum()))
+    checks = [finite] + gradient_checks(s.module, s.x)
+    s.module.eval()
+    checks.append(_not_reached(3, "gradcheck", NOISY) if noisy else gradcheck_check(s.module, embed_dim, s.seed))
+    s.module.eval()
+    return checks
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -515,37 +337,44 @@ def _expected(causal: bool) -> list[tuple[int, str]]:
     return [(level, name) for members in ASPECTS.values() for level, name in members if name not in skip]
 
 
-def _run_checks(module: "nn.Module", x: "torch.Tensor", layout: _Projections | None, why_not: str, embed_dim: int,
-                num_heads: int, causal: bool, seed: int, tick: Callable[[], None]) -> list[Check]:
+def _observed(module: "nn.Module", x: "torch.Tensor", declared: Declared, embed_dim: int, noisy: bool) -> Audit:
+    """The observed core's checks; not reached when eval-mode calls differ (they would judge noise)."""
+    if noisy:
+        return Audit({n: _not_reached(2 if n in AXIS_CHECKS else 4, n, NOISY) for n in AXIS_CHECKS + CORE_CHECKS})
+    return audit_core(module, x, declared, embed_dim=embed_dim, dtype=module_dtype(module))
+
+
+def _run_checks(module: "nn.Module", x: "torch.Tensor", declared: Declared, embed_dim: int, num_heads: int,
+                seed: int, tick: Callable[[], None]) -> tuple[list[Check], Audit | None]:
     """Every check, in level order; after a failed level-1 forward, the rest are not reached.
 
     Eval determinism is a behaviour (L4) check, but it runs first: every later comparison
-    of outputs (batch independence, permutation, rebuild, intervention) assumes an eval-mode
-    output is a function of the input. When it is not, those comparisons would report
-    dropout noise as a finding of their own, so they are not reached and the first finding
-    is eval_determinism itself. The intervention comes before the rebuild: when both fail,
-    "position 0 moved when position 1 changed" says more than "the outputs differ".
+    of outputs (batch independence, permutation, the observed core, the intervention)
+    assumes an eval-mode output is a function of the input. When it is not, those
+    comparisons would report dropout noise as a finding of their own, so they are not
+    reached and the first finding is eval_determinism itself. The observation runs next,
+    so the permutation probe knows whether the core encodes positions.
     """
     fwd = module_forward(module)
     l1, y = _shape_checks(fwd, x)
     tick()
     if y is None:
-        return l1 + [_not_reached(level, name, FORWARD_FAILED) for level, name in _expected(causal)[len(l1):]]
-    s = _Subject(module, fwd, x, y, seed, causal)
+        return l1 + [_not_reached(level, name, FORWARD_FAILED) for level, name in _expected(declared.causal)[len(l1):]], None
+    s = _Subject(module, fwd, x, y, seed, declared)
     det = eval_determinism(fwd, x)
     noisy = not det.identical
+    audit = _observed(module, x, declared, embed_dim, noisy)
     tick()
-    checks = l1 + _axis_checks(s, layout.hint if layout else _mha_hint(module), noisy)
+    checks = l1 + _axis_checks(s, _mha_hint(module), noisy, audit.positional) + [audit.checks[n] for n in AXIS_CHECKS]
     tick()
-    checks += _numeric_checks(s)
+    checks += _numeric_checks(s, embed_dim, noisy)
     tick()
     checks.append(determinism_check(det))
-    if causal:
+    if declared.causal:
         checks += _causal_checks(s, embed_dim, num_heads, noisy)
         tick()
-    checks.append(_rebuild_check(s, layout, why_not, noisy))
-    tick()
-    return checks
+    checks += [audit.checks[n] for n in CORE_CHECKS]
+    return checks, audit
 
 
 def _row(name: str, checks: tuple[Check, ...]) -> Row:
@@ -559,6 +388,8 @@ def check_module(
     num_heads: int,
     *,
     causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
     seed: int = 0,
     batch_size: int = BATCH_SIZE,
     seq_len: int = SEQ_LEN,
@@ -571,9 +402,13 @@ def check_module(
     Args:
         factory: the already-loaded callable returning an ``nn.Module``.
         embed_dim: E, passed to the factory and used for the input ``[B, T, E]``.
-        num_heads: Nh, passed to the factory and used by the float64 rebuild.
-        causal: check causality (intervention, controls, gradient form); otherwise check
-            permutation equivariance.
+        num_heads: Nh, passed to the factory (the checks read the head count the module uses).
+        causal: the module is meant to be causal: check causality (intervention, controls,
+            gradient form) and expect the causal relation; otherwise check permutation
+            equivariance and expect a bidirectional core.
+        window: with ``causal``, the module is meant to use a sliding window of this many keys
+            (query i uses keys i-window+1..i).
+        scale: the design's own softmax scale, where it is not 1/sqrt(Dh).
         seed: seeds torch's generator around the factory and the forwards, and the inputs.
         batch_size: B (at least 2, so batch independence can be judged).
         seq_len: T (at least 2).
@@ -584,23 +419,21 @@ def check_module(
 
     Returns:
         A :class:`~attn_ledger.report.Report` (command ``check``), one row per aspect
-        (:data:`ASPECTS`); ``exit_code`` 0 when every check passes, 1 on a finding.
+        (:data:`ASPECTS`); ``exit_code`` 0 when no check fails, 1 on a finding.
 
     Raises:
-        InputError: sizes out of range, or ``decode`` without ``causal``.
+        InputError: sizes, window or scale out of range, or ``decode`` without ``causal``.
         SetupError: the factory raised, exited or returned something other than an ``nn.Module``.
     """
     import torch
 
-    _validate(embed_dim=(embed_dim, 1), num_heads=(num_heads, 1), batch_size=(batch_size, 2), seq_len=(seq_len, 2))
-    if decode is not None and not causal:
-        raise field_error("decode", getattr(decode, "__name__", "decode"),
-                          "a causal module (decode parity compares with the causal forward)")
+    _declared(embed_dim, num_heads, batch_size, seq_len, causal, window, scale, decode)
     with torch.random.fork_rng(devices=[]):
         manual_seed(seed)
         module = build_module(factory, embed_dim, num_heads)
-        return check_built_module(module, embed_dim, num_heads, causal=causal, seed=seed, batch_size=batch_size,
-                                  seq_len=seq_len, progress=progress, subject=subject, decode=decode)
+        return check_built_module(module, embed_dim, num_heads, causal=causal, window=window, scale=scale, seed=seed,
+                                  batch_size=batch_size, seq_len=seq_len, progress=progress, subject=subject,
+                                  decode=decode)
 
 
 def check_built_module(
@@ -609,6 +442,8 @@ def check_built_module(
     num_heads: int,
     *,
     causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
     seed: int = 0,
     batch_size: int = BATCH_SIZE,
     seq_len: int = SEQ_LEN,
@@ -623,7 +458,8 @@ def check_built_module(
     """
     import torch
 
-    total, done = (6 if causal else 5) + (len(decodecheck.plan_scenarios()) if decode is not None else 0), 0
+    declared = _declared(embed_dim, num_heads, batch_size, seq_len, causal, window, scale, decode)
+    total, done = (5 if causal else 4) + (len(decodecheck.plan_scenarios()) if decode is not None else 0), 0
 
     def tick() -> None:
         nonlocal done
@@ -638,21 +474,23 @@ def check_built_module(
     g = generator(seed)
     x = torch.randn(batch_size, seq_len, embed_dim, generator=g, dtype=torch.float64).to(param_dtype)  # [B, T, E]
     module.eval()
-    layout, why_not = recognise_layout(module, num_heads)
     try:
-        checks = _run_checks(module, x, layout, why_not, embed_dim, num_heads, causal, seed, tick)
-        decoded = decodecheck.decode_rows(module, decode, embed_dim, seed=seed, progress=lambda d, t: tick()) \
-            if decode is not None else None
+        with _one_thread():
+            checks, audit = _run_checks(module, x, declared, embed_dim, num_heads, seed, tick)
+            decoded = decodecheck.decode_rows(module, decode, embed_dim, seed=seed, progress=lambda d, t: tick()) \
+                if decode is not None else None
     except UserCodeError as exc:
-        return stopped_module_report(subject, sizes, causal, f"{exc.what} {exc}", exc.facts(), dtype, training_on_entry)
+        return stopped_module_report(subject, sizes, causal, f"{exc.what} {exc}", exc.facts(), dtype, training_on_entry,
+                                     window=window, scale=scale)
     if progress:
         progress(total, total)
-    report = _module_report(checks, subject, sizes, causal, layout, why_not, dtype, training_on_entry)
+    report = _module_report(checks, subject, sizes, declared, audit, dtype, training_on_entry)
     return report if decoded is None else decodecheck.with_decode(report, *decoded)
 
 
 def stopped_module_report(subject: str, sizes: dict[str, int], causal: bool, reason: str, data: dict[str, Any],
-                          dtype: str | None = None, training_on_entry: bool = False) -> Report:
+                          dtype: str | None = None, training_on_entry: bool = False, *, window: int | None = None,
+                          scale: float | None = None) -> Report:
     """The report when a call into the module did not come back (an exit, the time limit, a crash).
 
     Its ``call`` row holds the L1 ``call`` finding (``reason`` and ``data`` say which call and
@@ -660,33 +498,86 @@ def stopped_module_report(subject: str, sizes: dict[str, int], causal: bool, rea
     """
     called = Check(1, "call", "fail", reason=reason, data=data)
     rest = [_not_reached(level, name, "the check stopped at a call that did not return") for level, name in _expected(causal)]
-    return _module_report([called, *rest], subject, sizes, causal, None, "", dtype, training_on_entry, stopped=True)
+    declared = Declared(causal=causal, window=window, scale=scale)
+    return _module_report([called, *rest], subject, sizes, declared, None, dtype, training_on_entry, stopped=True)
 
 
-def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], causal: bool,
-                   layout: _Projections | None, why_not: str, dtype: str | None, training_on_entry: bool,
-                   stopped: bool = False) -> Report:
-    """The checks in rows by aspect; coverage says so where the float64 rebuild could not run."""
+def validate_module_options(embed_dim: int, num_heads: int, *, causal: bool = True, window: int | None = None,
+                            scale: float | None = None, batch_size: int = BATCH_SIZE, seq_len: int = SEQ_LEN) -> None:
+    """Refuse, before anything runs, sizes and declarations :func:`check_module` would refuse.
+
+    Raises:
+        InputError: naming the option, the value and what was expected.
+    """
+    _declared(embed_dim, num_heads, batch_size, seq_len, causal, window, scale)
+
+
+def _declared(embed_dim: int, num_heads: int, batch_size: int, seq_len: int, causal: bool, window: int | None,
+              scale: float | None, decode: Callable[..., Any] | None = None) -> Declared:
+    _validate(embed_dim=(embed_dim, 1), num_heads=(num_heads, 1), batch_size=(batch_size, 2), seq_len=(seq_len, 2))
+    if decode is not None and not causal:
+        raise field_error("decode", getattr(decode, "__name__", "decode"),
+                          "a causal module (decode parity compares with the causal forward)")
+    return Declared(causal=causal, window=window, scale=None if scale is None else float(scale))
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run on one intra-op thread, then restore the count.
+
+    The module check calls the module hundreds of times on tensors of a few thousand
+    values, where a second thread adds only synchronisation: on a busy machine a small
+    matmul took 1.2 ms on two threads and 5 us on one.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _found_note(found: dict[str, Any]) -> str:
+    """One line naming what the observed core applies: relation, scale, rotary, score design."""
+    rotary = found.get("rotary")
+    rot = (f"rotary {rotary['pairing']}, base {rotary['base']:g}, {rotary['rotated_dim']} of {rotary['head_dim']} "
+           "features" if rotary else "no rotary")
+    scale = found.get("scale")
+    scale_text = f"softmax scale {scale:.4g}" if isinstance(scale, float) else "softmax scale not fitted"
+    return f"found: {found.get('relation')} relation; {scale_text}; {rot}; scores {found.get('design') or 'not read'}"
+
+
+def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], declared: Declared, audit: Audit | None,
+                   dtype: str | None, training_on_entry: bool, stopped: bool = False) -> Report:
+    """The checks in rows by aspect; coverage where the core could not be observed in full, or the check stopped."""
     by_name = {c.name: c for c in checks}
     rows = [_row(aspect, found) for aspect, members in ASPECTS.items()
             if (found := tuple(by_name[n] for _, n in members if n in by_name))]
     if "call" in by_name:  # the check stopped at a call into the module that did not return
         rows.insert(0, Row("call", by_name["call"].status, (by_name["call"],)))
-    notes = [f"rebuild layout: {layout.layout}"] if layout else []
+    found = dict(audit.details) if audit else {}
+    notes = []
+    if found.get("core"):
+        notes.append(f"observed core: {found['core']}; layout: {found.get('layout') or 'not traced'}")
+        notes.append(_found_note(found))
+    notes += list(audit.notes) if audit else []
     if training_on_entry:
         notes.append("the module came back in training mode: output comparisons ran in eval mode, gradients in training mode")
-    coverage = None if layout else Coverage("black-box", ("reference_rebuild",), f"layout not recognised: {why_not}")
-    if stopped:
-        coverage = Coverage("stopped", tuple(n for _, n in _expected(causal)),
-                            "a call into the module did not come back, so no other check ran")
-    details = {"subject": subject, "protocol": "module", "sizes": sizes, "causal": causal,
-               "layout": layout.layout if layout else None, "dtype": dtype,
+    details = {"subject": subject, "protocol": "module", "sizes": sizes, "causal": declared.causal,
+               "window": declared.window, "scale": declared.scale, "relation": declared.text,
+               "layout": found.get("layout"), "observed": found if found.get("core") else None, "dtype": dtype,
                "training_mode_on_entry": training_on_entry}
+    coverage = audit.coverage if audit else None
+    if stopped:
+        coverage = Coverage("stopped", tuple(n for _, n in _expected(declared.causal)),
+                            "a call into the module did not come back, so no other check ran")
     title = (f"MODULE CHECK {subject} B={sizes['B']} T={sizes['T']} E={sizes['E']} Nh={sizes['Nh']} "
-             f"{'causal' if causal else 'not causal'}")
-    return Report("check", title, tuple(rows), coverage=coverage, notes=tuple(notes), details=details,
-                  unit="check", row_label="aspect")
+             f"{declared.text if declared.causal else 'not causal'}")
+    return Report("check", title, tuple(rows), coverage=coverage, notes=tuple(notes), details=details, unit="check",
+                  row_label="aspect")
 
 
-__all__ = ["ASPECTS", "check_module", "check_built_module", "build_module", "stopped_module_report",
-           "recognise_layout", "rebuild_reference"]
+__all__ = ["ASPECTS", "BATCH_SIZE", "SEQ_LEN", "Declared", "build_module", "check_built_module", "check_module",
+           "stopped_module_report", "validate_module_options"]

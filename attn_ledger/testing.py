@@ -2,22 +2,27 @@
 
 Example::
 
-    from attn_ledger.testing import assert_attention_matches
-    from mypkg.attn import attention
+    from attn_ledger.testing import assert_attention_matches, assert_module_matches
+    from mypkg.attn import attention, make_attention
 
     def test_attention_follows_the_kernel_protocol():
         assert_attention_matches(attention)
 
-The function is checked under the kernel protocol
-(``attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None)``, see
-:mod:`attn_ledger.kernelcheck`). On any finding the ``AssertionError`` message is the
-ledger's diagnosis: the first failing level and check per failing case, and the exact
-command and Python call that reproduce the smallest one.
+    def test_attention_module():
+        assert_module_matches(make_attention, embed_dim=64, num_heads=4, window=16, seq_len=24)
 
-The function runs in the test's own process (so fixtures, closures and breakpoints work).
-``sys.exit`` inside it is a finding, as in the CLI; there is no time limit unless
+A function is checked under the kernel protocol
+(``attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None)``, see
+:mod:`attn_ledger.kernelcheck`); a module factory under the module protocol
+(``factory(embed_dim, num_heads) -> nn.Module``, ``[B, T, E] -> [B, T, E]``, see
+:mod:`attn_ledger.modulecheck`). On any finding the ``AssertionError`` message is the
+diagnosis: the first failing level and check (per failing case, for kernels), what else
+failed or could not be judged, and the exact command and Python call that reproduce it.
+
+The code under test runs in the test's own process (so fixtures, closures and breakpoints
+work). ``sys.exit`` inside it is a finding, as in the CLI; there is no time limit unless
 ``timeout=`` is given, and that limit can stop Python code only (a hang inside C code
-returns when the C code does; ``attn-ledger check`` runs the function in a worker process
+returns when the C code does; ``attn-ledger check`` runs user code in a worker process
 for that).
 """
 
@@ -28,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 if TYPE_CHECKING:
     from attn_ledger.report import Report
 
-__all__ = ["assert_attention_matches", "diagnosis"]
+__all__ = ["assert_attention_matches", "assert_module_matches", "diagnosis", "module_diagnosis"]
 
 
 def assert_attention_matches(
@@ -98,4 +103,106 @@ def diagnosis(report: "Report", max_cases: int = 3) -> str:
         lines.append(f"\n... and {len(failing) - max_cases} more failing cases")
     repro = d["reproduce"]
     lines += ["", "reproduce:", f"  {repro['cli']}"] + [f"  {ln}" for ln in repro["python"].splitlines()]
+    return "\n".join(lines)
+
+
+def assert_module_matches(
+    factory: Callable[..., Any],
+    embed_dim: int,
+    num_heads: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+    seed: int = 0,
+    batch_size: int = 2,
+    seq_len: int = 6,
+    name: str | None = None,
+    timeout: float | None = None,
+) -> None:
+    """Assert that the module ``factory(embed_dim, num_heads)`` builds passes every module check.
+
+    Args:
+        factory: ``factory(embed_dim, num_heads) -> nn.Module`` mapping ``[B, T, E]`` to ``[B, T, E]``.
+        embed_dim, num_heads: E and Nh, passed to the factory.
+        causal, window, scale: what the module is meant to compute: causal or not, a causal
+            sliding window of ``window`` keys, its own softmax scale (default 1/sqrt(Dh)).
+        seed, batch_size, seq_len: the inputs (B >= 2, T >= 2).
+        name: how to name the factory in the message and the command (default
+            ``path/to/file.py:QUALNAME`` where the factory can be imported that way).
+        timeout: seconds per call into the module (None: no limit); a call past it stops the
+            check with an L1 ``call`` finding. Needs the main thread (it uses ``SIGALRM``).
+
+    Raises:
+        AssertionError: some check fails; the message is the diagnosis with its reproduction.
+        attn_ledger.errors.InputError: sizes or declarations out of range.
+        attn_ledger.errors.SetupError: the factory raised or returned no module.
+    """
+    from attn_ledger.guard import in_process
+    from attn_ledger.modulecheck import check_module
+    from attn_ledger.worker import check_timeout
+
+    __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
+    check_timeout(timeout, "timeout")
+    spec = name or _factory_spec(factory)
+    options = {"causal": causal, "window": window, "scale": scale, "seed": seed, "batch_size": batch_size,
+               "seq_len": seq_len}
+    with in_process(timeout):
+        report = check_module(factory, embed_dim, num_heads, subject=spec, **options)
+    if report.exit_code:
+        raise AssertionError(module_diagnosis(report, reproduce=_module_reproduction(spec, embed_dim, num_heads, options)))
+
+
+def _factory_spec(factory: Callable[..., Any]) -> str:
+    """``path/to/file.py:QUALNAME`` when the factory can be found that way, else its qualified name."""
+    import inspect
+
+    qualname = getattr(factory, "__qualname__", None) or getattr(factory, "__name__", None) or repr(factory)
+    try:
+        path = inspect.getsourcefile(factory)
+    except TypeError:
+        path = None
+    if path and "<" not in qualname and "." not in qualname:
+        return f"{path}:{qualname}"
+    return f"{getattr(factory, '__module__', '?')}:{qualname}"
+
+
+def _module_reproduction(spec: str, embed_dim: int, num_heads: int, options: dict[str, Any]) -> dict[str, str]:
+    cli = [f"attn-ledger check --module {spec} --embed-dim {embed_dim} --heads {num_heads}"]
+    if not options["causal"]:
+        cli.append("--no-causal")
+    if options["window"] is not None:
+        cli.append(f"--window {options['window']}")
+    if options["scale"] is not None:
+        cli.append(f"--scale {options['scale']!r}")
+    cli.append(f"--seed {options['seed']} --batch-size {options['batch_size']} --seq-len {options['seq_len']}")
+    args = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    python = ("from attn_ledger.modulecheck import check_module\n"
+              f"report = check_module(factory, {embed_dim}, {num_heads}, {args})\n"
+              "print(report.first_finding)")
+    return {"cli": " ".join(cli), "python": python}
+
+
+def module_diagnosis(report: "Report", reproduce: dict[str, str] | None = None) -> str:
+    """Plain text from a ``check --module`` report: the first finding, every check that failed,
+    warned or could not be judged, what was observed, the coverage, and the reproduction."""
+    from attn_ledger.render.text import STATUS_WORD, describe
+
+    d = report.details
+    first = report.first_finding
+    if first is None:
+        head = f"{d['subject']}: every module check passes"
+    else:
+        head = (f"{d['subject']}: module check fails; first finding: {first.row} "
+                f"L{first.level} {first.name}: {describe(first.check)}")
+    lines = [head]
+    for row, c in report.checks():
+        if c.failed or c.status in ("warn", "inconclusive"):
+            mark = "FIRST" if first is not None and c is first.check else STATUS_WORD[c.status]
+            lines.append(f"  {row:<11} L{c.level} {c.name:<28} {mark:<12} {describe(c)}")
+    lines += [f"  {n}" for n in report.notes]
+    if report.coverage is not None:
+        lines.append(f"  coverage: {report.coverage.scope}: {report.coverage.reason}")
+    if reproduce:
+        lines += ["", "reproduce:", f"  {reproduce['cli']}"] + [f"  {ln}" for ln in reproduce["python"].splitlines()]
     return "\n".join(lines)

@@ -15,7 +15,11 @@ measured against:
   comparing a user module's outputs with each other relative to the output's own scale
   (interventions, batch independence, permutation);
 * :data:`PROBE_ATOL`: an absolute bound for float32 outputs of unit-scale probe inputs
-  against float64 (``polarity``).
+  against float64 (``polarity``);
+* the observed core of a module (``check --module``): :func:`norm_pattern` (two heads' vector
+  norms are the same vectors'), :func:`logit` (a logit read back from weights),
+  :func:`fitted_scale` (a fitted softmax scale equals a value), and :data:`GRADCHECK` /
+  :data:`GRADCHECK_FLOAT32_INSIDE` (gradcheck's step and tolerances).
 
 Nothing here imports torch; dtypes may be given as ``torch.dtype`` or by name.
 """
@@ -99,3 +103,39 @@ def relative(dtype: "torch.dtype | str") -> float:
     """The fraction of an output's scale within which two results count as equal: atol + rtol."""
     rtol, atol = assert_close(dtype)
     return atol + rtol
+
+
+# --- the observed core of a module (check --module) -------------------------------------------
+
+_EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+def eps(dtype: "torch.dtype | str") -> float:
+    """The machine epsilon of ``dtype`` (float32's for others)."""
+    return _EPS.get(dtype_name(dtype), _EPS["float32"])
+
+
+def norm_pattern(dtype: "torch.dtype | str") -> float:
+    """How far apart two unit patterns of vector norms over positions may be and still be the same
+    vectors, rotated or scaled (rounding of ``dtype``, never below float32-sized rotation tables)."""
+    return max(8.0 * eps(dtype), 1e-6)
+
+
+def logit(dtype: "torch.dtype | str", magnitude: float) -> float:
+    """How far a logit read back from weights computed in ``dtype`` may be off, for logits up to
+    ``magnitude``. Never tighter than float32's: implementations often compute the softmax or
+    the rotary tables in float32 even for float64 inputs."""
+    return 64.0 * max(eps(dtype), _EPS["float32"]) * (1.0 + magnitude)
+
+
+def fitted_scale(dtype: "torch.dtype | str") -> float:
+    """The relative tolerance within which a fitted softmax scale counts as a given value."""
+    return 5e-2 if is_half(dtype) else 1e-3
+
+
+# torch.autograd.gradcheck's defaults, and the rule for a module that rounds to float32 inside,
+# where a central difference is only as good as float32 allows (best near a step of float32's
+# eps ** (1/3), about 5e-3, good to about 1e-5 of the output).
+GRADCHECK = {"eps": 1e-6, "atol": 1e-5, "rtol": 1e-3}
+GRADCHECK_FLOAT32_INSIDE = {"eps": 1e-2, "atol": 1e-3, "rtol": 1e-2}
+

@@ -1,7 +1,8 @@
-"""Time ``attn-ledger check`` on the default grid for a correct float32 kernel.
+"""Time ``attn-ledger check`` on the default grid for a correct float32 kernel, or ``check --module``.
 
     python benchmarks/bench_check.py [--runs 5]
     python benchmarks/bench_check.py --decode [--runs 3]
+    python benchmarks/bench_check.py --module [--runs 3]
 
 Prints the median wall time of several runs of the whole default grid (float32, float64,
 float16 and bfloat16 cases) on fixtures/kernels/good.py. Target: under 10 s on 2 CPU cores.
@@ -9,6 +10,12 @@ float16 and bfloat16 cases) on fixtures/kernels/good.py. Target: under 10 s on 2
 ``--decode`` times the KV-cache decode checks of ``check --module --decode`` instead (E=256,
 Nh=8, 32 decoded positions; a correct rotary module, and one whose offset is off by one so
 every scenario is diagnosed), with the load average beside them. Target: under 20 s.
+
+With ``--module``: the median wall time of ``check --module`` on the correct Llama-style
+fixture (grouped-query attention with rotary positions) at E=256, Nh=8, T=32, B=2, every
+check including the observed core and gradcheck, beside one SDPA call of the same attention
+in the same process. Target: under 20 s. The load average is printed with the times, since
+the machine's other work shows in them.
 """
 
 from __future__ import annotations
@@ -27,15 +34,55 @@ from attn_ledger.userload import load_object
 
 GOOD = Path(__file__).resolve().parents[1] / "fixtures" / "kernels" / "good.py"
 DECODE_MODULES = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "decode_modules.py"
+MODULES = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "attention_modules.py"
+
+
+def bench_module(runs: int) -> None:
+    """``check --module`` on the Llama-style fixture at E=256, Nh=8, T=32, B=2: medians and the load."""
+    import torch.nn.functional as F
+
+    from attn_ledger.modulecheck import check_module
+    from attn_ledger.testing import module_diagnosis
+
+    factory = load_object(f"{MODULES}:llama_style")
+    e, nh, t, b = 256, 8, 32, 2
+    threads = torch.get_num_threads()
+    load_before = os.getloadavg()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        report = check_module(factory, e, nh, seq_len=t, batch_size=b)
+        times.append(time.perf_counter() - start)
+        if report.exit_code:
+            raise SystemExit("the Llama-style fixture failed the module check:\n" + module_diagnosis(report))
+    q = torch.randn(b, nh, t, e // nh)
+    sdpa = []
+    for _ in range(max(20, runs)):
+        start = time.perf_counter()
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        sdpa.append(time.perf_counter() - start)
+    load_after = os.getloadavg()
+    median = statistics.median(times)
+    print(f"check --module llama_style E={e} Nh={nh} T={t} B={b}: torch {torch.__version__}, "
+          f"{len(report.checks())} checks (run on 1 intra-op thread; the process has {threads})")
+    print(f"median {median:.2f} s over {runs} runs (min {min(times):.2f} s, max {max(times):.2f} s); target 20 s")
+    print(f"one SDPA call [{b}, {nh}, {t}, {e // nh}]: median {statistics.median(sdpa) * 1e6:.0f} us; "
+          f"ratio {median / statistics.median(sdpa):.3g}")
+    print("load average (1, 5, 15 min): before " + ", ".join(f"{v:.2f}" for v in load_before)
+          + "; after " + ", ".join(f"{v:.2f}" for v in load_after))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--decode", action="store_true", help="time the decode checks of check --module --decode")
+    parser.add_argument("--module", action="store_true", help="time check --module instead of the kernel grid")
     args = parser.parse_args()
     if args.decode:
         decode_section(args.runs)
+        return
+    if args.module:
+        bench_module(args.runs)
         return
     fn = load_object(f"{GOOD}:attention")
     check_kernel(fn)  # warm-up: first calls pay for lazy initialisation

@@ -201,3 +201,18 @@ class InputDetached(SdpaAttention):
 
 def input_detached(e: int, n: int) -> nn.Module:
     return InputDetached(e, n)
+
+
+class NonFiniteGradient(SdpaAttention):
+    """Healthy output, but its gate parameter's gradient is NaN (sqrt at 0, times 0)."""
+
+    def __init__(self, embed_dim: int, num_heads: int) -> None:
+        super().__init__(embed_dim, num_heads)
+        self.gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.0 * self.gate.sqrt()
+
+
+def non_finite_gradient(e: int, n: int) -> nn.Module:
+    return NonFiniteGradient(e, n)

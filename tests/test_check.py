@@ -420,11 +420,18 @@ def test_cli_kernel_that_raises_on_a_legal_case_is_a_level_1_finding(tmp_path):
     ["check", GOOD, "--case", "not-a-case"],
     ["check", GOOD, "--embed-dim", "12"],
     ["check", "--module", f"{KERNELS / 'good_module.py'}:make"],
-    ["check", "--module", f"{KERNELS / 'good_module.py'}:make", "--embed-dim", "10", "--heads", "3"],
+    ["check", "--module", f"{KERNELS / 'good_module.py'}:make", "--embed-dim", "0", "--heads", "3"],
     ["check", "--module", f"{KERNELS / 'good_module.py'}:make", "--embed-dim", "12", "--heads", "3",
      "--case", "b1-h1kv1-tq1tk1-dh4dv4-none-rand-f32"],
+    ["check", GOOD, "--window", "4"],
+    ["check", GOOD, "--seq-len", "8"],
+    *(["check", "--module", f"{KERNELS / 'good_module.py'}:make", "--embed-dim", "12", "--heads", "3", *extra]
+      for extra in (["--window", "4", "--no-causal"], ["--window", "0"], ["--scale", "0"], ["--scale", "nan"],
+                    ["--batch-size", "1"], ["--seq-len", "1"])),
 ], ids=["missing-file", "missing-name", "bad-spec", "no-target", "both", "bad-case", "embed-dim-without-module",
-        "module-without-sizes", "indivisible", "case-with-module"])
+        "module-without-sizes", "embed-dim-zero", "case-with-module", "window-without-module",
+        "seq-len-without-module", "window-not-causal", "window-zero", "scale-zero", "scale-nan", "batch-size-one",
+        "seq-len-one"])
 def test_cli_setup_errors_exit_2_and_write_nothing(args, tmp_path):
     out = tmp_path / "report.json"
     res = runner.invoke(app, args + ["--output", str(out)])
@@ -451,12 +458,28 @@ def test_cli_module_protocol():
     assert (first["level"], first["check"]) == (2, "batch_independence")
 
 
+def test_cli_module_sizes_and_declarations_reach_the_report():
+    res = runner.invoke(app, ["check", "--module", f"{KERNELS / 'good_module.py'}:make", "--embed-dim", "12",
+                              "--heads", "3", "--batch-size", "3", "--seq-len", "9", "--window", "9", "--scale",
+                              "0.25", "--format", "json"])
+    data = json.loads(res.stdout)
+    assert data["details"]["sizes"] == {"B": 3, "T": 9, "E": 12, "Nh": 3}
+    assert (data["details"]["window"], data["details"]["scale"]) == (9, 0.25)
+    # a window of 9 at T = 9 never cuts, so the causal module matches it; its scale is the default
+    # 1/sqrt(Dh) = 0.5, not the 0.25 declared
+    checks = {c["name"]: c for r in data["rows"] for c in r["checks"]}
+    assert checks["mask_relation"]["status"] == "pass"
+    scale = checks["effective_scale"]
+    assert (scale["status"], scale["limit"], scale["data"]["named"]) == ("fail", 0.25, ["1/sqrt(Dh)"])
+    assert res.exit_code == 1 and data["first_finding"]["check"] == "effective_scale"
+
+
 def test_check_help_and_docs_show_the_options():
     res = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0
-    docs = (ROOT / "docs" / "check.md").read_text()
+    docs = (ROOT / "docs" / "check.md").read_text() + (ROOT / "docs" / "check-module.md").read_text()
     for opt in ("--case", "--empty-rows", "--module", "--embed-dim", "--heads", "--causal", "--format", "--seed",
-                "--timeout", "--in-process"):
+                "--timeout", "--in-process", "--window", "--scale", "--batch-size", "--seq-len"):
         assert opt in res.output and opt in docs, opt
     assert "def attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None) -> Tensor" in docs
 
@@ -514,3 +537,14 @@ def test_index_inputs_say_where_a_wrong_value_came_from():
     assert "index decode" in r.row(case).note  # the table shows it beside the case
     r = check_kernel(catalogue.causal_top_left, [parse_case("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-f32")])
     assert "index_decode" not in r.rows[0].check("reference").data
+
+
+def test_cli_module_observation_in_the_worker_matches_in_process():
+    args = ["check", "--module", f"{ROOT / 'fixtures' / 'modules' / 'attention_modules.py'}:mistral_window",
+            "--embed-dim", "32", "--heads", "4", "--window", "4", "--seq-len", "8", "--format", "json"]
+    worker = runner.invoke(app, args)
+    here = runner.invoke(app, [*args, "--in-process"])
+    assert worker.exit_code == here.exit_code == 0, worker.output
+    assert worker.stdout == here.stdout
+    observed = json.loads(worker.stdout)["details"]["observed"]
+    assert observed["relation"] == "sliding window 4" and observed["rotary"]["pairing"] == "half"

@@ -175,25 +175,30 @@ CHECK_OPTIONS = {"--embed-dim": ["--embed-dim", "12"], "--heads": ["--heads", "3
                  "--no-causal": ["--no-causal"], "--decode": ["--decode", DECODE], "--case": ["--case", CASE],
                  "--empty-rows": ["--empty-rows", "any"], "--seed": ["--seed", "1"], "--timeout": ["--timeout", "120"],
                  "--in-process": ["--in-process"], "--format": ["--format", "json"], "--output": ["--output", "{out}"],
-                 "--timings": ["--timings"], "--html": ["--html", "{html}"], "--max-memory": ["--max-memory", "8G"]}
+                 "--timings": ["--timings"], "--html": ["--html", "{html}"], "--max-memory": ["--max-memory", "8G"],
+                 "--window": ["--window", "6"], "--scale": ["--scale", "0.5"], "--batch-size": ["--batch-size", "3"],
+                 "--seq-len": ["--seq-len", "5"]}
 CHECK_EVERY = {"--seed", "--timeout", "--in-process", "--format", "--output", "--timings", "--html"}
 
 
 @pytest.mark.parametrize("mode,base,uses", [
     ("kernel", ["check", KERNEL], CHECK_EVERY | {"--case", "--empty-rows"}),
     ("module", ["check", "--module", MODULE],
-     CHECK_EVERY | {"--embed-dim", "--heads", "--causal", "--no-causal", "--decode", "--max-memory"}),
+     CHECK_EVERY | {"--embed-dim", "--heads", "--causal", "--no-causal", "--decode", "--max-memory", "--window",
+                    "--scale", "--batch-size", "--seq-len"}),
 ])
 def test_check_every_option_against_the_mode(files, mode, base, uses):
     sizes = ["--embed-dim", "12", "--heads", "3"] if mode == "module" else []
     for option, extra in CHECK_OPTIONS.items():
         if option not in uses:
             refused(base + sizes + fill(extra, files), option.replace("--no-causal", "--causal"))
-    chosen = [a for o in sorted(uses - {"--no-causal", "--embed-dim", "--heads", "--decode"})
+    chosen = [a for o in sorted(uses - {"--no-causal", "--embed-dim", "--heads", "--decode", "--window"})
               for a in fill(CHECK_OPTIONS[o], files)]
     accepted(base + sizes + chosen)
     if mode == "module":
         accepted(base + sizes + ["--no-causal"])
+        accepted(base + sizes + ["--window", "6"])  # a causal sliding window: not with --no-causal
+        refused(base + sizes + ["--no-causal", "--window", "6"], "window")
         accepted(["check", "--module", DECODE_MODULE, "--decode", DECODE, "--embed-dim", "8", "--heads", "2"])
 
 

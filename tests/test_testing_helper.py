@@ -124,3 +124,49 @@ def test_no_time_limit_unless_given():
 def test_timeout_must_be_positive(timeout):
     with pytest.raises(InputError, match="^timeout: got "):
         assert_attention_matches(attention, ONE, timeout=timeout)
+# --- modules ----------------------------------------------------------------------------------------
+
+from attn_ledger.testing import assert_module_matches  # noqa: E402
+
+MODULES = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "attention_modules.py"
+
+
+def test_my_module_follows_the_protocol():
+    assert_module_matches(load_object(f"{KERNELS / 'good_module.py'}:make"), 12, 3)
+    assert_module_matches(load_object(f"{MODULES}:sdpa_bidirectional"), 12, 2, causal=False, seq_len=5)
+
+
+def test_module_failure_message_is_the_diagnosis_with_its_reproduction():
+    factory = load_object(f"{MODULES}:no_scale")
+    with pytest.raises(AssertionError) as info:
+        assert_module_matches(factory, 12, 2, seq_len=5, name="fixtures/modules/attention_modules.py:no_scale")
+    msg = str(info.value)
+    first = msg.splitlines()[0]
+    assert first.startswith("fixtures/modules/attention_modules.py:no_scale: module check fails; first finding: core "
+                            "L4 effective_scale:")
+    assert "equals 1 (not scaled)" in first
+    assert "L4 attention_core" in msg and "explained by effective_scale" in msg
+    assert ("attn-ledger check --module fixtures/modules/attention_modules.py:no_scale --embed-dim 12 --heads 2 "
+            "--seed 0 --batch-size 2 --seq-len 5") in msg
+    # the Python lines rerun the check and reach the same finding
+    python = [ln.strip() for ln in msg[msg.index("reproduce:"):].splitlines()[2:]]
+    scope = {"factory": factory}
+    exec("\n".join(python[:-1]), scope)
+    assert scope["report"].first_finding.name == "effective_scale"
+
+
+def test_module_helper_names_a_file_factory_by_path_and_declarations_reach_the_command():
+    from attn_ledger.testing import _factory_spec, _module_reproduction
+
+    factory = load_object(f"{KERNELS / 'good_module.py'}:make")
+    assert _factory_spec(factory) == f"{KERNELS / 'good_module.py'}:make"
+    repro = _module_reproduction("f.py:make", 12, 3, {"causal": True, "window": 4, "scale": 0.25, "seed": 1,
+                                                      "batch_size": 2, "seq_len": 8})
+    assert repro["cli"] == ("attn-ledger check --module f.py:make --embed-dim 12 --heads 3 --window 4 --scale 0.25 "
+                            "--seed 1 --batch-size 2 --seq-len 8")
+
+
+def test_module_helper_frame_is_hidden_and_bad_input_is_not_an_assertion():
+    assert "__tracebackhide__" in assert_module_matches.__code__.co_varnames
+    with pytest.raises(InputError):
+        assert_module_matches(load_object(f"{KERNELS / 'good_module.py'}:make"), 12, 3, window=4, causal=False)

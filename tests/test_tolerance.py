@@ -30,3 +30,15 @@ def test_assert_close_defaults_match_torch_testing():
         with pytest.raises(AssertionError):
             torch.testing.assert_close(a + (atol + rtol) * 4, a)
     assert tolerance.relative("float32") == pytest.approx(1e-5 + 1.3e-6)
+
+
+def test_observed_core_rules():
+    assert tolerance.eps(torch.float32) == torch.finfo(torch.float32).eps
+    assert tolerance.eps("bfloat16") == torch.finfo(torch.bfloat16).eps
+    assert tolerance.norm_pattern("float64") == 1e-6  # float32 rotary tables inside a float64 module
+    assert tolerance.norm_pattern("bfloat16") == pytest.approx(8 * 2 ** -7)
+    # logits: never tighter than float32's, growing with their size
+    assert tolerance.logit("float64", 0.0) == tolerance.logit("float32", 0.0) == pytest.approx(64 * 2 ** -23)
+    assert tolerance.logit("float32", 9.0) == pytest.approx(10 * tolerance.logit("float32", 0.0))
+    assert (tolerance.fitted_scale("float32"), tolerance.fitted_scale(torch.float16)) == (1e-3, 5e-2)
+    assert tolerance.GRADCHECK["eps"] < tolerance.GRADCHECK_FLOAT32_INSIDE["eps"]

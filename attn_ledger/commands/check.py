@@ -38,6 +38,15 @@ def check(
         typer.Option("--decode", help="With --module: check its KV-cache decode path against the full forward, "
                                       "'file.py:NAME', NAME(module, x_new, cache) -> (y_new, cache)."),
     ] = None,
+    window: Annotated[
+        Optional[str], typer.Option("--window", metavar=INT,
+                                    help="The module is meant to use a causal sliding window of W keys (--module).")
+    ] = None,
+    scale: Annotated[
+        Optional[float], typer.Option("--scale", help="The module's own softmax scale, where it is not 1/sqrt(Dh) (--module).")
+    ] = None,
+    batch_size: Annotated[Optional[str], typer.Option("--batch-size", metavar=INT, help="B, for --module, at least 2. Default: 2.")] = None,
+    seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, help="T, for --module, at least 2. Default: 6.")] = None,
     case: Annotated[
         Optional[list[str]], typer.Option("--case", help="Run only this case id (repeatable); any well-formed id works.")
     ] = None,
@@ -92,20 +101,25 @@ def check(
             e, nh = opt.integer(embed_dim, "--embed-dim", 1), opt.integer(heads, "--heads", 1)
             if e is None or nh is None:
                 raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={e}, heads={nh}")
-            if e % nh:
-                raise InputError(f"embed_dim must be a positive multiple of heads: embed_dim={e}, heads={nh}")
             from attn_ledger.limits import estimate_module
-            from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN
+            from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, validate_module_options
 
-            opt.guard(estimate_module(e, nh, BATCH_SIZE, SEQ_LEN, f"check --module E={e} Nh={nh}"), opt.memory(max_memory))
+            b, t = opt.integer(batch_size, "--batch-size", 2), opt.integer(seq_len, "--seq-len", 2)
+            sizes = {"batch_size": BATCH_SIZE if b is None else b, "seq_len": SEQ_LEN if t is None else t}
+            w = opt.integer(window, "--window", 1)
+            is_causal = True if causal is None else causal
+            validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, **sizes)
+            opt.guard(estimate_module(e, nh, sizes["batch_size"], sizes["seq_len"], f"check --module E={e} Nh={nh}"),
+                      opt.memory(max_memory))
             parse_spec(module, "--module")
             if decode is not None:
                 parse_spec(decode, "--decode")
             name, args, label = "module_check", {"spec": module, "field": "--module", "embed_dim": e,
-                                                 "num_heads": nh, "causal": True if causal is None else causal,
-                                                 "seed": seed_value, "decode": decode}, "checking module"
+                                                 "num_heads": nh, "causal": is_causal, "window": w, "scale": scale,
+                                                 "seed": seed_value, "decode": decode, **sizes}, "checking module"
         else:
             opt.refuse_given({"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal,
+                              "--window": window, "--scale": scale, "--batch-size": batch_size, "--seq-len": seq_len,
                               "--max-memory": max_memory},
                              "for a kernel-protocol function (it applies to --module)")
             from attn_ledger.kernelcheck import select_cases
