@@ -30,6 +30,7 @@ from attn_ledger import tolerance
 from attn_ledger.engine import builtin, inputs, relations
 from attn_ledger.engine.backends import SDPA_BACKENDS, backend_matrix, resolve_backends
 from attn_ledger.engine.execute import ProgressFn, reference_dtype
+from attn_ledger.engine.judge import AXES as GRID_AXES
 from attn_ledger.engine.judge import GRID_STAGES, Verdicts
 from attn_ledger.engine.measure import Broken, Where
 from attn_ledger.report import Check, Report, Row, unjudged
@@ -47,8 +48,7 @@ __all__ = ["CONFIG_STAGES", "TENSOR_STAGES", "SDPA_BACKENDS", "ProgressFn", "led
 CONFIG_STAGES = ("input", "head_roundtrip", "q", "k", "v", "scores", "masked_scores", "weights", "context", "merged", "output")
 TENSOR_STAGES = ("input", "scores", "masked_scores", "weights", "context")
 
-AXES = {**builtin.AXES, "scores": "[B,Nh,Tq,Tk]", "masked_scores": "[B,Nh,Tq,Tk]", "weights": "[B,Nh,Tq,Tk]",
-        "context": "[B,Nh,Tq,Dv]"}
+AXES = {**builtin.AXES, **GRID_AXES}
 PICTURE_MAX = 16  # the relation is pictured when Tq and Tk are at most this
 COUNTS_MAX = 32  # allowed keys per query are listed when Tq is at most this
 

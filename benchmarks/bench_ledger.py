@@ -133,6 +133,11 @@ def _meminfo_gib() -> float:
         return 0.0
 
 
+def _finding(led) -> object:
+    """The headline of a ledger: ``first_finding``, or ``first_divergence`` in revisions before the one report model."""
+    return led.first_finding if hasattr(led, "first_finding") else led.first_divergence
+
+
 def bench_shape(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
     import torch
     import torch.nn.functional as F
@@ -146,7 +151,7 @@ def bench_shape(shape: tuple[int, int, int, int], repeats: int, device: str) -> 
 
     def ledger():
         led = ledger_on_qkv(q, k, v, mask="causal")
-        verdicts.append(led.first_divergence)
+        verdicts.append(_finding(led))
 
     def sdpa():
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -237,7 +242,7 @@ def worker() -> int:
         retain_freed_memory()
     except ImportError:  # a revision from before the allocator setting
         pass
-    print(json.dumps({"module": attn_ledger.ledger.__file__}), flush=True)
+    print(json.dumps({"module": attn_ledger.ledger.__file__, "threads": torch.get_num_threads()}), flush=True)
     made: dict[tuple[int, ...], tuple] = {}
     for line in sys.stdin:
         req = json.loads(line)
@@ -246,7 +251,7 @@ def worker() -> int:
             g = torch.Generator().manual_seed(0)
             made[shape] = tuple(torch.randn(*shape, generator=g) for _ in range(3))  # q, k, v [B, Nh, T, Dh]
             q, k, v = made[shape]
-            if ledger_on_qkv(q, k, v, mask="causal").first_divergence is not None:
+            if _finding(ledger_on_qkv(q, k, v, mask="causal")) is not None:
                 raise SystemExit(f"healthy ledger diverged at {shape}")
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
         q, k, v = made[shape]
@@ -270,7 +275,8 @@ class _Side:
         self.name = name
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=str(path))
-        self.module = self._read()["module"]
+        hello = self._read()
+        self.module, self.threads = hello["module"], hello["threads"]
         if not Path(self.module).resolve().is_relative_to(path.resolve()):
             self.close()
             raise SystemExit(f"{name}: imported attn_ledger from {self.module}, expected it under {path}")
@@ -303,8 +309,10 @@ def compare_with(rev: str, rounds: int, max_slowdown: float) -> int:
         finally:
             for side in sides:
                 side.close()
-    print(f"Machine: {machine('cpu')}; causal float32; each side measures ledger / SDPA in its own process "
-          f"(paired calls, median per round), the two sides alternate for {rounds} rounds; medians over rounds\n")
+    threads = "/".join(str(side.threads) for side in sides)
+    print(f"Machine: {machine('cpu')}; torch threads in the workers (baseline/current) {threads}; causal float32; "
+          f"each side measures ledger / SDPA in its own process (paired calls, median per round), the two sides "
+          f"alternate for {rounds} rounds; medians over rounds\n")
     print(f"| (B, Nh, T, Dh) | baseline {rev} ledger / SDPA | current ledger / SDPA | current / baseline "
           f"| current within {TARGET:g}x |")
     print("|---|---:|---:|---:|---|")
@@ -333,7 +341,7 @@ def _rounds(sides: list[_Side], shape: tuple[int, int, int, int], rounds: int) -
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # long only by its option list and the three tables it prints
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5,
                     help=f"timed rounds per shape (median); shapes whose SDPA takes under 50 ms get at least {SHORT_REPEATS}")

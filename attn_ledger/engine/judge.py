@@ -20,12 +20,7 @@ from attn_ledger.engine.measure import Agreement, Broken, Count, Measure, Peak, 
 from attn_ledger.report import Check, bounded, unjudged
 
 GRID_STAGES = ("scores", "masked_scores", "weights", "context")
-AXES = {
-    "scores": "[B,Nh,Tq,Tk]",
-    "masked_scores": "[B,Nh,Tq,Tk]",
-    "weights": "[B,Nh,Tq,Tk]",
-    "context": "[B,Nh,Tq,Dv]",
-}
+AXES = {**dict.fromkeys(GRID_STAGES[:3], "[B,Nh,Tq,Tk]"), "context": "[B,Nh,Tq,Dv]"}
 GIVEN_NAMES = {"scores": "scores", "weights": "weights", "context": "out"}  # the user's tensor at each stage
 
 

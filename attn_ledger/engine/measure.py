@@ -50,6 +50,8 @@ class Where:
 
 @dataclass(frozen=True)
 class Count:
+    """``n`` violations of one kind (``name``) in the tensor ``of`` at ``stage``; ``where``: the first."""
+
     stage: str
     name: str
     n: int
@@ -59,6 +61,8 @@ class Count:
 
 @dataclass(frozen=True)
 class Peak:
+    """The largest ``value`` of a quantity (``name``) over the tensor ``of`` at ``stage``; ``where``: its place."""
+
     stage: str
     name: str
     value: float
@@ -68,6 +72,9 @@ class Peak:
 
 @dataclass(frozen=True)
 class Agreement:
+    """The tensor ``of`` (pinned ``backend``, computed in ``dtype`` where given) against ``against`` at ``stage``:
+    the largest |difference| and the largest excess over the tolerance (None for the factor rule)."""
+
     stage: str
     of: str
     against: str
