@@ -262,7 +262,7 @@ def _grid_stage(b: int, nh: int, nkv: int, tq: int, tk: int, dh: int, dv: int, s
     Held: kv heads repeated for grouped-query attention, the context and SDPA's, the float64
     reference on its sampled rows and the pipeline's values gathered beside it, and every
     score grid when grids are kept whole. Transient (one at a time): one query block's grids
-    and masks while streaming (with K and V cast for the reference once, when ``ref_cast``),
+    and masks while streaming (with K and V cast for the reference a few heads at a time, when ``ref_cast``),
     and the comparison of the gathered rows with the reference afterwards.
     """
     from attn_ledger.engine import execute, plan
@@ -281,11 +281,11 @@ def _grid_stage(b: int, nh: int, nkv: int, tq: int, tk: int, dh: int, dv: int, s
             ("context and SDPA context", 2 * b * nh * tq * dv * s),
             ("float64 reference sample and the rows gathered beside it", 2 * sample * r),
             ("score grids kept whole", 2 * 3 * grid * s if keep else 0)]  # three stages, and their concatenation
-    kv_cast = b * nh * tk * (dh + dv) * r
+    kv_cast = min(b * nh * tk * (dh + dv) * r, max(execute.REF_CHUNK_BYTES, b * tk * (dh + dv) * r))  # <= one chunk
     sdpa_rows = max(rows, min(plan.SDPA_ROWS, tq))
     streaming = (2 * block * s + 2 * block  # two grids alive at once (a stage's input and output); two bool masks
                  + (b * nh * sdpa_rows * tk if masked else 0)  # SDPA's boolean mask for a group of rows
-                 + (kv_cast if ref_cast and kv_cast <= execute.REF_CAST_ONCE_BYTES else execute.REF_CHUNK_BYTES if ref_cast else 0)
+                 + (kv_cast if ref_cast else 0)
                  + 4 * b * nh * rows * dv * s  # value-range bounds
                  + sum(COMPARE * block * r for name in given if name in ("scores", "weights")))
     judging = 2 * b * nh * ref_rows * max(tk, dv) * r  # the sample's comparison: two float64 copies, in place
