@@ -326,7 +326,7 @@ def estimate_tensors(found: "Mapping[str, Any]", *, dtype: str | None = None, bl
     itemsize = ITEMSIZE.get(dtype or "", q.element_size())
     given = [n for n in ("scores", "weights", "out") if n in found]
     relations = {x.strip() for x in mask.split("+")} - {"none"}
-    exact_causal = relations in ({"causal-top-left"}, {"causal"} if tq == tk else set())
+    exact_causal = relations in ({"causal-top-left"}, *([{"causal"}] if tq == tk else []))
     masked = "allow_mask" in found or "key_valid" in found or bool(relations and not exact_causal)
     est = estimate_attention(b, nh, nkv, tq, tk, dh, dv, itemsize, block_size=block_size, keep_grids=keep_grids,
                              given=given, masked=masked, what=f"{what} B={b} Nh={nh} Tq={tq} Tk={tk} Dh={dh} Dv={dv}")
@@ -347,7 +347,7 @@ def estimate_run(cfg: Any, *, what: str | None = None) -> Estimate:
     weights = e * (nh * dh + nkv * dh + nkv * dv + nh * dv)
     largest_weight = e * max(nh * dh, nkv * dv, nh * dv)
     probe = min(b, 2) * tq  # the head split/merge round trip runs on at most two examples, in float64
-    exact_causal = [x for x in cfg.relations if x != "none"] in (["causal-top-left"], ["causal"] if tq == tk else [])
+    exact_causal = [x for x in cfg.relations if x != "none"] in (["causal-top-left"], *([["causal"]] if tq == tk else []))
     masked = any(x != "none" for x in cfg.relations) and not exact_causal
     held, transient, ref_rows = _grid_stage(b, nh, nkv, tq, tk, dh, dv, s, block_size=cfg.block_size,
                                             keep_grids=cfg.keep_grids, masked=masked, ref_cast=False)

@@ -6,10 +6,10 @@ import errno
 import os
 from pathlib import Path
 
-from attn_ledger.errors import InputError, shown_path
+from attn_ledger.errors import AttnLedgerError, InputError, shown_path
 
 
-def input_file(path: str | os.PathLike[str], field: str, cls: type[InputError] = InputError) -> Path:
+def input_file(path: str | os.PathLike[str], field: str, cls: type[AttnLedgerError] = InputError) -> Path:
     """The path of an existing, readable regular file, or one line saying why not.
 
     A directory on the way that cannot be searched, a path that is not a regular file, a file

@@ -16,6 +16,7 @@ from typing import Any
 
 from attn_ledger.errors import SetupError
 from attn_ledger.guard import outcome, user_call
+from attn_ledger.paths import input_file
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,7 @@ def parse_spec(spec: str, field: str = "target") -> ObjectSpec:
         raise SetupError(f"{field}: got {spec!r}, expected 'path/to/file.py:NAME' or 'package.module:NAME'")
     source, name = spec.rsplit(":", 1)
     if source.endswith(".py") or "/" in source or "\\" in source:
-        path = Path(source)
-        if not path.is_file():
-            raise SetupError(f"{field}: file not found: {source!r}")
+        path = input_file(source, field, SetupError)  # missing, a directory, or behind an unsearchable one: one line
         return ObjectSpec(spec, field, name, path=path)
     return ObjectSpec(spec, field, name, module=source)
 

@@ -161,10 +161,20 @@ def unsearchable(monkeypatch, tmp_path):
     lambda d: ["run", "--tensors", str(d / "t.pt")],
     lambda d: ["sweep-scale", "--tensors", str(d / "t.pt")],
     lambda d: ["polarity", "--mask", str(d / "m.pt"), "--expect", "causal"],
-])
+    lambda d: ["check", str(d / "k.py") + ":attention", "--case", "b1-h1kv1-tq2tk2-dh4dv4-none-rand-f32"],
+    lambda d: ["check", "--module", str(d / "m.py") + ":factory", "--embed-dim", "4", "--heads", "1"],
+    lambda d: ["intervene", "--module", str(d / "m.py") + ":factory", "--embed-dim", "4", "--heads", "1"],
+], ids=["config", "run-tensors", "sweep-tensors", "polarity-mask", "check-kernel", "check-module", "intervene-module"])
 def test_a_path_in_an_unsearchable_directory_is_one_line(unsearchable, args):
     err = one_line_exit_2(invoke(*args(unsearchable)))
     assert "permission denied" in err
+
+
+def test_a_plot_in_an_unsearchable_directory_is_one_line(unsearchable):
+    pytest.importorskip("matplotlib")
+    err = one_line_exit_2(invoke("sweep-scale", "--dh", "8", "--queries", "8", "--keys", "8",
+                                 "--plot", str(unsearchable / "sub" / "p.png")))
+    assert "--plot" in err
 
 
 def test_a_directory_given_as_a_file_is_one_line(tmp_path):

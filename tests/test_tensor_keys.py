@@ -127,3 +127,14 @@ def test_a_saved_out_of_the_wrong_shape_is_an_l1_finding_at_context(tmp_path, sh
     code, err, doc = run_file({"q": q, "k": k, "v": v, "out": torch.randn(shape, generator=g)}, tmp_path / "o.pt")
     assert code == 1, err
     assert headline(doc) == ("context", 1, "user_out_shape")
+
+
+@pytest.mark.parametrize("b,tq,tk", [(1, 2, 3), (0, 1, 2), (2, 3, 5), (2, 5, 3)])
+def test_cross_attention_without_a_mask_passes(tmp_path, b, tq, tk):
+    # an empty relation is not the top-left causal one, whatever Tq and Tk (it was taken for it when Tq != Tk)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(b, 2, tq, 4, generator=g), torch.randn(b, 2, tk, 4, generator=g), torch.randn(b, 2, tk, 3, generator=g)
+    code, err, doc = run_file({"q": q, "k": k, "v": v}, tmp_path / "x.pt")
+    assert code == 0, (err, doc and headline(doc))
+    r = runner.invoke(app, ["run", "--query-len", str(max(tq, 1)), "--key-len", str(tk), "--mask", "none", "--format", "json"])
+    assert r.exit_code == 0, r.stdout[-500:]

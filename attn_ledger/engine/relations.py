@@ -199,7 +199,7 @@ def build(spec: RelationSpec, b: int, nh: int, tq: int, tk: int, device: Any = N
         parts.append(part)
         names.append(label)
     exact_causal = allow_mask is None and key_valid is None and (
-        list(spec.names) in (["causal-top-left"], ["causal"] if tq == tk else []))
+        list(spec.names) in (["causal-top-left"], *([["causal"]] if tq == tk else [])))  # an empty relation is not causal
     return Relation(" + ".join(names) or "none", tuple(parts), top_left_causal=exact_causal)
 
 

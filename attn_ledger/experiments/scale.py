@@ -399,8 +399,12 @@ def require_matplotlib() -> Any:
 def _check_plot_path(path: str | Path) -> None:
     require_matplotlib()
     p = Path(path)
-    if str(p.parent) and not p.parent.is_dir():
-        raise field_error("--plot", str(p), "a file in an existing directory")
+    try:
+        parent_ok = not str(p.parent) or p.parent.is_dir()
+    except OSError:  # a directory on the way that cannot be searched
+        parent_ok = False
+    if not parent_ok:
+        raise field_error("--plot", str(p), "a file in an existing, searchable directory")
 
 
 def measured_rows(report: Report) -> list[tuple[int, Row]]:

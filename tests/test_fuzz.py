@@ -1,0 +1,492 @@
+"""Property-based tests through the CLI runner: configs, options and tensor files.
+
+The oracle is written here, apart from the tool: a generated input is valid by construction
+(its expected verdict follows from the mask relations, computed below from their
+definitions), and at most one known mutation is applied whose outcome is known: a wrong
+type, an out-of-range or unused value, a wrong shape, a perturbed intermediate, a truncated
+or corrupted file, a hostile pickle. Every outcome must be the expected exit status, with no
+traceback, one line for an exit 2, a valid JSON report otherwise, and no mutated comparison
+may pass.
+
+Profiles: the default (CI) runs a few dozen examples in well under a minute;
+``ATTN_LEDGER_FUZZ=long`` runs at least 10,000 (4,000 each of configs, options and tensor files;
+the hostile files' 72 combinations are exhausted well before their 1,000). ``ATTN_LEDGER_FUZZ_REPORT=FILE`` writes the
+counts (examples, mutations, outcomes) as JSON when the module finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from attn_ledger.cli import app
+
+runner = CliRunner()
+LONG = os.environ.get("ATTN_LEDGER_FUZZ", "") == "long"
+STATS: Counter = Counter({"tracebacks or other statuses": 0, "mutated comparisons that passed": 0})
+SEED_MAX = 2**63 - 1
+
+
+def fuzz(ci: int, long: int):
+    """Hypothesis settings: ``ci`` examples by default (derandomized, so CI sees the same ones),
+    ``long`` under ATTN_LEDGER_FUZZ=long."""
+    return settings(max_examples=long if LONG else ci, deadline=None, derandomize=not LONG, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_counts():
+    start = time.perf_counter()
+    yield
+    STATS["seconds"] = round(time.perf_counter() - start)
+    target = os.environ.get("ATTN_LEDGER_FUZZ_REPORT")
+    if target:
+        Path(target).write_text(json.dumps(dict(sorted(STATS.items())), indent=2) + "\n")
+
+
+def check_outcome(r, expected: set[int], what: str) -> dict | None:
+    """The outcome holds the contract: the expected status, no traceback, one line for exit 2,
+    one JSON report otherwise (returned)."""
+    STATS[f"exit {r.exit_code}"] += 1
+    if "Traceback" in r.output or r.exit_code not in (0, 1, 2):
+        STATS["tracebacks or other statuses"] += 1
+    assert "Traceback" not in r.output, (what, r.output[-2000:])
+    assert r.exit_code in expected, (what, r.exit_code, expected, r.stderr[-600:])
+    if r.exit_code == 2:
+        err = r.stderr.strip()
+        assert err.startswith("error: ") and len(err.splitlines()) == 1, (what, err[:600])
+        assert len(err) <= 600, (what, len(err))
+        return None
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == ("pass" if r.exit_code == 0 else "fail"), (what, doc["verdict"])
+    return doc
+
+
+def mutated(kind: str, r, expected: set[int]) -> None:
+    """Count a mutated example; one whose expected outcome is not a pass is a mutated comparison."""
+    STATS[f"mutation {kind}"] += 1
+    if 0 not in expected:
+        STATS["mutated comparisons"] += 1
+        if r.exit_code == 0:
+            STATS["mutated comparisons that passed"] += 1
+
+
+# --- the relations, from their definitions --------------------------------------------------
+
+def allowed(rel: dict, b: int, i: int, j: int, tq: int, tk: int) -> bool:
+    """May query i of example b use key j under the config's relations (all in allow polarity)?"""
+    pos = i + tk - tq  # query i's key position, bottom-right aligned
+    ok = True
+    for r in rel["mask"].split("+"):
+        if r == "causal":
+            ok &= j <= pos
+        elif r == "causal-top-left":
+            ok &= j <= i
+        elif r == "sliding-window":
+            ok &= pos - rel["window"] < j <= pos
+        elif r == "prefix-lm":
+            ok &= j < rel["prefix_len"] or j <= pos
+        elif r == "padding":
+            n = rel["valid_lengths"][b]
+            ok &= (j < n) if rel.get("padding_side", "right") == "right" else (j >= tk - n)
+        elif r == "segments":
+            ids = [s for s, n in enumerate(rel["segment_lengths"]) for _ in range(n)]
+            ok &= ids[i] == ids[j]
+    return ok
+
+
+def has_empty_rows(rel: dict, b: int, tq: int, tk: int) -> bool:
+    return any(not any(allowed(rel, e, i, j, tq, tk) for j in range(tk)) for e in range(b) for i in range(tq))
+
+
+# --- configs ---------------------------------------------------------------------------------
+
+@st.composite
+def configs(draw, cli: bool = False) -> dict:
+    """A valid config for the built-in pipeline, small enough to run in milliseconds."""
+    nh = draw(st.integers(1, 3))
+    dh = draw(st.integers(1, 4))
+    cfg: dict = {"batch_size": draw(st.integers(0, 3)), "embed_dim": nh * dh, "num_heads": nh}
+    if draw(st.booleans()):
+        cfg["num_kv_heads"] = draw(st.sampled_from([d for d in range(1, nh + 1) if nh % d == 0]))
+    if draw(st.booleans()):
+        cfg["value_dim"] = draw(st.integers(1, 4))
+    cross = draw(st.booleans())
+    if cross:
+        tq = draw(st.integers(1, 5))
+        tk = draw(st.integers(1, 6))
+        cfg.update(query_len=tq, key_len=tk)
+    else:
+        tq = tk = draw(st.integers(1, 6))
+        cfg["seq_len"] = tq
+    names = ["causal", "causal-top-left", "padding", "sliding-window", "prefix-lm"] + ([] if cross or cli else ["segments"])
+    chosen = draw(st.lists(st.sampled_from(names), unique=True, max_size=3))
+    if "causal" in chosen and "causal-top-left" in chosen:
+        chosen.remove("causal-top-left")
+    cfg["mask"] = "+".join(chosen) or "none"
+    if "padding" in chosen:
+        cfg["valid_lengths"] = draw(st.lists(st.integers(0, tk), min_size=cfg["batch_size"], max_size=cfg["batch_size"]))
+        if not cli and draw(st.booleans()):
+            cfg["padding_side"] = draw(st.sampled_from(["right", "left"]))
+    if "sliding-window" in chosen:
+        cfg["window"] = draw(st.integers(1, tk))
+    if "prefix-lm" in chosen:
+        cfg["prefix_len"] = draw(st.integers(0, tk))
+    if "segments" in chosen:
+        cuts = sorted(draw(st.sets(st.integers(1, tk - 1), max_size=3))) if tk > 1 else []
+        edges = [0, *cuts, tk]
+        cfg["segment_lengths"] = [edges[n + 1] - edges[n] for n in range(len(edges) - 1)]
+    cfg["empty_rows"] = draw(st.sampled_from(["error", "zeros"]))
+    cfg["dtype"] = draw(st.sampled_from(["float32", "float64"]))
+    cfg["seed"] = draw(st.integers(0, SEED_MAX))
+    cfg["input"] = draw(st.sampled_from(["random", "arange"]))
+    return cfg
+
+
+def expected_exit(cfg: dict) -> int:
+    b, tq, tk = cfg["batch_size"], cfg.get("query_len", cfg.get("seq_len")), cfg.get("key_len", cfg.get("seq_len"))
+    empty = cfg["mask"] != "none" and has_empty_rows(cfg, b, tq, tk)
+    return 1 if empty and cfg["empty_rows"] == "error" else 0
+
+
+INT_KEYS = ("batch_size", "embed_dim", "num_heads", "seed")
+CONFIG_MUTATIONS = ("none", "bool", "float", "string", "seed beyond int64", "seed negative", "size zero",
+                    "unknown key", "unused key", "huge size", "fault no-scale", "integer of 5000 digits", "nested deep")
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    return "[" + ", ".join(toml_value(x) for x in v) + "]"
+
+
+def write_config(cfg: dict, d: Path, fmt: str, raw: str | None = None) -> Path:
+    p = d / f"c.{fmt}"
+    if raw is not None:
+        p.write_text(raw)
+    elif fmt == "json":
+        p.write_text(json.dumps(cfg))
+    else:
+        p.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in cfg.items()))
+    return p
+
+
+CROSS_NO_MASK = {"batch_size": 1, "embed_dim": 4, "num_heads": 1, "query_len": 2, "key_len": 3, "mask": "none",
+                 "empty_rows": "error", "dtype": "float32", "seed": 0, "input": "random"}
+
+
+@fuzz(ci=20, long=4000)
+@given(cfg=configs(), mutation=st.sampled_from(CONFIG_MUTATIONS), fmt=st.sampled_from(["json", "toml"]),
+       pick=st.integers(0, 10**6))
+@example(cfg=dict(CROSS_NO_MASK), mutation="none", fmt="json", pick=0)  # Tq < Tk, no mask: once read as causal
+def test_fuzz_configs(cfg, mutation, fmt, pick):
+    STATS["examples configs"] += 1
+    base = expected_exit(cfg)
+    raw = None
+    expected = {2}
+    key = INT_KEYS[pick % len(INT_KEYS)]
+    if mutation == "none":
+        expected = {base}
+    elif mutation == "bool":
+        cfg[key] = bool(pick % 2)
+    elif mutation == "float":
+        cfg[key] = float(cfg[key]) + 0.5 * (pick % 2)
+    elif mutation == "string":
+        cfg[key] = str(cfg[key])
+    elif mutation == "seed beyond int64":
+        cfg["seed"] = SEED_MAX + 1 + pick
+    elif mutation == "seed negative":
+        cfg["seed"] = -1 - pick
+    elif mutation == "size zero":
+        cfg[("embed_dim", "num_heads", "seq_len" if "seq_len" in cfg else "key_len")[pick % 3]] = -(pick % 3)
+    elif mutation == "unknown key":
+        cfg["colour"] = pick
+    elif mutation == "unused key":
+        unused = [k for k, rel in (("window", "sliding-window"), ("prefix_len", "prefix-lm"), ("valid_lengths", "padding"))
+                  if rel not in cfg["mask"].split("+")]
+        if not unused:
+            cfg["mask"], unused = "none", ["window"]
+            for k in ("window", "prefix_len", "valid_lengths", "padding_side", "segment_lengths"):
+                cfg.pop(k, None)
+        k = unused[pick % len(unused)]
+        cfg[k] = [1] * cfg["batch_size"] if k == "valid_lengths" else 1
+    elif mutation == "huge size":
+        cfg.update(embed_dim=10**30, num_heads=1)
+        cfg.pop("num_kv_heads", None)
+    elif mutation == "fault no-scale":  # scores lose 1/sqrt(Dh): seen unless Dh is 1 or nothing is computed
+        cfg["fault"] = "no-scale"
+        dh = cfg["embed_dim"] // cfg["num_heads"]
+        expected = {1 if (dh > 1 and cfg["batch_size"] > 0) or base == 1 else 0}
+    elif mutation == "integer of 5000 digits":
+        raw = (json.dumps({"seed": 0})[:-2] + "9" * 5000 + "}") if fmt == "json" else "seed = " + "9" * 5000 + "\n"
+    elif mutation == "nested deep":
+        depth = 10 + pick % 10_000
+        raw = ("[" * depth + "]" * depth) if fmt == "json" else "a = " + "[" * depth + "]" * depth + "\n"
+    with tempfile.TemporaryDirectory() as d:
+        path = write_config(cfg, Path(d), fmt, raw)
+        r = runner.invoke(app, ["run", str(path), "--format", "json", "--max-memory", "2G"])
+    check_outcome(r, expected, (mutation, cfg))
+    if mutation != "none":
+        mutated(mutation, r, expected)
+
+
+# --- options ---------------------------------------------------------------------------------
+
+CLI_NAMES = {"batch_size": "--batch-size", "seq_len": "--seq-len", "query_len": "--query-len", "key_len": "--key-len",
+             "embed_dim": "--embed-dim", "num_heads": "--heads", "num_kv_heads": "--num-kv-heads",
+             "value_dim": "--value-dim", "mask": "--mask", "window": "--window", "prefix_len": "--prefix-len",
+             "empty_rows": "--empty-rows", "dtype": "--dtype", "seed": "--seed", "input": "--input"}
+OPTION_MUTATIONS = ("none", "full-width digit", "not a number", "seed beyond int64", "huge value", "unused option",
+                    "unknown relation", "too many relations", "size with --tensors")
+
+
+def as_args(cfg: dict) -> list[str]:
+    args = []
+    for k, v in cfg.items():
+        if k == "valid_lengths":
+            args += ["--valid-lengths", ",".join(map(str, v))]
+        else:
+            args += [CLI_NAMES[k], str(v)]
+    return args
+
+
+@fuzz(ci=16, long=4000)
+@given(cfg=configs(cli=True), mutation=st.sampled_from(OPTION_MUTATIONS), pick=st.integers(0, 10**6))
+def test_fuzz_options(cfg, mutation, pick):
+    STATS["examples options"] += 1
+    args = ["run", *as_args(cfg), "--format", "json"]
+    expected = {2}
+    int_opts = [CLI_NAMES[k] for k in ("batch_size", "embed_dim", "num_heads", "seed") if k in cfg]
+    opt = int_opts[pick % len(int_opts)]
+
+    def put(option: str, value: str) -> None:
+        i = args.index(option)
+        args[i + 1] = value
+
+    if mutation == "none":
+        expected = {expected_exit(cfg)}
+    elif mutation == "full-width digit":
+        put(opt, "".join(chr(0xFF10 + int(c)) if c.isdigit() else c for c in args[args.index(opt) + 1]))
+    elif mutation == "not a number":
+        put(opt, ("1e3", "0x10", "3.0", "", "1_0", "two", "--")[pick % 7])
+    elif mutation == "seed beyond int64":
+        put("--seed", str(SEED_MAX + 1 + pick))
+    elif mutation == "huge value":  # tens of thousands of characters, echoed cut
+        big = "7" * (20_000 + pick % 50_000)
+        put(opt if pick % 2 else "--mask", big)
+    elif mutation == "unused option":
+        rels = cfg["mask"].split("+")
+        unused = [o for o, rel in (("--window", "sliding-window"), ("--prefix-len", "prefix-lm"), ("--valid-lengths", "padding"))
+                  if rel not in rels]
+        if not unused:
+            return
+        args += [unused[pick % len(unused)], "1"]
+    elif mutation == "unknown relation":
+        put("--mask", cfg["mask"] + "+diagonal")
+    elif mutation == "too many relations":
+        put("--mask", "+".join(["none"] * (9 + pick % 100)))
+    elif mutation == "size with --tensors":
+        args = ["run", "--tensors", "unused.pt", opt, "3", "--format", "json"]
+    r = runner.invoke(app, args)
+    check_outcome(r, expected, (mutation, args[:12]))
+    if mutation != "none":
+        mutated(mutation, r, expected)
+
+
+# --- tensor files ----------------------------------------------------------------------------
+
+@st.composite
+def tensor_files(draw) -> dict:
+    """q, k, v and, by choice, masks and the intermediates a correct attention gives (float64 oracle)."""
+    rank3 = draw(st.booleans())
+    nh = 1 if rank3 else draw(st.sampled_from([1, 2, 4]))
+    nkv = 1 if rank3 else draw(st.sampled_from([d for d in (1, 2, 4) if nh % d == 0]))
+    b = draw(st.integers(0, 2))
+    tq = draw(st.integers(1, 5))
+    tk = draw(st.integers(tq, 6))  # Tk >= Tq: bottom-right causal leaves no query without a key
+    dh, dv = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**32 - 1))
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, nh, tq, dh, generator=g, dtype=torch.float64)
+    k = torch.randn(b, nkv, tk, dh, generator=g, dtype=torch.float64)
+    v = torch.randn(b, nkv, tk, dv, generator=g, dtype=torch.float64)
+    keep = torch.ones(b, nh, tq, tk, dtype=torch.bool)
+    t: dict = {}
+    if draw(st.booleans()):
+        allow = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)  # causal, bottom-right
+        keep &= allow
+        layout = draw(st.sampled_from(["2d", "3d", "4d"]))
+        t["allow_mask"] = {"2d": allow, "3d": allow.expand(b, tq, tk), "4d": allow.expand(b, nh, tq, tk)}[layout].clone()
+    if draw(st.booleans()):
+        lengths = draw(st.lists(st.integers(1, tk), min_size=b, max_size=b))
+        kv = torch.tensor([[j < n for j in range(tk)] for n in lengths], dtype=torch.bool).reshape(b, tk)
+        keep &= kv[:, None, None, :]
+        t["key_valid"] = kv
+    kr, vr = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+    scores = q @ kr.transpose(-2, -1) / math.sqrt(dh)  # [B, Nh, Tq, Tk]
+    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    out = weights @ vr  # [B, Nh, Tq, Dv]
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        t[name] = (x[:, 0] if rank3 else x).to(dtype)
+    for name, x in (("scores", scores), ("weights", weights), ("out", out)):
+        if draw(st.booleans()):
+            t[name] = (x[:, 0] if rank3 else x).to(dtype)
+    if rank3 and "allow_mask" in t and t["allow_mask"].dim() == 4:
+        t["allow_mask"] = t["allow_mask"][:, 0]
+    return t
+
+
+def loadable(t: dict) -> bool:
+    """Whether q, k, v and the masks describe attention together (the shapes alone decide)."""
+    shapes = [tuple(t[n].shape) for n in ("q", "k", "v")]
+    if not (len(set(map(len, shapes))) == 1 and len(shapes[0]) in (3, 4)):
+        return False
+    q, k, v = ((s[0], 1, *s[1:]) if len(s) == 3 else s for s in shapes)
+    b, nh, tq, dh = q
+    if not (k[0] == v[0] == b and k[3] == dh and v[1] == k[1] and v[2] == k[2] and k[1] and nh % k[1] == 0
+            and tq and k[2] and dh and v[3]):
+        return False
+    tk = k[2]
+    if "allow_mask" in t and tuple(t["allow_mask"].shape) not in ((tq, tk), (b, tq, tk), (b, nh, tq, tk)):
+        return False
+    return "key_valid" not in t or tuple(t["key_valid"].shape) == (b, tk)
+
+
+def intermediates_fit(t: dict) -> bool:
+    """Whether every given scores, weights and out has the shape q, k and v give it."""
+    q, k, v = (tuple(t[n].shape) for n in ("q", "k", "v"))
+    lead = q[:-2] if len(q) == 4 else q[:1]  # [B, Nh] or [B]
+    want = {"scores": (*lead, q[-2], k[-2]), "weights": (*lead, q[-2], k[-2]), "out": (*lead, q[-2], v[-1])}
+    return all(tuple(t[n].shape) == shape for n, shape in want.items() if n in t)
+
+
+def save(t: dict, path: Path) -> None:
+    if path.suffix == ".pt":
+        torch.save(t, path)
+    elif path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: x.contiguous() for k, x in t.items()}, str(path))
+    else:
+        np.savez(path, **{k: x.numpy() for k, x in t.items()})
+
+
+TENSOR_MUTATIONS = ("none", "wrong shape", "perturbed intermediate", "truncated", "corrupt magic", "mask not bool",
+                    "nan in q", "integer q")
+
+
+@fuzz(ci=20, long=4000)
+@example(t={"q": torch.ones(1, 2, 4), "k": torch.ones(1, 3, 4), "v": torch.ones(1, 3, 4)}, mutation="none",
+         suffix=".pt", pick=0, delta=1.0)  # Tq < Tk, no mask: once read as causal
+@given(t=tensor_files(), mutation=st.sampled_from(TENSOR_MUTATIONS), suffix=st.sampled_from([".pt", ".safetensors", ".npz"]),
+       pick=st.integers(0, 10**6), delta=st.floats(0.5, 100.0))
+def test_fuzz_tensor_files(t, mutation, suffix, pick, delta):
+    STATS["examples tensor files"] += 1
+    expected = {2}
+    corrupt = None
+    given_ = [n for n in ("scores", "weights", "out") if n in t and t[n].numel()]
+    if mutation == "none":
+        expected = {0}
+    elif mutation == "wrong shape":
+        key = sorted(t)[pick % len(t)]
+        shape = list(t[key].shape)
+        axis = pick % (len(shape) + 1)
+        shape = shape[:-1] if axis == len(shape) else shape[:axis] + [shape[axis] + 1 + pick % 2] + shape[axis + 1:]
+        t[key] = torch.ones(shape, dtype=t[key].dtype)
+        # q, k, v and the masks disagree: refused at load; they agree, and a given intermediate no longer
+        # fits them: an L1 shape finding; everything still fits (v one wider, say, with no out): a valid file
+        expected = {2} if not loadable(t) else {0} if intermediates_fit(t) else {1}
+    elif mutation == "perturbed intermediate":
+        if not given_:
+            return
+        name = given_[pick % len(given_)]
+        x = t[name].clone()
+        flat = x.view(-1)
+        flat[pick % flat.numel()] += delta * (1 if pick % 2 else -1)
+        t[name] = x
+        expected = {1}
+    elif mutation in ("truncated", "corrupt magic"):
+        corrupt = mutation
+    elif mutation == "mask not bool":
+        if "allow_mask" not in t and "key_valid" not in t:
+            return
+        name = "allow_mask" if "allow_mask" in t else "key_valid"
+        t[name] = t[name].to(torch.float32)
+    elif mutation == "nan in q":
+        if not t["q"].numel():
+            return
+        t["q"] = t["q"].clone()
+        t["q"].view(-1)[pick % t["q"].numel()] = float("nan")
+    elif mutation == "integer q":
+        t["q"] = t["q"].to(torch.int64)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / f"t{suffix}"
+        save(t, path)
+        data = path.read_bytes()
+        if corrupt == "truncated":
+            path.write_bytes(data[: pick % len(data)])
+        elif corrupt == "corrupt magic":
+            at = pick % 4
+            path.write_bytes(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:])
+        r = runner.invoke(app, ["run", "--tensors", str(path), "--format", "json"])
+    doc = check_outcome(r, expected, (mutation, {k: list(x.shape) for k, x in t.items()}))
+    if mutation == "wrong shape" and doc is not None and r.exit_code == 1:
+        f = doc["first_finding"]
+        assert f["level"] == 1 and f["check"].endswith("shape"), f
+    if mutation != "none":
+        mutated(mutation, r, expected)
+
+
+# --- hostile files ---------------------------------------------------------------------------
+
+class _Marker:
+    """Pickled as a call that would create a file: it must never run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+@fuzz(ci=6, long=1000)
+@given(kind=st.sampled_from(["torch.save archive", "plain pickle", "legacy torch.save", "npz object array"]),
+       protocol=st.integers(0, pickle.HIGHEST_PROTOCOL), where=st.sampled_from(["value", "key list", "nested"]))
+def test_fuzz_hostile_files_never_run(kind, protocol, where):
+    STATS["examples hostile files"] += 1
+    with tempfile.TemporaryDirectory() as d:
+        marker = str(Path(d) / "ran")
+        payload = _Marker(marker)
+        obj = {"q": payload} if where == "value" else [payload] if where == "key list" else {"q": {"inner": [payload]}}
+        path = Path(d) / ("t.npz" if kind == "npz object array" else "t.pt")
+        if kind == "torch.save archive":
+            torch.save(obj, path)
+        elif kind == "legacy torch.save":
+            torch.save(obj, path, _use_new_zipfile_serialization=False)
+        elif kind == "plain pickle":
+            path.write_bytes(pickle.dumps(obj, protocol=protocol))
+        else:
+            np.savez(path, q=np.array([payload, 1], dtype=object))
+        r = runner.invoke(app, ["run", "--tensors", str(path), "--format", "json"])
+        check_outcome(r, {2}, (kind, protocol, where))
+        assert not os.path.exists(marker), "a pickled call ran"
+        assert "Warning" not in r.stderr
+    mutated(kind, r, {2})
