@@ -114,6 +114,11 @@ def check(
     the protocol's arguments), 3 an internal error.
     """
     if list_cases:
+        if target is not None or module is not None:
+            from attn_ledger.commands.common import fail
+
+            given = target if target is not None else f"--module {module}"
+            raise fail(f"--list-cases: got it with {given!r}, expected no target or --module: it lists the cases and runs nothing")
         _list_cases(output_format, output)
         return
     # kernel-protocol options: None where not given (the pyproject table or the default then holds)
