@@ -63,7 +63,7 @@ def _attend(q, k, v, allow_mask=None, is_causal=False, scale=None):
     """Correct manual attention; the broken kernels change one step of it."""
     k, v = _expand(q, k, v)
     allow = _allow(q, k, allow_mask, is_causal)
-    scores = q @ k.transpose(-2, -1) * _scale(q, scale)  # [B, Nh, Tq, Tk]
+    scores = (q * _scale(q, scale)) @ k.transpose(-2, -1)  # [B, Nh, Tq, Tk]: scale first, so float16 stays finite
     return _masked_softmax(scores, allow) @ v  # [B, Nh, Tq, Dv]
 
 

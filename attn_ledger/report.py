@@ -248,6 +248,9 @@ class Report:
         row_label: what a row is called in tables (``stage``, ``case``, ``fault``, ...).
         show_passing: tables list passing checks of every row (the ledger), or only the
             checks that did not pass (reports over many cases).
+        fold_rows: tables list only the rows that did not pass, one row for each distinct
+            first finding (the first such row in order, with the count of the others), and
+            count the rest (reports over hundreds of cases).
         tensors: small intermediates kept for inspection by library users (never rendered).
     """
 
@@ -261,6 +264,7 @@ class Report:
     unit: Unit = "check"
     row_label: str = "row"
     show_passing: bool = True
+    fold_rows: bool = False
     tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -13,7 +13,10 @@ Example::
 
 A function is checked under the kernel protocol
 (``attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None)``, see
-:mod:`attn_ledger.kernelcheck`); a module factory under the module protocol
+:mod:`attn_ledger.kernelcheck`), on the default tier unless told otherwise, with what the
+kernel supports read from ``[tool.attn-ledger.check]`` in the ``pyproject.toml`` of pytest's
+rootdir (the table ``attn-ledger check`` reads; the helper's arguments override it); a module
+factory under the module protocol
 (``factory(embed_dim, num_heads) -> nn.Module``, ``[B, T, E] -> [B, T, E]``, see
 :mod:`attn_ledger.modulecheck`). On any finding the ``AssertionError`` message is the
 diagnosis: the first failing level and check (per failing case, for kernels), what else
@@ -28,70 +31,117 @@ for that).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from attn_ledger.report import Report
 
-__all__ = ["assert_attention_matches", "assert_module_matches", "diagnosis", "module_diagnosis"]
+__all__ = ["assert_attention_matches", "assert_module_matches", "diagnosis", "module_diagnosis", "rootdir"]
+
+
+def rootdir() -> Path:
+    """pytest's rootdir when the attn-ledger pytest plugin saw the session start; else the nearest
+    directory at or above the current one that holds a ``pyproject.toml`` (else the current one)."""
+    from attn_ledger import pytest_plugin
+
+    if pytest_plugin.ROOTDIR is not None:
+        return Path(pytest_plugin.ROOTDIR)
+    here = Path.cwd()
+    for d in (here, *here.parents):
+        if (d / "pyproject.toml").is_file():
+            return d
+    return here
 
 
 def assert_attention_matches(
     fn: Callable[..., Any],
     cases: Sequence[str] | str | None = None,
     *,
-    empty_rows: str = "zeros",
+    tier: str = "default",
+    empty_rows: str | None = None,
     seed: int = 0,
     name: str | None = None,
     timeout: float | None = None,
+    backward: bool | None = None,
+    strict_precision: bool | None = None,
+    device: str = "cpu",
+    dtypes: Sequence[str] | None = None,
+    masks: Sequence[str] | None = None,
+    gqa: bool | None = None,
+    distinct_dv: bool | None = None,
+    max_tq: int | None = None,
+    max_tk: int | None = None,
+    head_dims: Sequence[int] | None = None,
 ) -> None:
-    """Assert that ``fn`` passes every check on the default grid, or on the given case ids.
+    """Assert that ``fn`` passes every check on a tier of cases, or on the given case ids.
 
     Args:
         fn: the attention function (kernel protocol).
-        cases: one case id or several (as printed by ``attn-ledger check``); None runs the default grid.
-        empty_rows: the contract for a query with every key blocked: ``zeros``, ``nan`` or ``any``.
+        cases: one case id or several (as printed by ``attn-ledger check``); None runs the ``tier``.
+        tier: ``default`` or ``full``.
+        empty_rows: the contract for a query with every key blocked: ``zeros``, ``nan`` or ``any``
+            (None: the pyproject table's, else ``zeros``).
         seed: varies the random inputs and perturbations.
         name: how to name ``fn`` in the message (default: its module and qualified name).
         timeout: seconds per call of ``fn`` (None: no limit); a call past it fails its case
             with an L1 ``call`` finding. Needs the main thread (it uses ``SIGALRM``).
+        backward: check gradients (None: the table's, else True).
+        strict_precision: a float64 case at float32 precision fails (None: the table's, else False).
+        device: ``cpu``, ``cuda``, ``mps`` or ``auto``.
+        dtypes, masks, gqa, distinct_dv, max_tq, max_tk, head_dims: what the kernel supports (None: the
+            table's, else everything); cases outside are skipped.
 
     Raises:
         AssertionError: some case fails; the message is the diagnosis.
-        attn_ledger.errors.InputError: a malformed case id or contract.
+        attn_ledger.errors.InputError: a malformed case id, contract or declaration.
+        attn_ledger.errors.SetupError: ``fn`` cannot take the protocol's arguments.
     """
     from attn_ledger.guard import in_process
     from attn_ledger.kernelcheck import check_kernel, select_cases
+    from attn_ledger.kernelspec import from_sources
     from attn_ledger.worker import check_timeout
 
     __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
     check_timeout(timeout, "timeout")
+    declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv, "max_tq": max_tq,
+                "max_tk": max_tk, "head_dims": head_dims, "backward": backward, "empty_rows": empty_rows,
+                "strict_precision": strict_precision}
+    decl, run = from_sources(declared, rootdir())
     ids = [cases] if isinstance(cases, str) else cases
     target = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     with in_process(timeout):
-        report = check_kernel(fn, select_cases(ids), target=target, empty_rows=empty_rows, seed=seed)
+        report = check_kernel(fn, select_cases(ids, tier) if ids else None, tier=tier, target=target,
+                              empty_rows=run.get("empty_rows", "zeros"), seed=seed, backward=decl.backward,
+                              strict_precision=run.get("strict_precision", False), device=device, declaration=decl)
     if report.exit_code:
         raise AssertionError(diagnosis(report))
 
 
 def diagnosis(report: "Report", max_cases: int = 3) -> str:
-    """Plain text from a ``check`` report: the summary, the failing checks of the smallest failing
-    cases (smallest first, at most ``max_cases``), and the lines that reproduce the smallest one."""
+    """Plain text from a ``check`` report: the summary, each distinct failure once (with its count and
+    smallest case), the failing checks of the smallest failing cases of different failures (at most
+    ``max_cases``), and the lines that reproduce the smallest one."""
     from attn_ledger.kernelcheck import parse_case
     from attn_ledger.render.text import STATUS_WORD, describe
 
     d = report.details
     target = d["target"]
-    name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
-    failing = sorted((r for r in report.rows if r.failing()), key=lambda r: (r.fields["elements"], r.name))
+    fn_name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
+    skipped = f"; {d['cases_skipped']} skipped (outside the declaration)" if d.get("cases_skipped") else ""
     if report.first_finding is None:
-        return f"{target}: all {d['cases_total']} cases pass (empty rows: {d['empty_rows']})"
+        return f"{target}: all {d['cases_total']} cases pass{skipped} (empty rows: {d['empty_rows']})"
     first = report.first_finding
-    lines = [f"{target}: {d['cases_failed']} of {d['cases_total']} cases fail; first level reached: "
+    lines = [f"{target}: {d['cases_failed']} of {d['cases_total']} cases fail{skipped}; first level reached: "
              f"L{d['first_level']}; smallest failing case {first.row}: L{first.level} {first.name}"]
     lines += list(d["skipped"])
-    for row in failing[:max_cases]:
-        lines += ["", f"case {row.name}   {parse_case(row.name).call_text(name)}"]
+    for g in d["failures"]:
+        lines.append(f"  L{g['level']} {g['check']} fails first in {g['cases']} cases (smallest {g['smallest_case']})")
+    shown = [g["smallest_case"] for g in sorted(d["failures"], key=lambda g: (parse_case(g["smallest_case"]).size,
+                                                                              g["smallest_case"]))]
+    for case_id in shown[:max_cases]:
+        row = report.row(case_id)
+        lines += ["", f"case {row.name}   {parse_case(row.name).call_text(fn_name)}"]
         head = row.first_failing()
         for c in sorted(row.checks, key=lambda c: c is not head):  # the first failure first, then level order
             if c.failed or c.status in ("warn", "inconclusive"):
@@ -99,8 +149,8 @@ def diagnosis(report: "Report", max_cases: int = 3) -> str:
                 lines.append(f"  L{c.level} {c.name:<20} {mark:<12} {describe(c)}")
         if row.note:  # where index inputs decode the first wrong row's source
             lines.append(f"  {row.note}")
-    if len(failing) > max_cases:
-        lines.append(f"\n... and {len(failing) - max_cases} more failing cases")
+    if len(shown) > max_cases:
+        lines.append(f"\n... and {len(shown) - max_cases} more distinct failures")
     repro = d["reproduce"]
     lines += ["", "reproduce:", f"  {repro['cli']}"] + [f"  {ln}" for ln in repro["python"].splitlines()]
     return "\n".join(lines)

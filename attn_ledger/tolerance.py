@@ -10,7 +10,9 @@ measured against:
   :data:`HALF_FACTOR` times the error of the plain same-dtype computation, never less
   than :func:`half_floor`, since rounding to 8 or 11 bits dominates any fixed bound;
 * :func:`kernel`: the same factor rule for ``check`` on a kernel, with a floor scaled by
-  the largest value magnitude;
+  the largest value magnitude; :func:`kernel_bound` gives it with its parts as data, never
+  infinite or NaN (a per-dtype fallback where the plain computation is not finite), and for
+  gradients with the rounding every kernel carries from its largest score;
 * :func:`assert_close` / :func:`relative`: torch.testing.assert_close's defaults, for
   comparing a user module's outputs with each other relative to the output's own scale
   (interventions, batch independence, permutation);
@@ -26,7 +28,8 @@ Nothing here imports torch; dtypes may be given as ``torch.dtype`` or by name.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +50,11 @@ MIN_ROW_SUM = 1e-5  # the row-sum tolerance is never tighter than this, whatever
 
 KERNEL_FACTOR = HALF_FACTOR
 _KERNEL_FLOOR = {"float64": 1e-10, "float32": 2e-6, "float16": 2e-4, "bfloat16": 2e-3}
+# Where the plain computation is not finite there is nothing to scale: a bound a correct kernel in that
+# dtype meets on unit-scale values, times the values' scale.
+_KERNEL_FALLBACK = {"float64": 1e-9, "float32": 2e-5, "float16": 1e-2, "bfloat16": 8e-2}
+EPS = {"float64": 2.220446049250313e-16, "float32": 1.1920928955078125e-07, "float16": 0.0009765625,
+       "bfloat16": 0.0078125}
 
 # torch.testing.assert_close's default (rtol, atol) per dtype.
 _ASSERT_CLOSE = {
@@ -92,6 +100,32 @@ def kernel(dtype: "torch.dtype | str", plain_err: float, value_scale: float) -> 
     """``check``'s bound on a kernel's error against float64: KERNEL_FACTOR times the plain
     same-dtype error, plus :func:`kernel_floor`."""
     return KERNEL_FACTOR * plain_err + kernel_floor(dtype, value_scale)
+
+
+def kernel_bound(dtype: "torch.dtype | str", plain_error: float, value_scale: float,
+                 score_max: float = 0.0) -> tuple[float, dict[str, Any]]:
+    """:func:`kernel` with its parts as data (``factor``, ``plain_error``, ``floor``, ``dtype``).
+
+    Never infinite or NaN: where ``plain_error`` is not finite the bound is a per-dtype fallback
+    times ``1 + value_scale``, and the parts say so (``fallback``).
+
+    ``score_max`` (for gradients): the largest |scaled score|. A score that large carries an error
+    of about ``eps * score_max`` in any kernel, however it orders its work, and a gradient inherits
+    it at its own scale; ``KERNEL_FACTOR * eps * score_max * value_scale`` is added (``score_term``),
+    so that a kernel that recomputes the weights (as FlashAttention-style backward passes do) is not
+    held to the luck of the plain computation's rounding.
+    """
+    name = dtype_name(dtype)
+    scale = value_scale if math.isfinite(value_scale) else 0.0
+    floor = kernel_floor(name, scale)
+    facts: dict[str, Any] = {"factor": KERNEL_FACTOR, "plain_error": plain_error, "floor": floor, "dtype": name}
+    extra = 0.0
+    if score_max > 0 and math.isfinite(score_max):
+        extra = facts["score_term"] = KERNEL_FACTOR * EPS.get(name, EPS["float32"]) * score_max * scale
+    if not math.isfinite(plain_error):
+        facts["fallback"] = f"the plain {name} computation is not finite; the bound is the {name} floor"
+        return _KERNEL_FALLBACK.get(name, _KERNEL_FALLBACK["float32"]) * (1.0 + scale) + extra, facts
+    return KERNEL_FACTOR * plain_error + floor + extra, facts
 
 
 def assert_close(dtype: "torch.dtype | str") -> tuple[float, float]:

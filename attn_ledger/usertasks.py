@@ -26,7 +26,19 @@ from typing import Any, Callable
 from attn_ledger.decodecheck import validate_decode
 from attn_ledger.experiments.intervene import intervene_module, stopped_intervention
 from attn_ledger.intervention import build_module
-from attn_ledger.kernelcheck import Case, CaseResult, check_case, failed_call, kernel_report, parse_case, runnable_cases
+from attn_ledger.kernelcheck import (
+    Case,
+    CaseResult,
+    Options,
+    Plan,
+    check_capabilities,
+    check_case,
+    failed_call,
+    kernel_report,
+    parse_case,
+    plan_cases,
+)
+from attn_ledger.kernelspec import declaration
 from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, check_built_module, stopped_module_report
 from attn_ledger.report import Check, Coverage, Finding, Report, Row
 from attn_ledger.seeding import manual_seed
@@ -47,14 +59,28 @@ class Task:
 
 # --- check FILE:NAME: one unit per case -----------------------------------------------------------
 
+def _kernel_options(args: dict[str, Any]) -> Options:
+    return Options(args["empty_rows"], args["seed"], args["backward"], args["strict_precision"], args["device"])
+
+
 def _kernel_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Import the target, leave out the cases outside the declaration, and check it takes the protocol's
+    arguments (its signature, or one probe call): all before any case, all bad setup if they fail."""
+    from attn_ledger.errors import SetupError
+
     fn = load_object(args["target"], args["field"])
-    todo, skipped = runnable_cases(parse_case(i) for i in args["cases"])
-    return fn, {"units": [c.id for c in todo], "skipped": list(skipped)}
+    decl = declaration(args["declaration"])
+    plan = plan_cases([parse_case(i) for i in args["cases"]], decl, args["device"])
+    if not plan.cases:
+        why = ", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items()) or "; ".join(plan.notes)
+        raise SetupError(f"declaration: leaves no case to run ({why})")
+    check_capabilities(fn, plan, decl, args["target"], _kernel_options(args))
+    return fn, {"units": [c.id for c in plan.cases], "skipped": plan.skipped, "notes": list(plan.notes),
+                "device": plan.device, "reference_dtype": plan.reference_dtype}
 
 
 def _kernel_run(fn: Any, args: dict[str, Any], unit: str, progress: Progress) -> CaseResult:
-    return check_case(fn, parse_case(unit), empty_rows=args["empty_rows"], seed=args["seed"])
+    return check_case(fn, parse_case(unit), options=_kernel_options(args), declaration=declaration(args["declaration"]))
 
 
 def _kernel_stopped(args: dict[str, Any], unit: str, reason: str, data: dict[str, Any]) -> CaseResult:
@@ -62,8 +88,11 @@ def _kernel_stopped(args: dict[str, Any], unit: str, reason: str, data: dict[str
 
 
 def _kernel_finish(args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Report:
-    return kernel_report(results, target=args["target"], empty_rows=args["empty_rows"], seed=args["seed"],
-                         skipped=plan["skipped"])
+    cases = tuple(parse_case(u) for u in plan["units"])
+    return kernel_report(results, target=args["target"], options=_kernel_options(args),
+                         declaration=declaration(args["declaration"]), tier=args["tier"],
+                         plan=Plan(cases, dict(plan["skipped"]), tuple(plan["notes"]), plan["device"],
+                                   plan["reference_dtype"]))
 
 
 # --- check --module FILE:FACTORY and intervene --module: one unit ---------------------------------

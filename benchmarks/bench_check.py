@@ -1,11 +1,15 @@
-"""Time ``attn-ledger check`` on the default grid for a correct float32 kernel, or ``check --module``.
+"""Time ``attn-ledger check`` on its default and full tiers for a correct plain torch kernel, or ``check --module``.
 
-    python benchmarks/bench_check.py [--runs 5]
+    python benchmarks/bench_check.py [--runs 3] [--full-runs 1]
     python benchmarks/bench_check.py --decode [--runs 3]
     python benchmarks/bench_check.py --module [--runs 3]
 
-Prints the median wall time of several runs of the whole default grid (float32, float64,
-float16 and bfloat16 cases) on fixtures/kernels/good.py. Target: under 10 s on 2 CPU cores.
+Runs fixtures/kernels/good.py (grouped kv heads expanded, the causal relation built, then
+F.scaled_dot_product_attention) through the path the CLI takes: the worker process
+(:func:`attn_ledger.worker.run_user_task`), the argument check, every case with its backward
+checks, and the report. Prints the CPU model, the load average before and after, the median
+wall time of the default tier (target: at most 10 s) and of the full tier (target: at most
+120 s), and one whole ``attn-ledger check`` process (interpreter and torch import included).
 
 ``--decode`` times the KV-cache decode checks of ``check --module --decode`` instead (E=256,
 Nh=8, 32 decoded positions; a correct rotary module, and one whose offset is off by one so
@@ -22,19 +26,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from attn_ledger.kernelcheck import DEFAULT_GRID, check_kernel
+from attn_ledger.kernelcases import tier_cases
 from attn_ledger.testing import diagnosis
 from attn_ledger.userload import load_object
+from attn_ledger.worker import run_user_task
 
-GOOD = Path(__file__).resolve().parents[1] / "fixtures" / "kernels" / "good.py"
-DECODE_MODULES = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "decode_modules.py"
-MODULES = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "attention_modules.py"
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = ROOT / "fixtures" / "kernels" / "good.py"
+DECODE_MODULES = ROOT / "fixtures" / "modules" / "decode_modules.py"
+MODULES = ROOT / "fixtures" / "modules" / "attention_modules.py"
+TARGETS = {"default": 10.0, "full": 120.0}
 
 
 def bench_module(runs: int) -> None:
@@ -72,11 +82,35 @@ def bench_module(runs: int) -> None:
           + "; after " + ", ".join(f"{v:.2f}" for v in load_after))
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def tier_run(tier: str) -> float:
+    """One run of a tier through the worker, as ``attn-ledger check GOOD [--full]`` does; its wall time."""
+    args = {"target": f"{GOOD}:attention", "field": "target", "cases": [c.id for c in tier_cases(tier)],
+            "tier": tier, "empty_rows": "zeros", "seed": 0, "backward": True, "strict_precision": False,
+            "device": "cpu", "declaration": {}}
+    start = time.perf_counter()
+    report = run_user_task("kernel_check", args).report
+    elapsed = time.perf_counter() - start
+    if report.exit_code:
+        raise SystemExit(f"the good kernel failed the {tier} tier:\n" + diagnosis(report))
+    return elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=3, help="runs of the default tier")
+    parser.add_argument("--full-runs", type=int, default=1, help="runs of the full tier (0: skip it)")
     parser.add_argument("--decode", action="store_true", help="time the decode checks of check --module --decode")
-    parser.add_argument("--module", action="store_true", help="time check --module instead of the kernel grid")
+    parser.add_argument("--module", action="store_true", help="time check --module on the Llama-style fixture")
     args = parser.parse_args()
     if args.decode:
         decode_section(args.runs)
@@ -84,18 +118,22 @@ def main() -> None:
     if args.module:
         bench_module(args.runs)
         return
-    fn = load_object(f"{GOOD}:attention")
-    check_kernel(fn)  # warm-up: first calls pay for lazy initialisation
-    times = []
-    for _ in range(args.runs):
-        start = time.perf_counter()
-        report = check_kernel(fn)
-        times.append(time.perf_counter() - start)
-        if report.exit_code:
-            raise SystemExit("the good kernel failed the grid:\n" + diagnosis(report))
-    print(f"default grid: {len(DEFAULT_GRID)} cases, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"median {statistics.median(times):.3f} s over {args.runs} runs "
-          f"(min {min(times):.3f} s, max {max(times):.3f} s)")
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical cores; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}")
+    tier_run("default")  # warm-up: the first worker of a process pays for the fork server's torch import
+    for tier, runs in (("default", args.runs), ("full", args.full_runs)):
+        if runs < 1:
+            continue
+        times = [tier_run(tier) for _ in range(runs)]
+        med = statistics.median(times)
+        print(f"{tier} tier: {len(tier_cases(tier))} cases, median {med:.1f} s over {runs} runs "
+              f"(min {min(times):.1f}, max {max(times):.1f}; target {TARGETS[tier]:.0f} s), "
+              f"load average {os.getloadavg()[0]:.1f} at the end")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "attn_ledger", "check", f"{GOOD}:attention", "--format", "json"],
+                          capture_output=True, text=True, cwd=ROOT)
+    print(f"one whole 'attn-ledger check' process on the default tier: {time.perf_counter() - start:.1f} s "
+          f"(exit {proc.returncode}; interpreter, torch import and worker start included)")
 
 
 def decode_section(runs: int, embed_dim: int = 256, num_heads: int = 8, length: int = 32) -> None:

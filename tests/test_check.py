@@ -75,6 +75,13 @@ def future_off_by_one(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
     return good_attention(q, k, v, allow_mask=allow_mask, is_causal=False, scale=scale)
 
 
+BROKEN = f"{KERNELS / 'broken_backward.py'}"
+
+
+def broken(name):
+    return load_object(f"{BROKEN}:{name}")
+
+
 def manual_nan_rows(q, k, v, **kw):
     return load_object(f"{KERNELS / 'manual_nan_rows.py'}:attention")(q, k, v, **kw)
 
@@ -98,7 +105,15 @@ BREAKERS = [
     ("empty_rows", manual_nan_rows, "b1-h3kv3-tq6tk3-dh4dv6-causal-flag-rand-f32", 3, "empty_rows"),
     ("reference", catalogue.no_scale, "b2-h4kv2-tq5tk9-dh8dv4-pad-causal-rand-f32", 4, "reference"),
     ("causal_intervention", future_off_by_one, "b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32", 3, None),
+    ("grad_call", broken("raising_backward"), "b2-h4kv2-tq5tk5-dh8dv8-none-rand-f32", 1, "grad_call"),
+    ("grad_finite", broken("nan_dq"), "b2-h4kv2-tq5tk5-dh8dv8-none-rand-f32", 3, "grad_finite"),
+    ("grad_blocked_keys", broken("dv_at_blocked_keys"), "b2-h4kv2-tq5tk9-dh8dv4-pad-rand-f32", 3, "grad_blocked_keys"),
+    ("grad_q", broken("wrong_dq"), "b2-h4kv2-tq5tk5-dh8dv8-none-rand-f32", 4, "grad_q"),
+    ("grad_k", broken("wrong_dk_only"), "b2-h4kv2-tq5tk5-dh8dv8-none-rand-f32", 4, "grad_k"),
+    ("grad_v", broken("dv_at_blocked_keys"), "b2-h4kv2-tq5tk9-dh8dv4-pad-rand-f32", 3, "grad_blocked_keys"),
 ]
+# precision warns rather than fails unless asked: tests/test_check_depth.py breaks it
+WARNERS = {"precision"}
 
 
 @pytest.mark.parametrize("name,kernel,case_id,level,first", BREAKERS, ids=[b[0] for b in BREAKERS])
@@ -111,7 +126,7 @@ def test_each_check_fails_on_a_kernel_built_to_break_it(name, kernel, case_id, l
         assert result.first_failure.name == first
     if bad.limit is not None:  # a measured check: the number is past its limit, and says where
         assert bad.op == "<=" and not bad.value <= bad.limit
-        assert set(bad.location) == {"example", "head", "query"}
+        assert set(bad.location) - {"tensor"} in ({"example", "head", "query"}, {"example", "kv_head", "key"})
     # the same case passes that check on the correct kernel, within the same kind of limit
     good = check_case(good_attention, parse_case(case_id)).check(name)
     assert good.status == "pass", good
@@ -163,14 +178,15 @@ def test_a_probe_that_moves_nothing_is_inconclusive_not_a_pass():
 
 
 def test_every_check_breaker_is_listed():
-    assert {b[0] for b in BREAKERS} == {name for _, name in CHECK_ORDER}
+    assert {b[0] for b in BREAKERS} | WARNERS == {name for _, name in CHECK_ORDER}
 
 
 def test_good_kernel_passes_the_default_grid_and_every_check_runs():
     report = check_kernel(good_attention, target=GOOD)
     assert report.exit_code == 0 and report.verdict == "pass" and report.first_finding is None
     assert report.details["skipped"] == []  # float16 and bfloat16 run on this CPU build
-    assert [r.name for r in report.rows] == [c.id for c in DEFAULT_GRID]
+    assert sorted(r.name for r in report.rows) == sorted(c.id for c in DEFAULT_GRID)
+    assert [r.fields["elements"] for r in report.rows] == sorted(c.size for c in DEFAULT_GRID)  # smallest first
     assert all(r.status == "pass" and r.fields["elements"] == parse_case(r.name).size for r in report.rows)
     evaluated = {c.name for _, c in report.checks() if c.passed}
     assert evaluated == {name for _, name in CHECK_ORDER}
@@ -179,10 +195,16 @@ def test_good_kernel_passes_the_default_grid_and_every_check_runs():
     assert (d["cases_total"], d["cases_failed"], d["first_level"], d["reproduce"]) == (len(DEFAULT_GRID), 0, None, None)
 
 
-def test_no_scale_passes_levels_1_to_3_everywhere():
+def test_no_scale_passes_levels_1_to_3_wherever_its_product_stays_finite():
     report = check_kernel(catalogue.no_scale)
-    assert report.details["first_level"] == 4
-    assert {r.first_failing().name for r in report.rows if r.failing()} == {"reference"}
+    first = {r.name: r.first_failing() for r in report.rows if r.failing()}
+    # an unscaled float16 product of the 'huge' inputs overflows: non-finite output, and the check says why
+    huge = {name: c for name, c in first.items() if parse_case(name).inputs == "huge"}
+    assert {(c.level, c.name) for c in huge.values()} == {(3, "finite")}
+    assert all(c.data["raw_product_max"] > c.data["dtype_max"] == 65504 for c in huge.values())
+    assert {c.name for name, c in first.items() if name not in huge} == {"reference"}
+    assert report.details["failures"][0] == {"level": 3, "check": "finite", "cases": len(huge),
+                                             "smallest_case": min(huge, key=lambda i: parse_case(i).size)}
 
 
 def test_first_finding_is_the_smallest_failing_case():
@@ -190,9 +212,9 @@ def test_first_finding_is_the_smallest_failing_case():
     ids = ["b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-f32", "b3-h2kv2-tq1tk6-dh8dv8-causal-flag-rand-f32",
            "b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32"]
     report = check_kernel(fn, [parse_case(i) for i in ids], target="k.py:attention")
-    assert [r.status for r in report.rows] == ["fail", "fail", "pass"]
-    # the second case is smaller (624 < 752 elements) though listed later
-    assert [r.fields["elements"] for r in report.rows[:2]] == [752, 624]
+    # rows run smallest first: the second case is smaller (624 < 640 < 752 elements) though listed later
+    assert [(r.name, r.status, r.fields["elements"]) for r in report.rows] == [
+        (ids[1], "fail", 624), (ids[2], "pass", 640), (ids[0], "fail", 752)]
     first = report.first_finding
     assert (first.row, first.level, first.name) == (ids[1], 4, "reference")
     assert first.check == report.check(ids[1], "reference")
@@ -332,7 +354,8 @@ def test_cli_finding_json_names_smallest_case_and_reproduction():
     assert first["row"] == "b3-h2kv2-tq1tk6-dh8dv8-causal-flag-rand-f32"
     assert (first["level"], first["check"], first["status"], first["op"]) == (4, "reference", "fail", "<=")
     assert first["value"] > first["limit"] and first["location"] == {"example": 0, "head": 0, "query": 0}
-    assert [r["name"] for r in data["rows"]] == cases and [r["status"] for r in data["rows"]] == ["fail", "fail", "pass"]
+    # rows run smallest first
+    assert [(r["name"], r["status"]) for r in data["rows"]] == [(cases[1], "fail"), (cases[2], "pass"), (cases[0], "fail")]
     repro = details["reproduce"]
     assert repro["case"] == first["row"] and repro["cli"] == f"attn-ledger check {fn} --case {first['row']}"
     assert repro["cli"] in " ".join(data["notes"]).replace(" \\     --case ", " --case ")

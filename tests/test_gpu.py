@@ -97,3 +97,38 @@ def test_cpu_device_is_honoured():
     led = ledger_on_qkv(q, k, v, mask="causal")
     assert led.details["device"] == "cpu"
     assert run_ledger(load_config(overrides={"device": "cpu"})).details["device"] == "cpu"
+
+
+# --- check on a kernel, on CUDA -------------------------------------------------------------------
+
+
+@cuda
+def test_check_runs_the_default_tier_on_cuda_with_a_float64_reference():
+    from pathlib import Path
+
+    from attn_ledger.kernelcheck import DEFAULT_TIER, check_kernel
+    from attn_ledger.userload import load_object
+
+    fn = load_object(f"{Path(__file__).resolve().parents[1] / 'fixtures' / 'kernels' / 'sdpa_adapter.py'}:attention")
+    report = check_kernel(fn, device="cuda")
+    assert report.exit_code == 0, report.details["failures"]
+    assert report.details["device"] == "cuda" and report.details["cases_total"] == len(DEFAULT_TIER)
+    assert report.details["reference_dtype"] == "float64"
+
+
+@cuda
+def test_check_on_cuda_catches_what_it_catches_on_the_cpu():
+    from pathlib import Path
+
+    from attn_ledger.kernelcheck import check_kernel, parse_case
+    from attn_ledger.userload import load_object
+
+    kernels = Path(__file__).resolve().parents[1] / "fixtures" / "kernels"
+    bad = load_object(f"{kernels / 'broken_backward.py'}:wrong_dq")
+    case = parse_case("b2-h4kv2-tq113tk113-dh64dv64-lpad64-causal-rand-f32")
+    report = check_kernel(bad, [case], device="cuda")
+    assert (report.first_finding.level, report.first_finding.name) == (4, "grad_q")
+    cli = CliRunner().invoke(app, ["check", f"{kernels / 'sdpa_adapter.py'}:attention", "--device", "auto", "--case",
+                              case.id, "--format", "json"])
+    details = json.loads(cli.stdout)["details"]
+    assert cli.exit_code == 0 and (details["device"], details["reference_dtype"]) == ("cuda", "float64")

@@ -97,7 +97,8 @@ def test_after_a_hang_the_worker_restarts_and_the_remaining_cases_run():
 
 
 def test_timeout_names_the_probe_in_flight(tmp_path):
-    # Returns at once for the first call, hangs from the second (the first probe) on.
+    # Returns at once for the first two calls (the call, and the one with inputs that require grad),
+    # hangs from the third (the first probe) on.
     src = tmp_path / "second_call_hangs.py"
     src.write_text(
         f"import importlib.util, time\n"
@@ -106,7 +107,7 @@ def test_timeout_names_the_probe_in_flight(tmp_path):
         f"calls = []\n"
         f"def attention(q, k_, v, **kw):\n"
         f"    calls.append(1)\n"
-        f"    if len(calls) > 1:\n"
+        f"    if len(calls) > 2:\n"
         f"        time.sleep(3600)\n"
         f"    return k.good(q, k_, v, **kw)\n"
     )
@@ -340,11 +341,16 @@ def test_in_process_time_limit_gives_back_an_outer_alarm():
     assert 0 < inside <= 5 and 90 < after <= 100
 
 
+# What `check` hands the worker for a kernel: the case ids and the options as plain data.
+KERNEL_ARGS = {"target": f"{KERNELS}:good", "field": "target", "cases": [ONE], "tier": None, "empty_rows": "zeros",
+               "seed": 0, "backward": True, "strict_precision": False, "device": "cpu", "declaration": {}}
+
+
 def test_worker_relays_bad_input_as_the_same_error():
     from attn_ledger.errors import InputError
     from attn_ledger.worker import run_user_task
 
-    args = {"target": f"{KERNELS}:good", "field": "target", "cases": [ONE], "empty_rows": "ones", "seed": 0}
+    args = {**KERNEL_ARGS, "empty_rows": "ones"}
     with pytest.raises(InputError, match="^empty_rows: got 'ones'"):
         run_user_task("kernel_check", args, timeout=30)
 
@@ -352,7 +358,7 @@ def test_worker_relays_bad_input_as_the_same_error():
 def test_a_bug_in_the_worker_is_not_a_finding():
     from attn_ledger.worker import WorkerError, run_user_task
 
-    args = {"target": f"{KERNELS}:good", "field": "target", "cases": [ONE], "empty_rows": "zeros"}  # no seed
+    args = {key: value for key, value in KERNEL_ARGS.items() if key != "seed"}
     with pytest.raises(WorkerError, match="KeyError: 'seed'"):
         run_user_task("kernel_check", args, timeout=30)
 

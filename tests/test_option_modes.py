@@ -177,12 +177,23 @@ CHECK_OPTIONS = {"--embed-dim": ["--embed-dim", "12"], "--heads": ["--heads", "3
                  "--in-process": ["--in-process"], "--format": ["--format", "json"], "--output": ["--output", "{out}"],
                  "--timings": ["--timings"], "--html": ["--html", "{html}"], "--max-memory": ["--max-memory", "8G"],
                  "--window": ["--window", "6"], "--scale": ["--scale", "0.5"], "--batch-size": ["--batch-size", "3"],
-                 "--seq-len": ["--seq-len", "5"]}
+                 "--seq-len": ["--seq-len", "5"],
+                 "--full": ["--full"], "--backward": ["--backward"], "--no-backward": ["--no-backward"],
+                 "--strict-precision": ["--strict-precision"], "--lenient-precision": ["--lenient-precision"],
+                 "--device": ["--device", "cpu"], "--dtypes": ["--dtypes", "float32"],
+                 "--masks": ["--masks", "none,causal,mask"], "--gqa": ["--gqa"], "--no-gqa": ["--no-gqa"],
+                 "--distinct-dv": ["--distinct-dv"], "--no-distinct-dv": ["--no-distinct-dv"],
+                 "--max-tq": ["--max-tq", "16"], "--max-tk": ["--max-tk", "16"], "--head-dims": ["--head-dims", "4"]}
 CHECK_EVERY = {"--seed", "--timeout", "--in-process", "--format", "--output", "--timings", "--html"}
+# the kernel protocol's own options; of each pair of opposites, the walk gives one together with the rest
+KERNEL_ONLY = {"--case", "--empty-rows", "--full", "--backward", "--no-backward", "--strict-precision",
+               "--lenient-precision", "--device", "--dtypes", "--masks", "--gqa", "--no-gqa", "--distinct-dv",
+               "--no-distinct-dv", "--max-tq", "--max-tk", "--head-dims"}
+OPPOSITES = {"--no-backward", "--lenient-precision", "--no-gqa", "--no-distinct-dv"}
 
 
 @pytest.mark.parametrize("mode,base,uses", [
-    ("kernel", ["check", KERNEL], CHECK_EVERY | {"--case", "--empty-rows"}),
+    ("kernel", ["check", KERNEL], CHECK_EVERY | KERNEL_ONLY),
     ("module", ["check", "--module", MODULE],
      CHECK_EVERY | {"--embed-dim", "--heads", "--causal", "--no-causal", "--decode", "--max-memory", "--window",
                     "--scale", "--batch-size", "--seq-len"}),
@@ -192,14 +203,23 @@ def test_check_every_option_against_the_mode(files, mode, base, uses):
     for option, extra in CHECK_OPTIONS.items():
         if option not in uses:
             refused(base + sizes + fill(extra, files), option.replace("--no-causal", "--causal"))
-    chosen = [a for o in sorted(uses - {"--no-causal", "--embed-dim", "--heads", "--decode", "--window"})
+    chosen = [a for o in sorted(uses - {"--no-causal", "--embed-dim", "--heads", "--decode", "--window"} - OPPOSITES)
               for a in fill(CHECK_OPTIONS[o], files)]
     accepted(base + sizes + chosen)
+    if mode == "kernel":
+        # --no-gqa leaves out a grouped-query case (and an empty plan is exit 2): one with a kv head per query head
+        accepted(base + ["--case", "b1-h1kv1-tq3tk4-dh4dv4-causal-flag-rand-f32"] + sorted(OPPOSITES))
     if mode == "module":
         accepted(base + sizes + ["--no-causal"])
         accepted(base + sizes + ["--window", "6"])  # a causal sliding window: not with --no-causal
         refused(base + sizes + ["--no-causal", "--window", "6"], "window")
         accepted(["check", "--module", DECODE_MODULE, "--decode", DECODE, "--embed-dim", "8", "--heads", "2"])
+
+
+def test_list_cases_takes_no_target():
+    accepted(["check", "--list-cases", "--format", "json"])
+    refused(["check", KERNEL, "--list-cases"], "--list-cases")
+    refused(["check", "--module", MODULE, "--list-cases"], "--list-cases")
 
 
 def test_polarity_padding_side_only_with_expect_padding(files):

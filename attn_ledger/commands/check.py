@@ -13,6 +13,18 @@ from attn_ledger.commands.common import Format, Progress, execute
 from attn_ledger.commands.options import INT
 
 
+class Device(str, Enum):
+    """Where the cases run."""
+
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+    auto = "auto"
+
+
+DECLARE = "Declaration"
+
+
 class EmptyRows(str, Enum):
     """What a query with every key blocked must return."""
 
@@ -50,9 +62,25 @@ def check(
     case: Annotated[
         Optional[list[str]], typer.Option("--case", help="Run only this case id (repeatable); any well-formed id works.")
     ] = None,
+    full: Annotated[bool, typer.Option("--full", help="Run the full tier (real sizes chosen pairwise; for nightly CI) instead of the default tier.")] = False,
+    list_cases: Annotated[bool, typer.Option("--list-cases", help="List the cases of the tiers with the reason for each, and exit.")] = False,
     empty_rows: Annotated[
         Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked (kernel protocol). Default: zeros.")
     ] = None,
+    backward: Annotated[
+        Optional[bool], typer.Option("--backward/--no-backward", help="Check dq, dk and dv against float64 autograd. Default: backward.")
+    ] = None,
+    strict_precision: Annotated[
+        Optional[bool], typer.Option("--strict-precision/--lenient-precision", help="A float64 case at float32 precision fails. Default: lenient (a warning).")
+    ] = None,
+    device: Annotated[Optional[Device], typer.Option("--device", help="Where the cases run; the reference is float64 where the device has it. Default: cpu.")] = None,
+    dtypes: Annotated[Optional[str], typer.Option("--dtypes", help="Dtypes the kernel supports, e.g. float16,bfloat16.", rich_help_panel=DECLARE)] = None,
+    masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal.", rich_help_panel=DECLARE)] = None,
+    gqa: Annotated[Optional[bool], typer.Option("--gqa/--no-gqa", help="Whether it supports Nkv < Nh. Default: gqa.", rich_help_panel=DECLARE)] = None,
+    distinct_dv: Annotated[Optional[bool], typer.Option("--distinct-dv/--no-distinct-dv", help="Whether it supports Dv != Dh. Default: distinct-dv.", rich_help_panel=DECLARE)] = None,
+    max_tq: Annotated[Optional[str], typer.Option("--max-tq", metavar=INT, help="The longest Tq it takes.", rich_help_panel=DECLARE)] = None,
+    max_tk: Annotated[Optional[str], typer.Option("--max-tk", metavar=INT, help="The longest Tk it takes.", rich_help_panel=DECLARE)] = None,
+    head_dims: Annotated[Optional[str], typer.Option("--head-dims", help="Head widths Dh and Dv may take, e.g. 64,128.", rich_help_panel=DECLARE)] = None,
     seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random inputs and perturbations, 0..2^63-1. Default: 0.")] = None,
     timeout: Annotated[
         Optional[float],
@@ -79,9 +107,30 @@ def check(
     q [B, Nh, Tq, Dh], k [B, Nkv, Tk, Dh], v [B, Nkv, Tk, Dv] -> [B, Nh, Tq, Dv]; allow_mask True =
     may attend; is_causal bottom-right aligned. Your code runs in a worker process: a call that
     hangs, exits or crashes is that case's L1 call finding, and what it prints goes to stderr.
-    Exit 0 every case passes, 1 a finding, 2 bad input or setup (your file cannot be imported,
-    or the factory raises or exits), 3 an internal error.
+    What the kernel supports is declared by the options under "Declaration" or in
+    [tool.attn-ledger.check] of ./pyproject.toml (options override); cases outside it are skipped
+    and counted. Exit 0 every case passes (precision warnings included), 1 a finding, 2 bad input
+    or setup (your file cannot be imported, the factory raises or exits, or the target cannot take
+    the protocol's arguments), 3 an internal error.
     """
+    if list_cases:
+        if target is not None or module is not None:
+            from attn_ledger.commands.common import fail
+
+            given = target if target is not None else f"--module {module}"
+            raise fail(f"--list-cases: got it with {given!r}, expected no target or --module: it lists the cases and runs nothing")
+        _list_cases(output_format, output)
+        return
+    # kernel-protocol options: None where not given (the pyproject table or the default then holds)
+    kernel_options = {"--full": full or None, "--device": device.value if device else None,
+                      "--backward/--no-backward": backward, "--strict-precision/--lenient-precision": strict_precision,
+                      "--dtypes": dtypes, "--masks": masks, "--gqa/--no-gqa": gqa,
+                      "--distinct-dv/--no-distinct-dv": distinct_dv, "--max-tq": max_tq, "--max-tk": max_tk,
+                      "--head-dims": head_dims}
+    declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv,
+                "max_tq": max_tq, "max_tk": max_tk,
+                "head_dims": head_dims, "backward": backward,
+                "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision}
 
     def build():
         from attn_ledger.errors import InputError
@@ -96,8 +145,8 @@ def check(
             raise InputError("target: expected exactly one of a function 'file.py:NAME' or --module 'file.py:FACTORY'")
         seed_value = opt.seed(seed) or 0
         if module is not None:
-            opt.refuse_given({"--case": case or None, "--empty-rows": empty_rows.value if empty_rows else None},
-                             "with --module (it applies to a kernel-protocol function)")
+            opt.refuse_given({"--case": case or None, "--empty-rows": empty_rows.value if empty_rows else None,
+                              **kernel_options}, "with --module (it applies to a kernel-protocol function)")
             e, nh = opt.integer(embed_dim, "--embed-dim", 1), opt.integer(heads, "--heads", 1)
             if e is None or nh is None:
                 raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={e}, heads={nh}")
@@ -122,16 +171,61 @@ def check(
                               "--window": window, "--scale": scale, "--batch-size": batch_size, "--seq-len": seq_len,
                               "--max-memory": max_memory},
                              "for a kernel-protocol function (it applies to --module)")
-            from attn_ledger.kernelcheck import select_cases
-
-            cases = [c.id for c in select_cases(case)]
             parse_spec(target, "target")
-            name, args, label = "kernel_check", {"target": target, "field": "target", "cases": cases,
-                                                 "empty_rows": (empty_rows or EmptyRows.zeros).value,
-                                                 "seed": seed_value}, "checking cases"
+            name, label = "kernel_check", "checking cases"
+            args = _kernel_args(target, case, full, declared, seed_value, device.value if device else "cpu")
         with Progress(label) as bar:
             outcome = run_user_task(name, args, in_process=in_process, timeout=timeout, progress=bar)
         show_output(outcome.output)
         return outcome.report
 
     execute(build, output_format, output, command="check", timings=timings, html=html)
+
+
+def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: dict, seed: int,
+                 device: str) -> dict:
+    """What the worker needs to check a kernel, as plain data: the case ids, the options, and the
+    declaration (``[tool.attn-ledger.check]`` of ./pyproject.toml under the options given)."""
+    from attn_ledger.kernelcheck import select_cases
+    from attn_ledger.kernelspec import from_sources
+
+    decl, run = from_sources(declared)
+    tier = "full" if full else "default"
+    return {"target": target, "field": "target", "cases": [c.id for c in select_cases(case, tier)],
+            "tier": None if case else tier, "empty_rows": run.get("empty_rows", "zeros"), "seed": seed,
+            "backward": decl.backward, "strict_precision": run.get("strict_precision", False), "device": device,
+            "declaration": decl.to_json()}
+
+
+def _list_cases(fmt: Format, output: Optional[Path]) -> None:
+    """Every case of every tier with its tier and reason: a table, or JSON with ``--format json``."""
+    import json
+
+    from attn_ledger.commands.common import fail, write_atomic
+    from attn_ledger.errors import AttnLedgerError
+    from attn_ledger.kernelcases import GRID, describe_tiers
+    from attn_ledger.render.table import wrap_words
+
+    entries = describe_tiers(GRID)
+    if fmt is Format.json:
+        text = json.dumps({"command": "check --list-cases", "cases": entries}, indent=2) + "\n"
+    elif fmt is Format.table:
+        width = max(len(e["id"]) for e in entries)
+        lines = [f"{'case'.ljust(width)}  tier     reason"]
+        pad = width + 11  # the id, the tier and their gaps
+        for e in entries:
+            reason = wrap_words(e["reason"], max(40, 100 - pad), indent="")
+            lines.append(f"{e['id'].ljust(width)}  {e['tier'].ljust(7)}  {reason[0]}")
+            lines += [" " * pad + more for more in reason[1:]]
+        counts = {t: sum(e["tier"] == t for e in entries) for t in ("default", "full")}
+        lines.append(f"{counts['default']} cases in the default tier; --full adds {counts['full']}")
+        text = "\n".join(lines) + "\n"
+    else:
+        raise fail(f"--format: got {fmt.value!r} with --list-cases, expected table or json")
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        write_atomic(output, text)
+    except AttnLedgerError as exc:
+        raise fail(str(exc)) from None

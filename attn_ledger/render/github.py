@@ -1,6 +1,12 @@
-"""GitHub Actions annotations: one ``::error`` line per failing check, ``::warning`` per warning."""
+"""GitHub Actions annotations: one ``::error`` line per failing check, ``::warning`` per warning.
+
+A report over many rows (``fold_rows``) gets one annotation per distinct check and status, on its
+first row (the smallest case, for ``check``), with the count of the other rows where it recurs.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from attn_ledger.render.text import describe, finding_line
 from attn_ledger.report import Report
@@ -17,6 +23,8 @@ def _prop(text: str) -> str:
 
 def render_github(report: Report) -> str:
     lines = []
+    seen: dict[tuple[str, int, str], int] = {}  # fold_rows: one annotation per distinct check, with a count
+    shown: list[tuple[str, str, Any]] = []
     for row, c in report.checks():
         if c.status == "fail":
             kind = "error"
@@ -24,8 +32,16 @@ def render_github(report: Report) -> str:
             kind = "warning"
         else:
             continue
+        key = (c.status, c.level, c.name)
+        if report.fold_rows and key in seen:
+            shown[seen[key]][2][1] += 1
+            continue
+        seen[key] = len(shown)
+        shown.append((kind, row, [c, 0]))
+    for kind, row, (c, more) in shown:
         title = _prop(f"attn-ledger {report.command}: {row} L{c.level} {c.name}")
-        lines.append(f"::{kind} title={title}::{_escape(describe(c) or c.name)}")
+        also = f" (and in {more} more {report.row_label}s)" if more else ""
+        lines.append(f"::{kind} title={title}::{_escape((describe(c) or c.name) + also)}")
     if report.coverage is not None:
         cov = report.coverage
         text = f"the verdict rests on {cov.scope} checks" + (f"; not run: {', '.join(cov.missing)}" if cov.missing else "")

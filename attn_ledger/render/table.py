@@ -50,7 +50,7 @@ def _field_text(value: object) -> str:
     return "-" if value is None else fmt_value(value)
 
 
-def _check_cell(row: Row, report: Report, width: int, folded: Sequence[str]) -> list[Line]:
+def _check_cell(row: Row, report: Report, width: int, folded: Sequence[str], more: int = 0) -> list[Line]:
     """The last column: folded fields, then the checks shown, then the row's note.
 
     The ledger (``show_passing``) lists every check as ``L2 pass name = value``; reports over
@@ -82,11 +82,52 @@ def _check_cell(row: Row, report: Report, width: int, folded: Sequence[str]) -> 
     if not report.show_passing and shown:
         counts = _tally(c.status for c in row.checks if c not in shown)
         if counts:
-            lines.append([(f"({counts})", "dim")])
+            lines += [[(ln, "dim")] for ln in wrap_words(f"({counts})", width)]
     if row.note:
         for ln in wrap_words(row.note, width):
             lines.append([(ln, "dim")])
+    if more:
+        head = _signature(row)
+        for ln in wrap_words(f"and {more} more {report.row_label}s whose first finding is the same "
+                             f"(L{head[1]} {head[2]})", width):  # type: ignore[index]
+            lines.append([(ln, "dim")])
     return lines
+
+
+def _signature(row: Row) -> tuple[str, int, str] | None:
+    """What makes two rows fold into one: the first failing check, else the first warning; None if neither."""
+    failing = row.first_failing()
+    if failing is not None:
+        return ("fail", failing.level, failing.name)
+    for c in sorted(row.checks, key=lambda c: c.level):
+        if c.status in ("warn", "inconclusive"):
+            return (c.status, c.level, c.name)
+    return None
+
+
+FOLD_AT = 12  # a fold_rows report with fewer rows than this is listed whole
+
+
+def fold(report: Report) -> tuple[list[Row], dict[str, int], dict[str, int]]:
+    """For ``fold_rows`` reports: the rows shown (the first of each distinct finding), how many more
+    rows each stands for, and the statuses of the rows not shown."""
+    if len(report.rows) < FOLD_AT:
+        return list(report.rows), {}, {}
+    shown: list[Row] = []
+    more: dict[str, int] = {}
+    first: dict[tuple[str, int, str], str] = {}
+    hidden: dict[str, int] = {}
+    for r in report.rows:
+        key = _signature(r)
+        if key is None:
+            hidden[r.status] = hidden.get(r.status, 0) + 1
+        elif key in first:
+            more[first[key]] += 1
+        else:
+            first[key] = r.name
+            more[r.name] = 0
+            shown.append(r)
+    return shown, more, hidden
 
 
 def _tally(statuses) -> str:
@@ -122,7 +163,7 @@ def layout(report: Report, width: int = 100) -> list[Line]:
     column keeps at least ``MIN_WRAP`` characters; otherwise stacked: each row's checks on
     the lines under it, indented.
     """
-    rows = report.rows
+    rows, more, hidden = (fold(report) if report.fold_rows else (list(report.rows), {}, {}))
     has_shape = any(r.shape is not None or r.axes for r in rows)
     fields = _field_columns(report)
     label = report.row_label
@@ -156,7 +197,7 @@ def layout(report: Report, width: int = 100) -> list[Line]:
     out.append(header)
     rule_at = len(out)
     for r in rows:
-        check_lines = _check_cell(r, report, wrap_w, folded)
+        check_lines = _check_cell(r, report, wrap_w, folded, more.get(r.name, 0))
         shape_lines = [shape_text(r.shape), r.axes] if has_shape else []
         side = [] if stacked else check_lines
         n = max(1, len(side), len(shape_lines))
@@ -175,11 +216,21 @@ def layout(report: Report, width: int = 100) -> list[Line]:
             out.append(line)
         if stacked:
             out += [[(indent, "")] + ln for ln in check_lines]
+    out += _not_listed(hidden, report.row_label, width)
     widest = max((len("".join(t for t, _ in ln).rstrip()) for ln in out[rule_at:]), default=0)
     out.insert(rule_at, [("-" * min(width, max(widest, len("checks"))), "dim")])
     out.append([])
     out += _tail(report, width)
     return out
+
+
+def _not_listed(hidden: dict[str, int], label: str, width: int) -> list[Line]:
+    """The line that counts the rows a folded table does not list."""
+    if not hidden:
+        return []
+    text = ", ".join(f"{n} {STATUS_WORD[s]}" for s, n in hidden.items())
+    return [[(ln, "dim")] for ln in wrap_words(f"not listed: {text} ({sum(hidden.values())} {label}s; "
+                                               f"--format json lists every one)", width)]
 
 
 def _tail(report: Report, width: int) -> list[Line]:

@@ -1,0 +1,204 @@
+"""Backward checks for ``check`` on a kernel: dq, dk and dv against float64 autograd.
+
+The forward checks call the kernel without grad. Here it is called a second time with inputs
+that require grad, and its output is differentiated against a seeded upstream gradient:
+
+* L1 ``grad_call``: the call and the backward pass ran. A kernel that raises on inputs that
+  require grad (``flex_attention`` on the CPU) or returns an output without ``grad_fn`` is not
+  differentiable: every backward check is ``not_applicable`` with that reason, never a failure.
+  A backward pass that raises is a failure;
+* L3 ``grad_finite``: dq is finite on rows with an allowed key, dk and dv everywhere;
+* L3 ``grad_blocked_keys``: keys no query of an example may use get zero dk and dv;
+* L4 ``grad_q``, ``grad_k``, ``grad_v``: each gradient against the float64 reference's autograd,
+  with the factor rule of the output (:func:`~attn_ledger.kernelref.tolerance`) over the plain
+  computations' gradients (autograd through the plain forward, torch's own in half precision, and
+  the FlashAttention-style backward), plus the rounding every kernel carries from its largest
+  score; the location is the gradient's worst row. In float64 cases the bound is the float32 level, as for the output;
+  how far within the float64 bound each gradient came is returned for the precision check.
+
+Under an empty-row contract other than ``zeros``, an (example, head) slice with an empty row is
+left out for dq, and an (example, kv head) slice serving such a head for dk and dv.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
+
+from attn_ledger.kernelref import Computed, first_row, max_over, plain_error, row_diff, tolerance, worst_row
+from attn_ledger.report import Check, bounded, counted, unjudged
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+GRAD_CHECKS = ((1, "grad_call"), (3, "grad_finite"), (3, "grad_blocked_keys"), (4, "grad_q"), (4, "grad_k"),
+               (4, "grad_v"))
+TENSORS = ("dq", "dk", "dv")
+_ROW_NAMES = {"dq": ("example", "head", "query"), "dk": ("example", "kv_head", "key"),
+              "dv": ("example", "kv_head", "key")}
+
+
+@dataclass(frozen=True)
+class GradRun:
+    """What the kernel's backward gave: ``status`` ``ok``, ``not_applicable`` or ``fail``, and why."""
+
+    status: str
+    reason: str = ""
+    grads: dict[str, "Tensor"] = field(default_factory=dict)  # dq, dk, dv in the reference dtype
+    unused: tuple[str, ...] = ()  # inputs the output does not depend on (their gradient read as zeros)
+
+
+@functools.lru_cache(maxsize=None)
+def warm_autograd() -> None:
+    """Run one tiny backward pass: torch imports about 2 s of modules on the first one, which must not be
+    charged to the user's first backward against its time limit."""
+    import torch
+
+    x = torch.ones(2, requires_grad=True)
+    torch.autograd.grad((x * x).sum(), x)
+
+
+def run_backward(call: Callable[..., "Tensor"], guard: Callable[[str], ContextManager[Any]],
+                 q: "Tensor", k: "Tensor", v: "Tensor", d_out: "Tensor", what: str, ref_dtype: Any) -> GradRun:
+    """Call the kernel with inputs that require grad, then differentiate its output against ``d_out``.
+
+    ``call(q, k, v)`` is the guarded call of the kernel with grad enabled; ``guard(what)`` wraps
+    the backward pass, which runs the user's code too.
+    """
+    import torch
+
+    from attn_ledger.guard import UserCodeError, outcome
+
+    warm_autograd()
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    try:
+        out = call(*leaves)
+    except UserCodeError:
+        raise  # an exit, a hang or an unreadable value: the case's L1 call finding
+    except Exception as exc:  # the user's code: not differentiable, not wrong
+        return GradRun("not_applicable", f"the call with inputs that require grad {outcome(exc)}")
+    if out.grad_fn is None or not out.requires_grad:
+        return GradRun("not_applicable", "the output carries no gradient (no grad_fn)")
+    if tuple(out.shape) != tuple(d_out.shape):
+        return GradRun("not_applicable", f"the output with grad has shape {list(out.shape)}, expected {list(d_out.shape)}")
+    try:
+        with guard(f"the backward pass of {what}"):
+            got = torch.autograd.grad(out, leaves, d_out.to(out.dtype), allow_unused=True)
+    except UserCodeError:
+        raise
+    except Exception as exc:  # a backward pass that raises: the kernel claimed a gradient and broke
+        return GradRun("fail", f"the backward pass {outcome(exc)}")
+    grads, unused = {}, []
+    for name, g, leaf in zip(TENSORS, got, leaves):
+        if g is None:
+            unused.append(name)
+            g = torch.zeros_like(leaf)
+        grads[name] = g.detach().to(device=leaf.device, dtype=ref_dtype)
+    return GradRun("ok", grads=grads, unused=tuple(unused))
+
+
+@dataclass(frozen=True)
+class GradJudging:
+    """What the gradients are judged on and against."""
+
+    dtype: str  # the case's dtype name
+    ref: Computed  # the reference with gradients
+    plain: dict[str, Computed]  # the plain same-dtype computations with gradients (see kernelref.plain_variants)
+    plain32: Computed | None  # float64 cases: the plain float32 computation (the float32 level)
+    live: "Tensor"  # [B, Nh, Tq] rows with an allowed key
+    q_slices: "Tensor"  # [B, Nh, 1] (example, head) slices judged for dq
+    kv_slices: "Tensor"  # [B, Nkv, 1] (example, kv head) slices judged for dk and dv
+    blocked: "Tensor"  # [B, 1, Tk] keys no query of the example may use
+    score_max: float = 0.0  # the largest |scaled score| (see kernelref.tolerance)
+
+
+def not_run(status: str, reason: str) -> list[Check]:
+    """Every backward check with one status (``skipped``, ``not_applicable``, ``not_reached``) and why."""
+    return [unjudged(level, name, status, reason) for level, name in GRAD_CHECKS]  # type: ignore[arg-type]
+
+
+def backward_checks(run: GradRun, j: GradJudging) -> tuple[list[Check], dict[str, dict[str, float]]]:
+    """The backward checks, and for each gradient its error and float64-level bound (for precision)."""
+    if run.status != "ok":
+        if run.status == "fail":
+            rest = [unjudged(level, name, "not_reached", "the backward pass raised") for level, name in GRAD_CHECKS[1:]]
+            return [Check(1, "grad_call", "fail", reason=run.reason), *rest], {}
+        return not_run("not_applicable", run.reason), {}
+    if not bool(j.q_slices.any()):
+        reason = "every (example, head) slice has an empty row, and the contract lets such a row hold anything"
+        return [Check(1, "grad_call", "pass"), *not_run("not_applicable", reason)[1:]], {}
+    facts: dict[str, Any] = {"unused": list(run.unused)} if run.unused else {}
+    if not bool(j.q_slices.all()):  # slices with an empty row, left out under the contract nan or any
+        facts["slices_judged"], facts["slices"] = int(j.q_slices.sum()), j.q_slices.numel()
+    call = Check(1, "grad_call", "pass", data=facts)
+    rows = {"dq": j.live & j.q_slices, "dk": j.kv_slices, "dv": j.kv_slices}  # where each gradient is judged
+    checks = [call, _finite(run, rows), _blocked(run, j)]
+    precision: dict[str, dict[str, float]] = {}
+    for name, check_name in zip(TENSORS, ("grad_q", "grad_k", "grad_v")):
+        c, p = _against_reference(run, j, name, check_name, rows[name])
+        checks.append(c)
+        if p:
+            precision[name] = p
+    return checks, precision
+
+
+def _finite(run: GradRun, rows: dict[str, "Tensor"]) -> Check:
+    """L3: no NaN or infinity in dq on rows with an allowed key, nor in dk and dv."""
+    import torch
+
+    counts, first = {}, None
+    for name in TENSORS:
+        bad = ~torch.isfinite(run.grads[name]) & rows[name][..., None]  # [B, N, T, D]
+        counts[name] = int(bad.sum())
+        if first is None and counts[name]:
+            first = {"tensor": name, **(first_row(bad.any(-1), _ROW_NAMES[name]) or {})}
+    return counted(3, "grad_finite", "non-finite gradient values (dq on rows with an allowed key, dk, dv)",
+                   sum(counts.values()), location=first, data={"per_tensor": counts})
+
+
+def _blocked(run: GradRun, j: GradJudging) -> Check:
+    """L3: a key no query of its example may use gets dk = dv = 0."""
+    import torch
+
+    if not bool(j.blocked.any()):
+        return unjudged(3, "grad_blocked_keys", "not_applicable", "every key is allowed to some query")
+    where = j.blocked & j.kv_slices  # [B, Nkv|1, Tk]
+    worst, loc, limits = 0.0, None, []
+    for name in ("dk", "dv"):
+        mag = torch.nan_to_num(run.grads[name].abs(), nan=float("inf")).amax(dim=-1)  # [B, Nkv, Tk]
+        value = max_over(mag, where)
+        limits.append(tolerance(j.dtype, 0.0, float(getattr(j.ref, name).abs().max()))[0])
+        if value > worst:
+            worst, loc = value, {"tensor": name, **(worst_row(mag, where, _ROW_NAMES[name]) or {})}
+    limit = min(limits)
+    return bounded(3, "grad_blocked_keys", "largest |dk| or |dv| at a key no query may use", worst, limit,
+                   location=loc if worst > limit else None, data={"keys": int(j.blocked.sum())})
+
+
+def _against_reference(run: GradRun, j: GradJudging, name: str, check_name: str,
+                       where: "Tensor") -> tuple[Check, dict[str, float]]:
+    """L4: one gradient against the float64 reference's, with the output's factor rule."""
+    ref = getattr(j.ref, name)
+    got = run.grads[name]
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    err_rows = row_diff(got, ref)  # [B, N, T]
+    err = max_over(err_rows, where)
+    plain_err, errors = plain_error({n: getattr(c, name) for n, c in j.plain.items()}, ref, where)
+    tol, facts = tolerance(j.dtype, plain_err, scale, j.score_max)
+    if len(errors) > 1:
+        facts["plain_errors"] = errors
+    precision: dict[str, float] = {}
+    if j.plain32 is not None:  # float64: judged at the float32 level; the float64 bound goes to precision
+        plain32_err = max_over(row_diff(getattr(j.plain32, name).to(ref.dtype), ref), where)
+        tol32, facts32 = tolerance("float32", plain32_err, scale, j.score_max)
+        precision = {"error": err, "float64_limit": tol, "float32_limit": tol32}
+        facts = {**facts32, "float64": facts}
+        tol = tol32
+    loc = worst_row(err_rows, where, _ROW_NAMES[name]) if err > tol else None
+    data: dict[str, Any] = {"tolerance": facts}
+    if name in run.unused:
+        data["unused"] = True
+    measure = f"max |{name} - float64 autograd {name}|"
+    reason = f"no gradient reached {name[1]} (the output does not depend on it)" if name in run.unused and err > tol else ""
+    return bounded(4, check_name, measure, err, tol, location=loc, data=data, reason=reason), precision

@@ -1,0 +1,259 @@
+"""References for ``check`` on a kernel, computed a block of query rows at a time.
+
+Two computations, written apart from the user's kernel and from the ledger's pipeline:
+
+* the **reference**: plain attention in float64 (float32 on a device without float64);
+* the **plain same-dtype computation** that sets a tolerance: the same steps with every
+  result rounded to the case's dtype, accumulating in float32 for float16 and bfloat16 (as
+  matrix units and CPU kernels do), and scaling q *before* the product, so that a case whose
+  raw ``q . k`` leaves float16's range still has a finite plain result.
+
+Both give the output and, given an upstream gradient, dq, dk and dv by autograd. A query block's
+``[B, Nh, rows, Tk]`` grid holds about 2^21 entries (:func:`~attn_ledger.kernelcases.query_blocks`),
+so the memory a case needs grows with its inputs, not with Tq x Tk.
+
+A query whose every key is blocked gets zero weights, output and gradient here (the ``zeros``
+contract); checks that use another contract exclude such rows themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from attn_ledger.kernelcases import query_blocks
+from attn_ledger.reference import repeat_kv
+from attn_ledger.tolerance import KERNEL_FACTOR, kernel_bound
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Computed:
+    """The output of one computation, and its gradients when an upstream gradient was given."""
+
+    out: "Tensor"  # [B, Nh, Tq, Dv]
+    dq: "Tensor | None" = None  # [B, Nh, Tq, Dh]
+    dk: "Tensor | None" = None  # [B, Nkv, Tk, Dh]
+    dv: "Tensor | None" = None  # [B, Nkv, Tk, Dv]
+    raw_max: float = 0.0  # largest |q . k| before scaling (float64 reference only)
+
+
+def _attend(qb: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+            rnd: "torch.dtype | None", scale_first: bool = True) -> tuple["Tensor", "Tensor"]:
+    """One query block: ``(out [B, Nh, rows, Dv], raw scores' largest |value| as a 0-d tensor)``.
+
+    ``rnd``: round every result to this dtype (the plain same-dtype computation), or None.
+    ``scale_first``: scale q before the product (else the product, then the scale).
+    """
+    import torch
+
+    def r(t: "Tensor") -> "Tensor":
+        return t if rnd is None else t.to(rnd).to(t.dtype)
+
+    nh = qb.shape[1]
+    kk = repeat_kv(k, nh)  # [B, Nh, Tk, Dh]
+    vv = repeat_kv(v, nh)  # [B, Nh, Tk, Dv]
+    if scale_first:
+        qs = r(qb * scale)  # [B, Nh, rows, Dh]
+        s = r(torch.matmul(qs, kk.transpose(-2, -1)))  # [B, Nh, rows, Tk]
+    else:
+        s = r(r(torch.matmul(qb, kk.transpose(-2, -1))) * scale)  # [B, Nh, rows, Tk]
+    raw = s.detach().abs().amax() / scale if s.numel() else s.new_zeros(())
+    if allow is not None:
+        live = allow.any(dim=-1, keepdim=True)  # [B|1, 1|Nh, rows, 1]
+        s = torch.where(allow, s, float("-inf")).where(live, 0.0)  # an empty row softmaxes zeros, then is zeroed
+        w = torch.softmax(s, dim=-1).where(live, 0.0)  # [B, Nh, rows, Tk]
+    else:
+        w = torch.softmax(s, dim=-1)  # [B, Nh, rows, Tk]
+    return r(torch.matmul(r(w), vv)), raw  # [B, Nh, rows, Dv]
+
+
+def attention(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, *,
+              compute: "torch.dtype", rounding: "torch.dtype | None" = None,
+              d_out: "Tensor | None" = None, scale_first: bool = True) -> Computed:
+    """Attention over query blocks in ``compute`` precision, optionally rounded to ``rounding``.
+
+    Args:
+        q: ``[B, Nh, Tq, Dh]``; k: ``[B, Nkv, Tk, Dh]``; v: ``[B, Nkv, Tk, Dv]`` (any dtype; cast).
+        allow: bool broadcastable to ``[B, Nh, Tq, Tk]`` with the query axis whole (True = may
+            attend; ``is_causal`` already folded in), or None.
+        scale: the softmax scale.
+        compute: the dtype every step runs in (float64 for the reference; float32 for a
+            half-precision plain computation; the case's dtype otherwise).
+        rounding: round every intermediate result to this dtype (the plain computation), or None.
+        d_out: an upstream gradient ``[B, Nh, Tq, Dv]``: dq, dk and dv are computed by autograd.
+        scale_first: scale q before the product (else after it).
+
+    Returns:
+        :class:`Computed` in ``compute`` precision.
+    """
+    import torch
+
+    b, nh, tq, _ = q.shape
+    tk = k.shape[-2]
+    grads = d_out is not None
+    kc = k.detach().to(compute).requires_grad_(grads)  # [B, Nkv, Tk, Dh]
+    vc = v.detach().to(compute).requires_grad_(grads)  # [B, Nkv, Tk, Dv]
+    outs, dqs = [], []
+    dk = torch.zeros_like(kc) if grads else None
+    dv = torch.zeros_like(vc) if grads else None
+    raw = 0.0
+    for blk in query_blocks(b, nh, tq, tk):
+        qb = q[:, :, blk].detach().to(compute).requires_grad_(grads)  # [B, Nh, rows, Dh]
+        ab = None if allow is None else allow[..., blk, :] if allow.shape[-2] == tq else allow
+        with torch.enable_grad() if grads else torch.no_grad():
+            ob, rb = _attend(qb, kc, vc, ab, scale, rounding, scale_first)
+            if grads:
+                gq, gk, gv = torch.autograd.grad(ob, (qb, kc, vc), d_out[:, :, blk].to(compute))
+                dqs.append(gq)
+                dk += gk  # type: ignore[operator]
+                dv += gv  # type: ignore[operator]
+        outs.append(ob.detach())
+        raw = max(raw, float(rb))
+    out = torch.cat(outs, dim=2) if outs else q.new_zeros(b, nh, 0, v.shape[-1], dtype=compute)
+    dq = (torch.cat(dqs, dim=2) if dqs else torch.zeros_like(q, dtype=compute)) if grads else None
+    return Computed(out, dq, dk, dv, raw)
+
+
+def accumulate_dtype(dtype: "torch.dtype") -> "torch.dtype":
+    """Where the plain computation in ``dtype`` accumulates: float32 for half precision, else ``dtype``."""
+    import torch
+
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def plain(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, dtype: "torch.dtype",
+          d_out: "Tensor | None" = None) -> Computed:
+    """The plain same-dtype computation in ``dtype`` (see the module docstring)."""
+    acc = accumulate_dtype(dtype)
+    return attention(q, k, v, allow, scale, compute=acc, rounding=None if acc == dtype else dtype, d_out=d_out)
+
+
+def plain_variants(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+                   dtype: "torch.dtype", d_out: "Tensor | None" = None) -> dict[str, Computed]:
+    """The plain computations a correct kernel in ``dtype`` may be as inaccurate as.
+
+    ``scale_first``: :func:`plain`. In half precision also ``textbook``: torch's own ops in the
+    dtype itself, product first and scale after, with torch's autograd in the dtype (a kernel
+    written the textbook way rounds the product and its backward differently, and is not wrong
+    for it). With gradients also ``flash``: the backward every FlashAttention-style kernel runs
+    (:func:`flash_backward`). Where a variant is not finite (the product overflows) it gives no
+    error to scale by.
+    """
+    out = {"scale_first": plain(q, k, v, allow, scale, dtype, d_out)}
+    if accumulate_dtype(dtype) != dtype:
+        out["textbook"] = attention(q, k, v, allow, scale, compute=dtype, d_out=d_out, scale_first=False)
+    if d_out is not None:
+        out["flash"] = flash_backward(q, k, v, allow, scale, dtype, d_out)
+    return out
+
+
+def flash_backward(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+                   dtype: "torch.dtype", d_out: "Tensor") -> Computed:
+    """The plain backward of a FlashAttention-style kernel, in ``dtype`` (rounded as :func:`plain`).
+
+    It takes the row term from the output, ``D = rowsum(dO * O)``, where autograd through the
+    softmax takes ``rowsum(dP * P)``: equal in exact arithmetic, not in rounding, and a kernel
+    that does it this way is as right as one that does not. ``dS = P * (dP - D)``,
+    ``dq = dS K scale``, ``dk = dS^T Q scale``, ``dv = P^T dO``, a query block at a time.
+    """
+    import torch
+
+    acc = accumulate_dtype(dtype)
+
+    def r(t: "Tensor") -> "Tensor":
+        return t if acc == dtype else t.to(dtype).to(acc)
+
+    b, nh, tq, _ = q.shape
+    tk, nkv = k.shape[-2], k.shape[1]
+    kk = repeat_kv(k.detach().to(acc), nh)  # [B, Nh, Tk, Dh]
+    vv = repeat_kv(v.detach().to(acc), nh)  # [B, Nh, Tk, Dv]
+    dk = torch.zeros_like(kk)  # [B, Nh, Tk, Dh] per query head until the end
+    dv = torch.zeros_like(vv)  # [B, Nh, Tk, Dv]
+    outs, dqs = [], []
+    for blk in query_blocks(b, nh, tq, tk):
+        qs = r(q[:, :, blk].detach().to(acc) * scale)  # [B, Nh, rows, Dh]
+        s = r(torch.matmul(qs, kk.transpose(-2, -1)))  # [B, Nh, rows, Tk]
+        if allow is not None:
+            ab = allow[..., blk, :] if allow.shape[-2] == tq else allow
+            live = ab.any(dim=-1, keepdim=True)
+            w = torch.softmax(torch.where(ab, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
+        else:
+            w = torch.softmax(s, dim=-1)  # [B, Nh, rows, Tk]
+        w = r(w)
+        o = r(torch.matmul(w, vv))  # [B, Nh, rows, Dv]
+        do = r(d_out[:, :, blk].to(acc))  # [B, Nh, rows, Dv]
+        dp = r(torch.matmul(do, vv.transpose(-2, -1)))  # [B, Nh, rows, Tk]
+        row = (do * o).sum(dim=-1, keepdim=True)  # [B, Nh, rows, 1]: D from the output
+        ds = r(w * (dp - row))  # [B, Nh, rows, Tk]
+        dqs.append(r(torch.matmul(ds, kk)) * scale)  # [B, Nh, rows, Dh]
+        dk += torch.matmul(ds.transpose(-2, -1), qs)  # [B, Nh, Tk, Dh]
+        dv += torch.matmul(w.transpose(-2, -1), do)  # [B, Nh, Tk, Dv]
+        outs.append(o)
+    group = nh // nkv
+    dk = r(dk.reshape(b, nkv, group, tk, -1).sum(dim=2))  # [B, Nkv, Tk, Dh]
+    dv = r(dv.reshape(b, nkv, group, tk, -1).sum(dim=2))  # [B, Nkv, Tk, Dv]
+    return Computed(torch.cat(outs, dim=2), torch.cat(dqs, dim=2), dk, dv)
+
+
+def plain_error(variants: dict[str, "Tensor"], ref: "Tensor", where: "Tensor") -> tuple[float, dict[str, float]]:
+    """The largest error over the variants that are finite where judged (inf if none is), and each one's error."""
+    errors = {name: max_over(row_diff(t.to(ref.dtype), ref), where) for name, t in variants.items()}
+    finite = [e for e in errors.values() if math.isfinite(e)]
+    return (max(finite) if finite else math.inf), errors
+
+
+# --- tolerance and distances ------------------------------------------------------------------
+
+FACTOR = KERNEL_FACTOR
+"""An implementation may be this many times less accurate than the plain same-dtype computation."""
+
+
+def tolerance(dtype: str, plain_error: float, value_scale: float, score_max: float = 0.0) -> tuple[float, dict[str, Any]]:
+    """The bound on a kernel's error against the reference, and its parts as data
+    (:func:`attn_ledger.tolerance.kernel_bound`)."""
+    return kernel_bound(dtype, plain_error, value_scale, score_max)
+
+
+def row_diff(a: "Tensor", b: "Tensor") -> "Tensor":
+    """Per row (all axes but the last): largest |a - b|; NaN against non-NaN is infinite, NaN against NaN zero."""
+    import torch
+
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    d = torch.nan_to_num((a - b).abs(), nan=math.inf).masked_fill(both_nan, 0.0)
+    return d.amax(dim=-1) if d.shape[-1] else d.sum(dim=-1)
+
+
+def max_over(rows: "Tensor", where: "Tensor | None" = None) -> float:
+    """Largest entry of ``rows`` where ``where`` holds (0 when nothing is selected)."""
+    sel = rows if where is None else rows[where.expand_as(rows)]
+    return float(sel.max()) if sel.numel() else 0.0
+
+
+def first_row(mask: "Tensor", names: tuple[str, str, str] = ("example", "head", "query")) -> dict[str, int] | None:
+    """The first True entry of a 3-d mask as a location, or None."""
+    import torch
+
+    idx = torch.nonzero(mask)
+    if idx.numel() == 0:
+        return None
+    return {n: int(x) for n, x in zip(names, idx[0][:3])}
+
+
+def worst_row(rows: "Tensor", where: "Tensor", names: tuple[str, str, str]) -> dict[str, int] | None:
+    """The location of the largest entry of a 3-d ``rows`` where ``where`` holds, or None."""
+    import torch
+
+    masked = torch.where(where.expand_as(rows), rows, -math.inf)
+    if masked.numel() == 0 or not bool((masked > -math.inf).any()):
+        return None
+    flat = int(torch.argmax(masked))
+    idx = []
+    for size in reversed(masked.shape):
+        idx.append(flat % size)
+        flat //= size
+    return {n: int(x) for n, x in zip(names, reversed(idx))}
