@@ -7,14 +7,18 @@ names the field, the value and what was expected. Nothing downstream re-validate
 from __future__ import annotations
 
 import json
+import math
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from attn_ledger.engine import relations as mask_relations
 from attn_ledger.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from attn_ledger.rotary import RotarySpec
 
 FAULTS = (
     "split-reshape",
@@ -25,6 +29,15 @@ FAULTS = (
     "mask-polarity",
     "mask-after-softmax",
 )
+
+# Faults in the backward stages (need grad), in rotary positions (need rope), and faults
+# that each break one boundary property of the ``properties`` row.
+GRAD_FAULTS = ("softmax-backward-no-rowsum", "grad-k-no-scale", "grad-values-untransposed")
+ROPE_FAULTS = ("rope-on-v", "rope-query-offset", "rope-q-only")
+PROPERTY_FAULTS = ("softmax-plus-one", "scores-key-bias", "context-rows-shifted", "values-batch-mix",
+                   "softmax-global-max")
+ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS
+GRAD_OUTPUTS = ("ones", "identity")  # or a tensor file
 
 MASK_RELATIONS = mask_relations.RELATIONS
 
@@ -41,6 +54,17 @@ class Fault(str, Enum):
     no_scale = "no-scale"
     mask_polarity = "mask-polarity"
     mask_after_softmax = "mask-after-softmax"
+    softmax_backward_no_rowsum = "softmax-backward-no-rowsum"
+    grad_k_no_scale = "grad-k-no-scale"
+    grad_values_untransposed = "grad-values-untransposed"
+    rope_on_v = "rope-on-v"
+    rope_query_offset = "rope-query-offset"
+    rope_q_only = "rope-q-only"
+    softmax_plus_one = "softmax-plus-one"
+    scores_key_bias = "scores-key-bias"
+    context_rows_shifted = "context-rows-shifted"
+    values_batch_mix = "values-batch-mix"
+    softmax_global_max = "softmax-global-max"
 
 
 class RunConfig(BaseModel):
@@ -77,6 +101,12 @@ class RunConfig(BaseModel):
     device: str = "cpu"
     block_size: Optional[int] = Field(None, ge=1)
     keep_grids: bool = False
+    grad: bool = False
+    grad_output: Optional[str] = Field(None, description="ones, identity or a tensor file (with grad)")
+    replay: bool = False
+    scale: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="S (default 1/sqrt(Dh))")
+    temperature: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="tau: the scale is S/tau")
+    rope: Optional[Any] = Field(None, description="rotary positions: PAIRING[,base=B][,dim=D], or a table")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -105,7 +135,38 @@ class RunConfig(BaseModel):
             raise ValueError(str(exc)) from None
         if self.device not in ("cpu", "cuda", "mps", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: got {self.device!r}, expected cpu, cuda, mps or auto")
+        self._backward_and_positions()
         return self
+
+    def _backward_and_positions(self) -> None:
+        """grad_output only with grad; a fault only where its stage runs; rope fits the heads; identity fits Tq."""
+        if self.grad_output is not None and not self.grad:
+            raise ValueError(f"grad_output: got {self.grad_output!r}, expected it only with grad (--grad)")
+        if self.fault in GRAD_FAULTS and not self.grad:
+            raise ValueError(f"fault: got {self.fault!r}, a fault in a backward stage, expected it only with grad (--grad)")
+        if self.fault in ROPE_FAULTS and self.rope is None:
+            raise ValueError(f"fault: got {self.fault!r}, a fault in rotary positions, expected it only with rope (--rope)")
+        if self.rope is not None:
+            try:
+                self.rope_spec.width(self.dh)  # type: ignore[union-attr]
+            except InputError as exc:
+                raise ValueError(str(exc)) from None
+        if self.grad_output == "identity" and (self.tq != self.dv or self.embed_dim != self.num_heads * self.dv):
+            raise ValueError(f"grad_output: got 'identity' (O-bar = I on each head's [Tq, Dv] block of the output), "
+                             f"expected Tq == Dv and E == Nh*Dv; got Tq={self.tq}, Dv={self.dv}, E={self.embed_dim}, "
+                             f"Nh={self.num_heads}")
+
+    @property
+    def rope_spec(self) -> "RotarySpec | None":
+        """The rotary spec the ``rope`` key names, or None."""
+        from attn_ledger.rotary import parse_spec
+
+        return None if self.rope is None else parse_spec(self.rope)
+
+    @property
+    def effective_scale(self) -> float:
+        """S / tau: the score scale the pipeline and every reference use."""
+        return (1.0 / math.sqrt(self.dh) if self.scale is None else self.scale) / (self.temperature or 1.0)
 
     @property
     def relations(self) -> list[str]:

@@ -79,6 +79,12 @@ def run(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file instead of stdout.")] = None,
     show: Annotated[Optional[list[Show]], typer.Option("--show", help="After the table, draw a heatmap per head of the diverging example: the weights, or what masking did (repeatable; up to Tq, Tk = 32 cell by cell, pooled beyond).")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the mask and weight heatmaps.")] = None,
+    grad: Annotated[bool, typer.Option("--grad", help="Also run and check the backward stages (grad_context .. grad_k; for configs grad_projections, grad_input).")] = False,
+    grad_output: Annotated[Optional[str], typer.Option("--grad-output", help="O-bar seeded on the last forward stage (with --grad): ones (default), identity (I on each head's [Tq, Dv] block; needs Tq == Dv) or a tensor file of that stage's shape.")] = None,
+    replay: Annotated[bool, typer.Option("--replay", help="Run the computation twice and check the two bitwise (on output, or context for --tensors; with --grad also on grad_k).")] = False,
+    scale: Annotated[Optional[float], typer.Option("--scale", help="Score scale S (default 1/sqrt(Dh)); the pipeline and every reference use S/tau.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Softmax temperature tau: the score scale becomes S/tau.")] = None,
+    rope: Annotated[Optional[str], typer.Option("--rope", help="Rotary positions on q and k before the scores: PAIRING[,base=B][,dim=D], PAIRING half or interleaved (e.g. half, interleaved,base=500000,dim=32).")] = None,
 ) -> None:
     """Run attention as named stages, check each, and name the first stage that diverges.
 
@@ -103,7 +109,8 @@ def run(
                     str(tensors), mask=mask or "none", window=window, prefix_len=prefix_len,
                     empty_rows=(empty_rows.value if empty_rows else "error"), dtype=dtype.value if dtype else None,
                     device=device or "cpu", block_size=block_size, keep_grids=keep_grids, keep_going=keep_going,
-                    progress=progress, backends=backends)
+                    progress=progress, backends=backends, scale=scale, temperature=temperature, rope=rope, grad=grad,
+                    grad_output=grad_output, replay=replay)
         from attn_ledger.config import load_config
         from attn_ledger.ledger import run_ledger
 
@@ -114,7 +121,9 @@ def run(
             "valid_lengths": _int_list(valid_lengths, "valid_lengths"), "window": window, "prefix_len": prefix_len,
             "empty_rows": empty_rows.value if empty_rows else None, "dtype": dtype.value if dtype else None,
             "seed": seed, "input": input_kind.value if input_kind else None, "device": device,
-            "block_size": block_size, "keep_grids": keep_grids or None,
+            "block_size": block_size, "keep_grids": keep_grids or None, "grad": grad or None,
+            "grad_output": grad_output, "replay": replay or None, "scale": scale, "temperature": temperature,
+            "rope": rope,
         }
         cfg = load_config(config, overrides)
         if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
