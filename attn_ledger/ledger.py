@@ -53,25 +53,25 @@ CONFIG_STAGES = ("input", "head_roundtrip", "q", "k", "v", "scores", "masked_sco
 TENSOR_STAGES = ("input", "scores", "masked_scores", "weights", "context")
 
 AXES = {**builtin.AXES, "scores": "[B,Nh,Tq,Tk]", "masked_scores": "[B,Nh,Tq,Tk]", "weights": "[B,Nh,Tq,Tk]",
-        "context": "[B,Nh,Tq,Dv]", "rope": "[B,Nh,Tq,Dh]", "properties": "", **GRAD_AXES, **builtin.GRAD_AXES}
+        "context": "[B,Nh,Tq,Dv]", "rope": "[B,Nh,Tq,Dh]", "properties": "[B',Nh',Tq',Tk']", **GRAD_AXES, **builtin.GRAD_AXES}
 PICTURE_MAX = 16  # the relation is pictured when Tq and Tk are at most this
 COUNTS_MAX = 32  # allowed keys per query are listed when Tq is at most this
 ARRAY_MAX = 4096  # stage tensors with at most this many entries go into the JSON as nested arrays
 
 
 def config_stages(rope: bool = False, grad: bool = False) -> tuple[str, ...]:
-    """The built-in pipeline's rows, in order: ``rope`` after ``v``; ``properties`` after ``output``; the backward last."""
-    from attn_ledger.ledger_backward import CONFIG_BACKWARD
+    """The built-in pipeline's rows, in order (:mod:`attn_ledger.stages`): ``rope`` after ``v``, ``properties``
+    after ``output``, the backward last."""
+    from attn_ledger import stages
 
-    head = CONFIG_STAGES[:5] + (("rope",) if rope else ()) + CONFIG_STAGES[5:]
-    return head + ("properties",) + (CONFIG_BACKWARD if grad else ())
+    return stages.stage_names(stages.PIPELINE, rope=rope, grad=grad)
 
 
 def tensor_stages(rope: bool = False, grad: bool = False) -> tuple[str, ...]:
     """The rows of a ledger on given Q, K, V, in order."""
-    from attn_ledger.ledger_backward import BACKWARD_STAGES
+    from attn_ledger import stages
 
-    return ("input",) + (("rope",) if rope else ()) + TENSOR_STAGES[1:] + ("properties",) + (BACKWARD_STAGES if grad else ())
+    return stages.stage_names(stages.TENSORS, rope=rope, grad=grad)
 
 
 @dataclass(frozen=True)
@@ -678,7 +678,7 @@ def _tensor_backward(rows: _Rows, fwd: Any, grad_output: Any, grads: "dict[str, 
     seed_broken = next((x for x in broken if x.stage == "grad_context"), None)
     seeded = seed_broken is None
     value = given.get("grad_out", grad_output)
-    go = inputs.grad_seed(value, shapes["grad_context"], q_in.dtype, q_in.device)
+    go = inputs.grad_seed(value, shapes["grad_context"], q_in.dtype, q_in.device, one_head=one_head)
     source = ("the saved grad_out" if "grad_out" in given else
               "ones (every entry 1; the saved grad_out has the wrong shape)" if not seeded else _seed_words(grad_output))
     context_row(rows, go, source, seed_broken)

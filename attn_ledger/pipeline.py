@@ -131,8 +131,9 @@ def softmax_backward(weights: "Tensor", grad_w: "Tensor") -> "Tensor":
     import torch
 
     wide = torch.float32 if weights.dtype in (torch.float16, torch.bfloat16) else weights.dtype
-    dot = (weights.to(wide) * grad_w.to(wide)).sum(dim=-1, keepdim=True)  # [B, Nh, Tq, 1]
-    return (weights.to(wide) * (grad_w.to(wide) - dot)).to(weights.dtype)  # [B, Nh, Tq, Tk]
+    w, gw = weights.to(wide), grad_w.to(wide)
+    dot = (w.unsqueeze(-2) @ gw.unsqueeze(-1)).squeeze(-1)  # [B, Nh, Tq, 1]: sum_j A_j A-bar_j in one pass
+    return torch.sub(gw, dot).mul_(w).to(weights.dtype)  # [B, Nh, Tq, Tk]
 
 
 def grad_q(grad_s: "Tensor", k: "Tensor", scale: float) -> "Tensor":

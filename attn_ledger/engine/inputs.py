@@ -119,7 +119,7 @@ def given_grads(found: "dict[str, Tensor | None]", one_head: bool, shapes: dict[
 
 
 def grad_seed(value: "str | Tensor | None", shape: tuple[int, ...], dtype: "torch.dtype", device: "torch.device",
-              *, heads: int | None = None) -> "Tensor":
+              *, heads: int | None = None, one_head: bool = False) -> "Tensor":
     """``O-bar`` for the last forward stage: ``ones``, ``identity``, a tensor file, or a tensor.
 
     Args:
@@ -127,6 +127,7 @@ def grad_seed(value: "str | Tensor | None", shape: tuple[int, ...], dtype: "torc
             which needs Tq == Dv); a path to a ``.pt``/``.safetensors``/``.npz`` file holding one tensor
             (or one named ``grad_out``) of ``shape``; or a tensor of ``shape``.
         shape: ``[B, Nh, Tq, Dv]`` (the context), or ``[B, Tq, E]`` (the output) with ``heads`` = Nh.
+        one_head: the inputs had no head axis: a seed of ``[B, Tq, Dv]`` is expected (and accepted).
 
     Raises:
         InputError: identity where Tq != Dv, or a file that is unsafe, unreadable or of another shape.
@@ -140,10 +141,12 @@ def grad_seed(value: "str | Tensor | None", shape: tuple[int, ...], dtype: "torc
     t = value if isinstance(value, torch.Tensor) else _seed_file(str(value))
     if not t.is_floating_point():
         raise InputError(f"grad_output: got dtype {dtype_name(t.dtype)}, expected a floating-point tensor")
-    if heads is None and len(shape) == 4 and shape[1] == 1 and t.dim() == 3:
+    got = list(t.shape)
+    if one_head and t.dim() == 3:
         t = t[:, None]  # one head: [B, Tq, Dv] -> [B, 1, Tq, Dv]
     if tuple(t.shape) != tuple(shape):
-        raise InputError(f"grad_output: got shape {list(t.shape)}, expected the shape of the stage it seeds, {list(shape)}")
+        want = [shape[0], *shape[2:]] if one_head else list(shape)
+        raise InputError(f"grad_output: got shape {got}, expected the shape of the stage it seeds, {want}")
     if t.numel() and not bool(torch.isfinite(t).all()):
         raise InputError("grad_output: holds NaN or inf values, expected a finite gradient")
     return t.to(dtype=dtype, device=device)
