@@ -38,6 +38,9 @@ PROPERTY_FAULTS = ("softmax-plus-one", "scores-key-bias", "context-rows-shifted"
                    "softmax-global-max")
 ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS
 GRAD_OUTPUTS = ("ones", "identity")  # or a tensor file
+# what a fault needs to have its stage: the backward (grad) or rotary positions (rope)
+FAULT_NEEDS: dict[str, dict[str, Any]] = {**{f: {"grad": True} for f in GRAD_FAULTS},
+                                          **{f: {"rope": "half"} for f in ROPE_FAULTS}}
 
 MASK_RELATIONS = mask_relations.RELATIONS
 

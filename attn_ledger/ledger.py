@@ -53,7 +53,7 @@ CONFIG_STAGES = ("input", "head_roundtrip", "q", "k", "v", "scores", "masked_sco
 TENSOR_STAGES = ("input", "scores", "masked_scores", "weights", "context")
 
 AXES = {**builtin.AXES, "scores": "[B,Nh,Tq,Tk]", "masked_scores": "[B,Nh,Tq,Tk]", "weights": "[B,Nh,Tq,Tk]",
-        "context": "[B,Nh,Tq,Dv]", "rope": "[B,Nh,Tq,Dh]", "properties": "[B',Nh',Tq',Tk']", **GRAD_AXES, **builtin.GRAD_AXES}
+        "context": "[B,Nh,Tq,Dv]", "rope": "[B,Nh,Tq,Dh]", "properties": "probe", **GRAD_AXES, **builtin.GRAD_AXES}
 PICTURE_MAX = 16  # the relation is pictured when Tq and Tk are at most this
 COUNTS_MAX = 32  # allowed keys per query are listed when Tq is at most this
 ARRAY_MAX = 4096  # stage tensors with at most this many entries go into the JSON as nested arrays
@@ -148,29 +148,37 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
                  block_size=cfg.block_size, keep_grids=cfg.keep_grids, progress=progress, backends=backends)
     if grid.context is None or (rows.failed() and not keep_going):
         return done()
+    _after_context(rows, ops, cfg, inp, relation, grid, (q, k_exp, v_exp), qkv, run_scale, scale, keep_going)
+    return done()
+
+
+def _after_context(rows: _Rows, ops: Any, cfg: "RunConfig", inp: builtin.Inputs, relation: "Relation", grid: _Grid,
+                   entered: tuple, qkv: tuple, run_scale: float, scale: float, keep_going: bool) -> None:
+    """The built-in pipeline after the score grid: merge, output (and replay), properties, the backward."""
+    from attn_ledger.engine.backward import Rotation
+
+    b, tq, nh = cfg.batch_size, cfg.tq, cfg.num_heads
     merged = rows.run("merged", lambda: builtin.merged(ops, grid.context, grid.ref_context, b, tq, nh, cfg.dv))
     if merged is None:
-        return done()
+        return
     rows.shapes["merged"], rows.checks["merged"] = tuple(merged[0].shape), merged[1]
     if rows.failed() and not keep_going:
-        return done()
+        return
     out = rows.run("output", lambda: builtin.output(merged[0], inp.weights.wo, grid.sdpa_context, grid.ref_context,
                                                     b, tq, cfg.embed_dim))
     if out is None:
-        return done()
+        return
     rows.shapes["output"], rows.checks["output"], rows.tensors["output"] = tuple(out[0].shape), out[1], out[0]
+    spec = cfg.rope_spec
     if cfg.replay:
         rows.checks["output"].append(_replay_config(ops, cfg, inp, spec, relation, grid.plan, run_scale, out[0]))
     if rows.failed() and not keep_going:
-        return done()
-    _properties(rows, ops, q, k_exp, v_exp, relation, run_scale, cfg.grad)
+        return
+    _properties(rows, ops, *entered, relation, run_scale, cfg.grad)
     if cfg.grad and not (rows.failed() and not keep_going):
-        from attn_ledger.engine.backward import Rotation
-
-        fwd = _forward(q, k_exp, v_exp, qkv, (inp.q64, inp.k64, inp.v64), relation, grid.plan, run_scale, scale,
-                       empty_zero, None if spec is None else Rotation(spec, tk - tq))
+        fwd = _forward(*entered, qkv, (inp.q64, inp.k64, inp.v64), relation, grid.plan, run_scale, scale,
+                       cfg.empty_rows == "zeros", None if spec is None else Rotation(spec, cfg.tk - tq))
         _config_backward(rows, ops, cfg, inp, fwd, merged[0], relation, keep_going)
-    return done()
 
 
 def _rotary(rows: _Rows, ops: Any, spec: Any, qkv: tuple, refs: tuple, *, saved: bool) -> tuple | None:
@@ -508,7 +516,7 @@ def _first_where(rows: _Rows, order: tuple[str, ...]) -> Where | None:
 
 # --- given or saved tensors -------------------------------------------------------------
 
-def ledger_on_qkv(
+def ledger_on_qkv(  # long for its documented arguments; the body is the stages in order
     q: "Tensor",
     k: "Tensor",
     v: "Tensor",
@@ -582,11 +590,8 @@ def ledger_on_qkv(
     if empty_rows not in ("error", "zeros"):
         raise InputError(f"empty_rows: got {empty_rows!r}, expected 'error' or 'zeros'")
     rotation_spec = _rope_spec(rope, dh)
-    for name, value in (("scale", scale), ("temperature", temperature)):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise InputError(f"{name}: got {value!r}, expected a finite number greater than 0")
     grads = {n: t for n, t in (grads or {}).items() if t is not None}
-    _check_grad_options(grad, grad_output, grads)
+    _check_options(scale, temperature, grad, grad_output, grads)
     given, broken = inputs.given_tensors({"scores": scores, "weights": weights, "out": out}, one_head, b, nh, tq, tk, dv)
     rows = _Rows()
     title, meta = _tensor_rows(rows, q, k, v, one_head, relation, source, given)
@@ -639,8 +644,13 @@ def _rope_spec(rope: Any, dh: int) -> Any:
     return spec
 
 
-def _check_grad_options(grad: bool, grad_output: Any, grads: "dict[str, Tensor]") -> None:
+def _check_options(scale: Any, temperature: Any, grad: bool, grad_output: Any, grads: "dict[str, Tensor]") -> None:
+    """A scale or temperature that is not a positive finite number, or a backward option without ``grad``: exit 2."""
     from attn_ledger.errors import InputError
+
+    for name, value in (("scale", scale), ("temperature", temperature)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise InputError(f"{name}: got {value!r}, expected a finite number greater than 0")
 
     if grad_output is not None and not grad:
         raise InputError(f"grad_output: got {grad_output if isinstance(grad_output, str) else 'a tensor'!r}, "

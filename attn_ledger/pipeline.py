@@ -333,6 +333,17 @@ FAULT_SUMMARIES = {
     "no-scale": "no 1/sqrt(Dh) on the scores",
     "mask-polarity": "the allow relation applied inverted, as if True meant blocked",
     "mask-after-softmax": "softmax over every key, then the forbidden weights set to zero",
+    "softmax-backward-no-rowsum": "softmax backward without the row-sum term: S-bar = A * A-bar",
+    "grad-k-no-scale": "K-bar without the score scale",
+    "grad-values-untransposed": "V-bar = A O-bar instead of A^T O-bar",
+    "rope-on-v": "rotary positions applied to v as well as q and k",
+    "rope-query-offset": "queries rotated one position ahead of the keys",
+    "rope-q-only": "only q rotated, k left as it was",
+    "softmax-plus-one": "softmax with an extra 1 in the denominator, so a lone key gets less than weight 1",
+    "scores-key-bias": "a leftover bias of 0.1 per key position added to the scores",
+    "context-rows-shifted": "each query's context written one row late",
+    "values-batch-mix": "values reshaped with B and Nh confused, so examples swap values",
+    "softmax-global-max": "softmax stabilised by the largest score of the whole tensor, which an empty batch has not",
 }
 
 

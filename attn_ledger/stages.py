@@ -198,7 +198,7 @@ STAGES: tuple[StageSpec, ...] = (
         CheckSpec(4, "matches_sdpa", "agrees with a forward built on F.scaled_dot_product_attention"),
         CheckSpec(4, "replay_bitwise", "a second run of the whole forward gives the same bits", "--replay"),
     ), _P),
-    StageSpec("properties", "[B',Nh',Tq',Tk']", "boundary properties on a probe: the first examples, heads and positions", (
+    StageSpec("properties", "probe", "boundary properties on a probe: the first examples, heads and positions", (
         CheckSpec(3, "single_token", "the first query and key alone: weight 1, context = its value"),
         CheckSpec(3, "single_token_zero_grad", "autograd of the forward on one key gives zero query and key gradients",
                   "--grad"),

@@ -12,17 +12,15 @@ import pytest
 import torch
 
 from attn_ledger import stages
-from attn_ledger.config import GRAD_FAULTS, ROPE_FAULTS, Fault, load_config
+from attn_ledger.config import FAULT_NEEDS, Fault, load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger, run_ledger_tensors
 from attn_ledger.report import Report
 
 FIXTURES = __import__("pathlib").Path(__file__).parent.parent / "fixtures"
 
-# what a fault needs to have a stage to break: the backward, or rotary positions
-NEEDS = {**{f: {"grad": True} for f in GRAD_FAULTS}, **{f: {"rope": "half"} for f in ROPE_FAULTS}}
 
 CONFIGS = [
-    *({"fault": f.value, **NEEDS.get(f.value, {})} for f in Fault),
+    *({"fault": f.value, **FAULT_NEEDS.get(f.value, {})} for f in Fault),
     {"grad": True, "replay": True, "rope": "half"},
     {"grad": True, "mask": "padding", "valid_lengths": [5, 3]},  # keys no query of example 1 may use
     {"grad": True, "mask": "padding", "valid_lengths": [5, 0], "empty_rows": "zeros"},
