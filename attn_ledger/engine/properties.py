@@ -69,13 +69,20 @@ def check_properties(ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", re
         names = [n for n in PROPERTIES[:-1] if grad or n != "single_token_zero_grad"]
         levels = {"permutation_equivariant": 4, "batch_independent": 4}
         return [unjudged(levels.get(n, 3), n, "not_applicable", why) for n in names] + [_empty(ops, probe, scale)]
-    found = []
-    with torch.no_grad():
-        found += _single_token(ops, probe, scale, lim, grad)
-        found.append(_guarded("equal_keys_uniform", 3, lambda: _equal_keys(ops, probe, scale, lim)))
-        found.append(_guarded("permutation_equivariant", 4, lambda: _permutation(ops, probe, scale, rel)))
-        found.append(_guarded("batch_independent", 4, lambda: _batch(ops, probe, scale, rel)))
-        found.append(_empty(ops, probe, scale))
+    with torch.inference_mode():  # the probes' many small operations spared autograd's bookkeeping
+        try:
+            base: "Tensor | Exception" = _run(ops, *probe, scale)["context"]  # [B', Nh', Tq', Dv]
+        except Exception as exc:
+            base = exc
+        found = [_single_token(ops, probe, scale, lim),
+                 _guarded("equal_keys_uniform", 3, lambda: _equal_keys(ops, probe, scale, lim)),
+                 _guarded("permutation_equivariant", 4, lambda: _permutation(ops, probe, scale, rel, base)),
+                 _guarded("batch_independent", 4, lambda: _batch(ops, probe, scale, rel, base)),
+                 _empty(ops, probe, scale)]
+    if grad:  # autograd, so outside inference mode
+        q, k, v, _ = probe
+        found.insert(1, _guarded("single_token_zero_grad", 3,
+                                 lambda: _zero_grad(ops, q[:, :, :1], k[:, :, :1], v[:, :, :1], scale, lim)))
     return found
 
 
@@ -107,7 +114,7 @@ def _live(allow: "Tensor | None", shape: tuple[int, ...]) -> "Tensor":
     return allow.any(dim=-1, keepdim=True).expand(*shape[:3], 1).cpu()
 
 
-def _single_token(ops: Any, probe: tuple, scale: float, lim: float, grad: bool) -> list[Check]:
+def _single_token(ops: Any, probe: tuple, scale: float, lim: float) -> Check:
     q, k, v, _ = probe
     q1, k1, v1 = q[:, :, :1], k[:, :, :1], v[:, :, :1]  # [B', Nh', 1, *]
     try:
@@ -115,12 +122,9 @@ def _single_token(ops: Any, probe: tuple, scale: float, lim: float, grad: bool) 
         w_err = float((st["weights"] - 1).abs().amax())
         c_err = float((st["context"] - v1).abs().amax()) / max(1.0, float(v1.abs().amax()))
     except Exception as exc:
-        return [_raised(name, 3, exc) for name in ("single_token",) + (("single_token_zero_grad",) if grad else ())]
-    found = [bounded(3, "single_token", "max of |weight - 1| and |context - value| / max(1, |value|), one key",
-                     _worst(w_err, c_err), lim, data={"weight_err": w_err, "context_err": c_err})]
-    if grad:
-        found.append(_guarded("single_token_zero_grad", 3, lambda: _zero_grad(ops, q1, k1, v1, scale, lim)))
-    return found
+        return _raised("single_token", 3, exc)
+    return bounded(3, "single_token", "max of |weight - 1| and |context - value| / max(1, |value|), one key",
+                   _worst(w_err, c_err), lim, data={"weight_err": w_err, "context_err": c_err})
 
 
 def _zero_grad(ops: Any, q1: "Tensor", k1: "Tensor", v1: "Tensor", scale: float, lim: float) -> Check:
@@ -160,27 +164,29 @@ def _equal_keys(ops: Any, probe: tuple, scale: float, lim: float) -> Check:
                    float(err.amax()) if err.numel() else 0.0, lim, data={"keys": int(k.shape[2])})
 
 
-def _permutation(ops: Any, probe: tuple, scale: float, rel: float) -> Check:
+def _permutation(ops: Any, probe: tuple, scale: float, rel: float, base: "Tensor | Exception") -> Check:
     """Queries and keys reversed with the relation: the context rows reversed."""
     import torch
 
+    if isinstance(base, Exception):
+        raise base
     q, k, v, allow = probe
     pq, pk = torch.arange(q.shape[2] - 1, -1, -1), torch.arange(k.shape[2] - 1, -1, -1)
-    base = _run(ops, q, k, v, allow, scale)["context"]  # [B', Nh', nq, Dv]
     moved_allow = None if allow is None else allow[:, :, pq][..., pk]
     moved = _run(ops, q[:, :, pq], k[:, :, pk], v[:, :, pk], moved_allow, scale)["context"]
     return _agree("permutation_equivariant", "tokens reversed", moved, base[:, :, pq], rel,
                   {"queries": int(q.shape[2]), "keys": int(k.shape[2]), "joint": q.shape[2] == k.shape[2]})
 
 
-def _batch(ops: Any, probe: tuple, scale: float, rel: float) -> Check:
-    """Each example alone against its rows of the batch."""
+def _batch(ops: Any, probe: tuple, scale: float, rel: float, whole: "Tensor | Exception") -> Check:
+    """Each example alone against its rows of the batch (``whole``: the probe's context, [B', Nh', nq, Dv])."""
     import torch
 
     q, k, v, allow = probe
     if q.shape[0] < 2:
         return unjudged(4, "batch_independent", "not_applicable", "one example (B = 1)")
-    whole = _run(ops, q, k, v, allow, scale)["context"]  # [B', Nh', nq, Dv]
+    if isinstance(whole, Exception):
+        raise whole
     alone = torch.cat([_run(ops, q[b:b + 1], k[b:b + 1], v[b:b + 1],
                             None if allow is None else allow[b:b + 1] if allow.shape[0] > 1 else allow, scale)["context"]
                        for b in range(q.shape[0])])
