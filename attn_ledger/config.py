@@ -7,15 +7,19 @@ names the field, the value and what was expected. Nothing downstream re-validate
 from __future__ import annotations
 
 import json
+import math
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from attn_ledger.engine import relations as mask_relations
 from attn_ledger.errors import ConfigError, InputError, clip, shown, shown_path
 from attn_ledger.limits import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, MAX_INT_DIGITS, MAX_MASK_CHARS, MAX_MASK_PARTS, MAX_POSITION, SEED_MAX
+
+if TYPE_CHECKING:
+    from attn_ledger.rotary import RotarySpec
 
 FAULTS = (
     "split-reshape",
@@ -26,6 +30,18 @@ FAULTS = (
     "mask-polarity",
     "mask-after-softmax",
 )
+
+# Faults in the backward stages (need grad), in rotary positions (need rope), and faults
+# that each break one boundary property of the ``properties`` row.
+GRAD_FAULTS = ("softmax-backward-no-rowsum", "grad-k-no-scale", "grad-values-untransposed")
+ROPE_FAULTS = ("rope-on-v", "rope-query-offset", "rope-q-only")
+PROPERTY_FAULTS = ("softmax-plus-one", "scores-key-bias", "context-rows-shifted", "values-batch-mix",
+                   "softmax-global-max")
+ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS
+GRAD_OUTPUTS = ("ones", "identity")  # or a tensor file
+# what a fault needs to have its stage: the backward (grad) or rotary positions (rope)
+FAULT_NEEDS: dict[str, dict[str, Any]] = {**{f: {"grad": True} for f in GRAD_FAULTS},
+                                          **{f: {"rope": "half"} for f in ROPE_FAULTS}}
 
 MASK_RELATIONS = mask_relations.RELATIONS
 
@@ -42,6 +58,17 @@ class Fault(str, Enum):
     no_scale = "no-scale"
     mask_polarity = "mask-polarity"
     mask_after_softmax = "mask-after-softmax"
+    softmax_backward_no_rowsum = "softmax-backward-no-rowsum"
+    grad_k_no_scale = "grad-k-no-scale"
+    grad_values_untransposed = "grad-values-untransposed"
+    rope_on_v = "rope-on-v"
+    rope_query_offset = "rope-query-offset"
+    rope_q_only = "rope-q-only"
+    softmax_plus_one = "softmax-plus-one"
+    scores_key_bias = "scores-key-bias"
+    context_rows_shifted = "context-rows-shifted"
+    values_batch_mix = "values-batch-mix"
+    softmax_global_max = "softmax-global-max"
 
 
 # keys that only a relation of the mask uses
@@ -106,6 +133,12 @@ class RunConfig(BaseModel):
         if parts > MAX_MASK_PARTS:
             raise ValueError(f"mask: got {parts} relations joined by '+', expected at most {MAX_MASK_PARTS}")
         return mask
+    grad: bool = Field(False, strict=True)
+    grad_output: Optional[str] = Field(None, max_length=4096, description="ones, identity or a tensor file (with grad)")
+    replay: bool = Field(False, strict=True)
+    scale: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="S (default 1/sqrt(Dh))")
+    temperature: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="tau: the scale is S/tau")
+    rope: Optional[Any] = Field(None, description="rotary positions: PAIRING[,base=B][,dim=D], or a table")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -134,6 +167,7 @@ class RunConfig(BaseModel):
             raise ValueError(str(exc)) from None
         if self.device not in ("cpu", "cuda", "mps", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: got {self.device!r}, expected cpu, cuda, mps or auto")
+        self._backward_and_positions()
         return self
 
     @model_validator(mode="after")
@@ -150,6 +184,36 @@ class RunConfig(BaseModel):
             if value is not None and value > self.tk:
                 raise ValueError(f"{key}: got {value}, expected at most key_len={self.tk}")
         return self
+
+    def _backward_and_positions(self) -> None:
+        """grad_output only with grad; a fault only where its stage runs; rope fits the heads; identity fits Tq."""
+        if self.grad_output is not None and not self.grad:
+            raise ValueError(f"grad_output: got {self.grad_output!r}, expected it only with grad (--grad)")
+        if self.fault in GRAD_FAULTS and not self.grad:
+            raise ValueError(f"fault: got {self.fault!r}, a fault in a backward stage, expected it only with grad (--grad)")
+        if self.fault in ROPE_FAULTS and self.rope is None:
+            raise ValueError(f"fault: got {self.fault!r}, a fault in rotary positions, expected it only with rope (--rope)")
+        if self.rope is not None:
+            try:
+                self.rope_spec.width(self.dh)  # type: ignore[union-attr]
+            except InputError as exc:
+                raise ValueError(str(exc)) from None
+        if self.grad_output == "identity" and (self.tq != self.dv or self.embed_dim != self.num_heads * self.dv):
+            raise ValueError(f"grad_output: got 'identity' (O-bar = I on each head's [Tq, Dv] block of the output), "
+                             f"expected Tq == Dv and E == Nh*Dv; got Tq={self.tq}, Dv={self.dv}, E={self.embed_dim}, "
+                             f"Nh={self.num_heads}")
+
+    @property
+    def rope_spec(self) -> "RotarySpec | None":
+        """The rotary spec the ``rope`` key names, or None."""
+        from attn_ledger.rotary import parse_spec
+
+        return None if self.rope is None else parse_spec(self.rope)
+
+    @property
+    def effective_scale(self) -> float:
+        """S / tau: the score scale the pipeline and every reference use."""
+        return (1.0 / math.sqrt(self.dh) if self.scale is None else self.scale) / (self.temperature or 1.0)
 
     @property
     def relations(self) -> list[str]:

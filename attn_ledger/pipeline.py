@@ -4,6 +4,11 @@ Each stage is a pure function of its inputs. A :class:`Ops` bundle holds the fun
 the pipeline uses; :func:`ops_for` returns the healthy bundle or one with a single
 deliberate fault swapped in. Nothing downstream ever looks at which fault it was.
 
+The backward stages are written by hand too (``grad_weights``, ``grad_values``,
+``softmax_backward``, ``grad_q``, ``grad_k``), so a fault can be injected into them the same
+way; :func:`attend` and :func:`attend_backward` chain the score-grid stages on whole tensors
+(probes, gradcheck), as the engine chains them block by block.
+
 Axes: B batch, Tq/Tk query/key positions, E model width, Nh query heads, Nkv kv heads,
 Dh query/key head width, Dv value head width.
 """
@@ -19,6 +24,8 @@ from attn_ledger.seeding import generator
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
+
+    from attn_ledger.rotary import RotarySpec
 
 
 # --- healthy stage functions -------------------------------------------------------
@@ -90,6 +97,63 @@ def mix_values(weights: "Tensor", v: "Tensor") -> "Tensor":
     return matmul(weights, v)
 
 
+def rotate(q: "Tensor", k: "Tensor", v: "Tensor", spec: "RotarySpec", q_start: int) -> tuple["Tensor", "Tensor", "Tensor"]:
+    """Rotary positions on q and k, never v: query i sits at position ``q_start + i``, key j at j.
+
+    ``q_start`` is Tk - Tq, so the last query and the last key share a position (decode,
+    cross-attention over a longer context).
+    """
+    from attn_ledger.rotary import apply_rotary
+
+    return apply_rotary(q, spec, offset=q_start), apply_rotary(k, spec), v
+
+
+def unrotate(g: "Tensor", spec: "RotarySpec", positions: "Tensor") -> "Tensor":
+    """The gradient through a rotation: each vector turned back (a rotation's transpose is its inverse).
+
+    ``g`` is ``[..., T, D]``; ``positions`` ``[T]`` (integers) the position each row was rotated at.
+    """
+    from attn_ledger.rotary import apply_rotary
+
+    return apply_rotary(g, spec, positions=-positions.to(g.device))  # the same angles, turned back
+
+
+def grad_weights(grad_context: "Tensor", v: "Tensor") -> "Tensor":
+    """``A-bar = O-bar V^T``: ``[B, Nh, Tq, Dv] @ [B, Nh, Dv, Tk] -> [B, Nh, Tq, Tk]``."""
+    return matmul(grad_context, v.transpose(-2, -1))  # [B, Nh, Tq, Tk]
+
+
+def grad_values(weights: "Tensor", grad_context: "Tensor") -> "Tensor":
+    """``V-bar = A^T O-bar``: ``[B, Nh, Tk, Tq] @ [B, Nh, Tq, Dv] -> [B, Nh, Tk, Dv]``."""
+    return matmul(weights.transpose(-2, -1), grad_context)  # [B, Nh, Tk, Dv]
+
+
+def softmax_backward(weights: "Tensor", grad_w: "Tensor") -> "Tensor":
+    """Per query row: ``S-bar = A * (A-bar - sum_j A_j A-bar_j)`` (forbidden keys and empty rows get 0 from A = 0)."""
+    import torch
+
+    wide = torch.float32 if weights.dtype in (torch.float16, torch.bfloat16) else weights.dtype
+    w, gw = weights.to(wide), grad_w.to(wide)
+    dot = (w.unsqueeze(-2) @ gw.unsqueeze(-1)).squeeze(-1)  # [B, Nh, Tq, 1]: sum_j A_j A-bar_j in one pass
+    return torch.sub(gw, dot).mul_(w).to(weights.dtype)  # [B, Nh, Tq, Tk]
+
+
+def grad_q(grad_s: "Tensor", k: "Tensor", scale: float) -> "Tensor":
+    """``Q-bar = scale * S-bar K``: ``[B, Nh, Tq, Tk] @ [B, Nh, Tk, Dh] -> [B, Nh, Tq, Dh]``."""
+    return matmul(grad_s, k) * scale  # [B, Nh, Tq, Dh]
+
+
+def grad_k(grad_s: "Tensor", q: "Tensor", scale: float) -> "Tensor":
+    """``K-bar = scale * S-bar^T Q``: ``[B, Nh, Tk, Tq] @ [B, Nh, Tq, Dh] -> [B, Nh, Tk, Dh]``."""
+    return matmul(grad_s.transpose(-2, -1), q) * scale  # [B, Nh, Tk, Dh]
+
+
+def reduce_kv(g: "Tensor", n_kv: int) -> "Tensor":
+    """The gradient through :func:`expand_kv`: ``[B, Nh, Tk, D] -> [B, Nkv, Tk, D]``, each group summed."""
+    b, nh, tk, d = g.shape
+    return g if nh == n_kv else g.reshape(b, n_kv, nh // n_kv, tk, d).sum(dim=2)  # [B, Nkv, Tk, D]
+
+
 def invert_none(allow: "Tensor | None") -> "Tensor | None":
     return allow
 
@@ -135,22 +199,104 @@ def _invert(allow: "Tensor | None") -> "Tensor | None":
     return torch.logical_not(allow)
 
 
+# --- deliberate faults in the backward stages ----------------------------------------
+
+def _softmax_backward_no_rowsum(weights: "Tensor", grad_w: "Tensor") -> "Tensor":
+    return weights * grad_w  # the row-sum term dropped: S-bar = A * A-bar
+
+
+def _grad_k_unscaled(grad_s: "Tensor", q: "Tensor", scale: float) -> "Tensor":
+    return matmul(grad_s.transpose(-2, -1), q)  # the scale forgotten on the key side only
+
+
+def _grad_values_untransposed(weights: "Tensor", grad_context: "Tensor") -> "Tensor":
+    return matmul(weights, grad_context)  # A O-bar instead of A^T O-bar: [Tq, Tk] @ [Tq, Dv] needs Tk == Tq
+
+
+# --- deliberate faults in rotary positions ------------------------------------------
+
+def _rotate_v_too(q: "Tensor", k: "Tensor", v: "Tensor", spec: "RotarySpec", q_start: int):
+    from attn_ledger.rotary import apply_rotary
+
+    q, k, v = rotate(q, k, v, spec, q_start)
+    return q, k, apply_rotary(v, spec)  # values carry content, not positions
+
+
+def _rotate_query_ahead(q: "Tensor", k: "Tensor", v: "Tensor", spec: "RotarySpec", q_start: int):
+    from attn_ledger.rotary import apply_rotary
+
+    return apply_rotary(q, spec, offset=q_start + 1), apply_rotary(k, spec), v  # queries one position ahead
+
+
+def _rotate_q_only(q: "Tensor", k: "Tensor", v: "Tensor", spec: "RotarySpec", q_start: int):
+    from attn_ledger.rotary import apply_rotary
+
+    return apply_rotary(q, spec, offset=q_start), k, v  # the key rotation forgotten
+
+
+# --- deliberate faults that break a boundary property --------------------------------
+
+def _softmax_plus_one(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool) -> "Tensor":
+    """``exp(s) / (1 + sum exp(s))``: an extra "none of these" slot, so a lone key gets less than 1."""
+    import torch
+
+    top = masked.amax(dim=-1, keepdim=True).clamp(min=0.0)  # [B, Nh, Tq, 1], >= 0 so the 1 stays exact
+    e = torch.exp(masked - top)  # [B, Nh, Tq, Tk]
+    return e / (torch.exp(-top) + e.sum(dim=-1, keepdim=True))
+
+
+def _scores_key_bias(q: "Tensor", k: "Tensor", scale: float) -> "Tensor":
+    import torch
+
+    bias = 0.1 * torch.arange(k.shape[-2], dtype=q.dtype, device=q.device)  # [Tk]: a leftover bias on key positions
+    return qk_scores(q, k, scale) + bias  # [B, Nh, Tq, Tk]
+
+
+def _mix_rows_shifted(weights: "Tensor", v: "Tensor") -> "Tensor":
+    return matmul(weights, v).roll(1, dims=-2)  # each query's context written one row late
+
+
+def _mix_batch_heads(weights: "Tensor", v: "Tensor") -> "Tensor":
+    mixed = v.transpose(0, 1).reshape(v.shape)  # B and Nh confused in a reshape: examples swap values
+    return matmul(weights, mixed)
+
+
+def _softmax_global_max(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool) -> "Tensor":
+    """Stabilised by the largest score of the whole tensor, not of each row: ``max()`` of an empty batch raises."""
+    import torch
+
+    e = torch.exp(masked - masked.max())  # [B, Nh, Tq, Tk]
+    weights = e / e.sum(dim=-1, keepdim=True)
+    if empty_rows_zero and allow is not None:
+        weights = weights.masked_fill(~allow.any(dim=-1, keepdim=True), 0.0)
+    return weights
+
+
 @dataclass(frozen=True)
 class Ops:
-    """The functions one pipeline run uses, stage by stage."""
+    """The functions one pipeline run uses, stage by stage (the backward stages included)."""
 
     split: Callable = split_heads
     merge: Callable = merge_heads
     expand: Callable = expand_kv
+    rope: Callable = rotate
     scores: Callable = qk_scores
     polarity: Callable = invert_none
     mask: Callable = apply_mask
     softmax: Callable = softmax_keys
     mix: Callable = mix_values
+    grad_weights: Callable = grad_weights
+    grad_values: Callable = grad_values
+    softmax_backward: Callable = softmax_backward
+    grad_q: Callable = grad_q
+    grad_k: Callable = grad_k
     unscaled: bool = False
 
-    def scale_for(self, dh: int) -> float:
-        return 1.0 if self.unscaled else 1.0 / math.sqrt(dh)
+    def scale_for(self, dh: int, scale: float | None = None) -> float:
+        """The score scale this pipeline applies: ``scale`` (default ``1/sqrt(Dh)``), or 1 when it forgets it."""
+        if self.unscaled:
+            return 1.0
+        return 1.0 / math.sqrt(dh) if scale is None else scale
 
 
 HEALTHY = Ops()
@@ -163,6 +309,20 @@ _FAULTY = {
     "no-scale": replace(HEALTHY, unscaled=True),
     "mask-polarity": replace(HEALTHY, polarity=_invert),
     "mask-after-softmax": replace(HEALTHY, mask=_mask_after_softmax, softmax=_softmax_then_zero),
+    # the backward stages (with --grad)
+    "softmax-backward-no-rowsum": replace(HEALTHY, softmax_backward=_softmax_backward_no_rowsum),
+    "grad-k-no-scale": replace(HEALTHY, grad_k=_grad_k_unscaled),
+    "grad-values-untransposed": replace(HEALTHY, grad_values=_grad_values_untransposed),
+    # rotary positions (with rope)
+    "rope-on-v": replace(HEALTHY, rope=_rotate_v_too),
+    "rope-query-offset": replace(HEALTHY, rope=_rotate_query_ahead),
+    "rope-q-only": replace(HEALTHY, rope=_rotate_q_only),
+    # each breaks one boundary property
+    "softmax-plus-one": replace(HEALTHY, softmax=_softmax_plus_one),
+    "scores-key-bias": replace(HEALTHY, scores=_scores_key_bias),
+    "context-rows-shifted": replace(HEALTHY, mix=_mix_rows_shifted),
+    "values-batch-mix": replace(HEALTHY, mix=_mix_batch_heads),
+    "softmax-global-max": replace(HEALTHY, softmax=_softmax_global_max),
 }
 
 
@@ -175,6 +335,17 @@ FAULT_SUMMARIES = {
     "no-scale": "no 1/sqrt(Dh) on the scores",
     "mask-polarity": "the allow relation applied inverted, as if True meant blocked",
     "mask-after-softmax": "softmax over every key, then the forbidden weights set to zero",
+    "softmax-backward-no-rowsum": "softmax backward without the row-sum term: S-bar = A * A-bar",
+    "grad-k-no-scale": "K-bar without the score scale",
+    "grad-values-untransposed": "V-bar = A O-bar instead of A^T O-bar",
+    "rope-on-v": "rotary positions applied to v as well as q and k",
+    "rope-query-offset": "queries rotated one position ahead of the keys",
+    "rope-q-only": "only q rotated, k left as it was",
+    "softmax-plus-one": "softmax with an extra 1 in the denominator, so a lone key gets less than weight 1",
+    "scores-key-bias": "a leftover bias of 0.1 per key position added to the scores",
+    "context-rows-shifted": "each query's context written one row late",
+    "values-batch-mix": "values reshaped with B and Nh confused, so examples swap values",
+    "softmax-global-max": "softmax stabilised by the largest score of the whole tensor, which an empty batch has not",
 }
 
 
@@ -183,6 +354,39 @@ def ops_for(fault: str | None) -> Ops:
     if fault is None:
         return HEALTHY
     return _FAULTY[str(fault)]
+
+
+def attend(ops: Ops, q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+           empty_rows_zero: bool) -> dict[str, "Tensor"]:
+    """The score-grid stages on whole tensors, as the engine runs one block that computes every key.
+
+    Args:
+        q: ``[B, Nh, Tq, Dh]``; k, v: ``[B, Nh, Tk, Dh]``, ``[B, Nh, Tk, Dv]`` (kv heads expanded).
+        allow: the intended relation, bool ``[B|1, Nh|1, Tq, Tk]``, True = may attend, or None.
+
+    Returns:
+        ``scores``, ``masked_scores``, ``weights`` ``[B, Nh, Tq, Tk]`` and ``context`` ``[B, Nh, Tq, Dv]``.
+    """
+    applied = ops.polarity(allow)
+    s = ops.scores(q, k, scale)  # [B, Nh, Tq, Tk]
+    m = ops.mask(s, applied)  # [B, Nh, Tq, Tk]
+    w = ops.softmax(m, applied, empty_rows_zero)  # [B, Nh, Tq, Tk]
+    return {"scores": s, "masked_scores": m, "weights": w, "context": ops.mix(w, v)}  # context [B, Nh, Tq, Dv]
+
+
+def attend_backward(ops: Ops, grad_context: "Tensor", q: "Tensor", k: "Tensor", v: "Tensor", weights: "Tensor",
+                    scale: float) -> dict[str, "Tensor"]:
+    """The backward stages on whole tensors, from ``O-bar`` ``[B, Nh, Tq, Dv]`` and the forward's weights.
+
+    Returns:
+        ``grad_weights``, ``grad_scores`` ``[B, Nh, Tq, Tk]``, ``grad_values`` ``[B, Nh, Tk, Dv]``,
+        ``grad_q`` ``[B, Nh, Tq, Dh]`` and ``grad_k`` ``[B, Nh, Tk, Dh]`` (kv heads still expanded).
+    """
+    gw = ops.grad_weights(grad_context, v)  # [B, Nh, Tq, Tk]
+    gv = ops.grad_values(weights, grad_context)  # [B, Nh, Tk, Dv]
+    gs = ops.softmax_backward(weights, gw)  # [B, Nh, Tq, Tk]
+    return {"grad_weights": gw, "grad_values": gv, "grad_scores": gs, "grad_q": ops.grad_q(gs, k, scale),
+            "grad_k": ops.grad_k(gs, q, scale)}
 
 
 # --- weights and inputs from a config ---------------------------------------------

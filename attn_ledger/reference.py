@@ -106,3 +106,117 @@ def join_heads(x: "torch.Tensor") -> "torch.Tensor":
     """Reference head merge ``[B, n, T, D] -> [B, T, n*D]``, written apart from the pipeline's."""
     b, n, t, d = x.shape
     return x.permute(0, 2, 1, 3).contiguous().view(b, t, n * d)
+
+
+# --- gradients: float64 autograd of the plain attention ------------------------------------
+
+def _rotated(x: "torch.Tensor", rope: "tuple | None", positions: "torch.Tensor") -> "torch.Tensor":
+    """``x`` rotated at ``positions`` by ``rope = (spec, ...)`` (differentiable), or ``x`` itself."""
+    if rope is None:
+        return x
+    from attn_ledger.rotary import apply_rotary
+
+    return apply_rotary(x, rope[0], positions=positions)
+
+
+def reference_gradients(
+    q_rows: "torch.Tensor",
+    k: "torch.Tensor",
+    v: "torch.Tensor",
+    grad_context: "torch.Tensor",
+    *,
+    q_positions: "torch.Tensor",
+    allow_mask: "torch.Tensor | None" = None,
+    scale: float,
+    empty_rows: str = "zeros",
+    rope: "tuple | None" = None,
+    dtype: "torch.dtype | None" = None,
+) -> dict[str, "torch.Tensor"]:
+    """Float64 autograd of :func:`reference_stages` for some query rows, with ``O-bar`` on those rows.
+
+    The loss is ``sum(O * O-bar)`` over the given rows only, so the key and value gradients
+    are the part those rows contribute (all of it when every row is given).
+
+    Args:
+        q_rows: ``[B, Nh, R, Dh]`` the queries of R rows (before any rotation).
+        k, v: ``[B, Nkv, Tk, Dh]``, ``[B, Nkv, Tk, Dv]`` (before any rotation).
+        grad_context: ``O-bar`` on those rows, ``[B, Nh, R, Dv]``.
+        q_positions: ``[R]`` the position of each row (query i sits at ``i + Tk - Tq``).
+        allow_mask: bool, broadcastable to ``[B, Nh, R, Tk]``.
+        rope: ``(RotarySpec, ...)`` to rotate q and k before the scores, or None.
+
+    Returns:
+        ``grad_q`` ``[B, Nh, R, Dh]``, ``grad_k`` ``[B, Nkv, Tk, Dh]``, ``grad_values`` ``[B, Nkv, Tk, Dv]``
+        (each before rotation), ``grad_weights`` and ``grad_scores`` ``[B, Nh, R, Tk]``, and ``out``.
+    """
+    import torch
+
+    dtype = dtype or torch.float64
+    with torch.enable_grad():
+        q64, k64, v64 = (t.detach().to(dtype).requires_grad_(True) for t in (q_rows, k, v))
+        tk = k.shape[-2]
+        qr = _rotated(q64, rope, q_positions)
+        kr = _rotated(k64, rope, torch.arange(tk, device=k.device))
+        st = reference_stages(qr, kr, v64, allow_mask=allow_mask, scale=scale, empty_rows=empty_rows, dtype=dtype)
+        loss = (st["out"] * grad_context.to(dtype)).sum()
+        gq, gk, gv, gw, gs = torch.autograd.grad(loss, (q64, k64, v64, st["weights"], st["scores"]))
+    return {"grad_q": gq, "grad_k": gk, "grad_values": gv, "grad_weights": gw, "grad_scores": gs,
+            "out": st["out"].detach()}
+
+
+def reference_chain_gradients(
+    x: "torch.Tensor",
+    x_kv: "torch.Tensor | None",
+    weights: tuple["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"],
+    n_heads: int,
+    n_kv: int,
+    rows: "torch.Tensor",
+    grad_output: "torch.Tensor",
+    *,
+    allow_mask: "torch.Tensor | None" = None,
+    scale: float,
+    empty_rows: str = "zeros",
+    rope: "tuple | None" = None,
+    dtype: "torch.dtype | None" = None,
+) -> dict[str, "torch.Tensor"]:
+    """Float64 autograd of the whole multi-head attention (projections, heads, attention, merge, output).
+
+    The loss is ``sum(output * O-bar)`` over the query rows ``rows`` only.
+
+    Args:
+        x: ``[B, Tq, E]``; x_kv: ``[B, Tk, E]`` for cross-attention, None for self-attention.
+        weights: ``wq [Nh*Dh, E]``, ``wk [Nkv*Dh, E]``, ``wv [Nkv*Dv, E]``, ``wo [E, Nh*Dv]`` (nn.Linear layout).
+        rows: ``[R]`` the query rows; grad_output: ``O-bar`` of the output on them, ``[B, R, E]``.
+        allow_mask: bool, broadcastable to ``[B, Nh, R, Tk]``.
+        rope: ``(RotarySpec, q_start)``: q and k rotated, query i at ``i + q_start``.
+
+    Returns:
+        ``grad_context`` ``[B, Nh, R, Dv]``, ``grad_weights``/``grad_scores`` ``[B, Nh, R, Tk]``, ``grad_q``
+        ``[B, Nh, R, Dh]``, ``grad_k``/``grad_values`` ``[B, Nkv, Tk, *]``, ``grad_wq``..``grad_wo``,
+        ``grad_x`` ``[B, Tq, E]`` and ``grad_x_kv`` ``[B, Tk, E]`` (None for self-attention).
+    """
+    import torch
+
+    dtype = dtype or torch.float64
+    with torch.enable_grad():
+        xs = [t.detach().to(dtype).requires_grad_(True) for t in (x, x if x_kv is None else x_kv)]
+        ws = [w.detach().to(dtype).requires_grad_(True) for w in weights]
+        x64, xkv64 = xs[0], (xs[0] if x_kv is None else xs[1])
+        q = heads_of(x64 @ ws[0].T, n_heads)  # [B, Nh, Tq, Dh]
+        k = heads_of(xkv64 @ ws[1].T, n_kv)  # [B, Nkv, Tk, Dh]
+        v = heads_of(xkv64 @ ws[2].T, n_kv)  # [B, Nkv, Tk, Dv]
+        tk = k.shape[2]
+        q_start = 0 if rope is None else rope[1]
+        qr = _rotated(q[:, :, rows], rope, rows.to(q.device) + q_start)  # [B, Nh, R, Dh]
+        kr = _rotated(k, rope, torch.arange(tk, device=k.device))
+        st = reference_stages(qr, kr, v, allow_mask=allow_mask, scale=scale, empty_rows=empty_rows, dtype=dtype)
+        out = join_heads(st["out"]) @ ws[3].T  # [B, R, E]
+        loss = (out * grad_output.to(dtype)).sum()
+        wanted = (st["out"], st["weights"], st["scores"], q, k, v, *ws, xs[0]) + (() if x_kv is None else (xs[1],))
+        found = torch.autograd.grad(loss, wanted)
+    names = ("grad_context", "grad_weights", "grad_scores", "grad_q", "grad_k", "grad_values", "grad_wq", "grad_wk",
+             "grad_wv", "grad_wo", "grad_x", "grad_x_kv")
+    got = dict(zip(names, found))
+    got["grad_q"] = got["grad_q"][:, :, rows]  # [B, Nh, R, Dh]: other rows get nothing from this loss
+    got.setdefault("grad_x_kv", None)
+    return got

@@ -21,6 +21,8 @@ Public API:
 
 - :class:`RotarySpec` ``(pairing="half", base=10000.0, rotated_dim=None)``: frozen, validated;
   ``rotated_dim=None`` rotates the whole head. ``spec.width(head_dim) -> int``.
+- :func:`parse_spec` ``(text or table) -> RotarySpec``: the compact ``PAIRING[,base=B][,dim=D]``
+  of ``run --rope`` and the config key ``rope``; :func:`spec_text` writes it back.
 - :func:`inverse_frequencies` ``(base, rotated_dim) -> Tensor [P]`` (float64).
 - :func:`pair_indices` ``(pairing, rotated_dim) -> (Tensor [P], Tensor [P])``: the two features of each pair.
 - :func:`apply_rotary` ``(x, spec, *, offset=0, positions=None) -> Tensor``: rotate
@@ -95,6 +97,57 @@ class RotarySpec:
             raise field_error("rope.rotated_dim", self.rotated_dim,
                               f"an even integer from 2 to the head width {head_dim}")
         return rd
+
+
+SPEC_SYNTAX = "PAIRING[,base=B][,dim=D] with PAIRING half or interleaved, e.g. half or interleaved,base=500000,dim=32"
+
+
+def parse_spec(value: "str | dict | RotarySpec", field: str = "rope") -> RotarySpec:
+    """A spec from its compact text ``PAIRING[,base=B][,dim=D]`` or a table ``{pairing, base, rotated_dim}``.
+
+    ``half`` rotates the whole head at base 10000; ``interleaved,base=500000,dim=32`` rotates
+    the first 32 features of each head in adjacent pairs at base 500000.
+
+    Raises:
+        InputError: one line naming ``field``, the value and the syntax.
+    """
+    if isinstance(value, RotarySpec):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"pairing", "base", "rotated_dim"})
+        if unknown:
+            raise field_error(field, value, "a table with keys pairing, base, rotated_dim")
+        return _spec(value.get("pairing", "half"), value.get("base", DEFAULT_BASE), value.get("rotated_dim"), field)
+    if not isinstance(value, str) or not value.strip():
+        raise field_error(field, value, SPEC_SYNTAX)
+    pairing, *rest = [part.strip() for part in value.split(",")]
+    found: dict[str, str] = {}
+    for part in rest:
+        key, sep, text = part.partition("=")
+        if not sep or key not in ("base", "dim") or key in found:
+            raise field_error(field, value, SPEC_SYNTAX)
+        found[key] = text
+    try:
+        base = float(found["base"]) if "base" in found else DEFAULT_BASE
+        dim = int(found["dim"]) if "dim" in found else None
+    except ValueError:
+        raise field_error(field, value, SPEC_SYNTAX) from None
+    return _spec(pairing, base, dim, field)
+
+
+def _spec(pairing: object, base: object, dim: object, field: str) -> RotarySpec:
+    from attn_ledger.errors import InputError
+
+    try:
+        return RotarySpec(pairing, base, dim)  # type: ignore[arg-type]
+    except InputError as exc:
+        raise InputError(str(exc).replace("rope.", f"{field}.", 1)) from None
+
+
+def spec_text(spec: RotarySpec) -> str:
+    """The compact text of a spec (:func:`parse_spec` reads it back)."""
+    text = spec.pairing + ("" if spec.base == DEFAULT_BASE else f",base={spec.base:g}")
+    return text + ("" if spec.rotated_dim is None else f",dim={spec.rotated_dim}")
 
 
 def inverse_frequencies(base: float, rotated_dim: int) -> "Tensor":
@@ -345,6 +398,11 @@ def _recognition_positions(x: "Tensor", y: "Tensor", positions: "int | Tensor") 
     if t > 1 and (bool((step < 1).any()) or bool((step > 3).any())):
         raise field_error("positions", positions.tolist(), "strictly increasing, in steps of at most 3")
     return pos
+
+
+def tolerance_for(dtype: "torch.dtype", max_position: float) -> float:
+    """The relative tolerance recognition judges a rotation by: the dtype's, plus float32 angle rounding."""
+    return _tolerance(dtype, max_position)
 
 
 def _tolerance(dtype: "torch.dtype", max_position: float) -> float:

@@ -48,9 +48,17 @@ class CheckSpec:
         return re.fullmatch(pattern, name) is not None
 
 
+ROPE, GRAD = "rope", "grad"  # what an optional stage needs: rotary positions on, or the backward asked for
+NEEDS_WORDS = {"": "", ROPE: "with --rope", GRAD: "with --grad"}
+
+
 @dataclass(frozen=True)
 class StageSpec:
-    """One stage of the ledger: its name, its axes, what it holds, and its checks in ledger order."""
+    """One stage of the ledger: its name, its axes, what it holds, and its checks in ledger order.
+
+    ``needs``: empty for a stage every ledger has; ``"rope"`` (rotary positions) or ``"grad"``
+    (the backward) for one that appears only then.
+    """
 
     name: str
     axes: str
@@ -58,6 +66,7 @@ class StageSpec:
     checks: tuple[CheckSpec, ...]
     modes: frozenset[str] = BOTH
     tensor_axes: str = ""  # the axes with saved tensors, where they differ
+    needs: str = ""
 
     def axes_in(self, mode: str) -> str:
         return self.tensor_axes if mode == TENSORS and self.tensor_axes else self.axes
@@ -72,6 +81,23 @@ ANY_STAGE: tuple[CheckSpec, ...] = (
     CheckSpec(1, "computes", "the stage returned its tensor; it raised instead (the row shows what it raised)",
               "only when the stage raises"),
 )
+
+_VS_GRAD = "agrees with float64 autograd of the reference on its sampled query rows (for K-bar and V-bar, the part those rows contribute)"
+_VS_SDPA_GRAD = "agrees with autograd of F.scaled_dot_product_attention on every row"
+_GRADCHECK = ("the hand backward, run in float64, agrees with central differences of the pipeline's forward "
+              "(step 1e-6, within 2e-6) on up to 64 coordinates")
+_SMALL = "q, k and v with at most 4096 entries in all"
+
+
+def _user_grad(name: str, stage_words: str) -> tuple[CheckSpec, ...]:
+    return (
+        CheckSpec(1, f"user_{name}_shape", f"the given {name} has the shape of {stage_words}", f"--tensors with a wrong-shaped {name}", _T),
+        CheckSpec(4, f"user_{name}_matches_reference", f"the given {name} agrees with float64 autograd",
+                  f"--tensors with {name}", _T),
+        CheckSpec(4, f"user_{name}_matches_sdpa", f"the given {name} agrees with autograd of F.scaled_dot_product_attention",
+                  f"--tensors with {name}", _T),
+    )
+
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("input", "[B,Tq,E]", "the input (saved q, k, v with --tensors)", (), BOTH, "[B,Nh,Tq,Dh]"),
@@ -97,6 +123,15 @@ STAGES: tuple[StageSpec, ...] = (
         CheckSpec(3, "finite", "no NaN or infinity"),
         CheckSpec(4, "matches_reference", "agrees with a float64 projection and split"),
     ), _P),
+    StageSpec("rope", "[B,Nh,Tq,Dh]", "q and k rotated by rotary positions (query i at i + Tk - Tq), v untouched", (
+        CheckSpec(1, "shape", "q, k and v keep their shapes"),
+        CheckSpec(2, "rotary_positions", "rotations recognised on q, k and v at their known positions: q and k "
+                  "rotated alike, at the same offset, v never", "not applicable with one position, 0"),
+        CheckSpec(2, "relative_positions", "one q and one k vector repeated along the sequence: their scores depend only "
+                  "on the offset i - j"),
+        CheckSpec(3, "norms_preserved", "every q and k vector keeps its length"),
+        CheckSpec(4, "matches_reference", "rotated q, k (and the untouched v) agree with the float64 rotation"),
+    ), needs=ROPE),
     StageSpec("scores", "[B,Nh,Tq,Tk]", "scaled scores q k^T / sqrt(Dh), before masking", (
         CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
         CheckSpec(3, "finite", "no NaN or infinity"),
@@ -149,6 +184,7 @@ STAGES: tuple[StageSpec, ...] = (
                   "--tensors with out", _T),
         CheckSpec(4, "user_out_matches_sdpa", "the given out agrees with F.scaled_dot_product_attention",
                   "--tensors with out, float32 or float64", _T),
+        CheckSpec(4, "replay_bitwise", "a second run of the forward gives the same bits", "--tensors with --replay", _T),
     )),
     StageSpec("merged", "[B,Tq,Nh*Dv]", "heads merged back", (
         CheckSpec(1, "shape", "the derived [B, Tq, Nh*Dv]"),
@@ -160,13 +196,85 @@ STAGES: tuple[StageSpec, ...] = (
         CheckSpec(3, "finite", "no NaN or infinity"),
         CheckSpec(4, "matches_reference", "agrees with the float64 reference"),
         CheckSpec(4, "matches_sdpa", "agrees with a forward built on F.scaled_dot_product_attention"),
+        CheckSpec(4, "replay_bitwise", "a second run of the whole forward gives the same bits", "--replay"),
     ), _P),
+    StageSpec("properties", "probe", "boundary properties on a probe: the first examples, heads and positions", (
+        CheckSpec(3, "single_token", "the first query and key alone: weight 1, context = its value"),
+        CheckSpec(3, "single_token_zero_grad", "autograd of the forward on one key gives zero query and key gradients",
+                  "--grad"),
+        CheckSpec(3, "equal_keys_uniform", "every key set equal: each row uniform over its allowed keys"),
+        CheckSpec(4, "permutation_equivariant", "queries and keys reversed with the relation: the context rows reversed"),
+        CheckSpec(4, "batch_independent", "each example alone gives its rows of the batch", "not applicable with B = 1"),
+        CheckSpec(1, "empty_batch", "the batch sliced to 0 runs and keeps the derived shape"),
+    )),
+    StageSpec("grad_context", "[B,Nh,Tq,Dv]", "O-bar: the seed, back through the output projection and merge", (
+        CheckSpec(1, "shape", "the derived [B, Nh, Tq, Dv]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(4, "matches_reference", _VS_GRAD, modes=_P),
+        CheckSpec(1, "user_grad_out_shape", "the saved grad_out has the context's shape (else the seed is ones)",
+                  "--tensors with grad_out", _T),
+    ), needs=GRAD),
+    StageSpec("grad_weights", "[B,Nh,Tq,Tk]", "A-bar = O-bar V^T, block by block", (
+        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(4, "matches_reference", _VS_GRAD),
+    ), needs=GRAD),
+    StageSpec("grad_values", "[B,Nkv,Tk,Dv]", "V-bar = A^T O-bar, summed over query blocks and the heads of a kv head", (
+        CheckSpec(1, "shape", "every query block's part has the derived [B, Nh, keys, Dv]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(3, "blocked_keys_zero", "a key no query may use gets zero V-bar", "not applicable when every key is used"),
+        CheckSpec(4, "matches_reference", _VS_GRAD),
+        CheckSpec(4, "matches_sdpa", _VS_SDPA_GRAD, "not with queries that have every key blocked"),
+        CheckSpec(4, "gradcheck", _GRADCHECK, _SMALL),
+        *_user_grad("dv", "v"),
+    ), needs=GRAD),
+    StageSpec("grad_scores", "[B,Nh,Tq,Tk]", "S-bar, the softmax backward, block by block", (
+        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(3, "softmax_row_rule", "per query row, S-bar = A * (A-bar - rowsum(A * A-bar)) from the same A and A-bar"),
+        CheckSpec(4, "matches_reference", _VS_GRAD),
+    ), needs=GRAD),
+    StageSpec("grad_q", "[B,Nh,Tq,Dh]", "Q-bar = scale S-bar K (turned back through the rotation with rope)", (
+        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Dh]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(4, "matches_reference", _VS_GRAD),
+        CheckSpec(4, "matches_sdpa", _VS_SDPA_GRAD, "not with queries that have every key blocked"),
+        CheckSpec(4, "gradcheck", _GRADCHECK, _SMALL),
+        *_user_grad("dq", "q"),
+    ), needs=GRAD),
+    StageSpec("grad_k", "[B,Nkv,Tk,Dh]", "K-bar = scale S-bar^T Q, summed over query blocks and the heads of a kv head", (
+        CheckSpec(1, "shape", "every query block's part has the derived [B, Nh, keys, Dh]"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(3, "blocked_keys_zero", "a key no query may use gets zero K-bar", "not applicable when every key is used"),
+        CheckSpec(3, "key_sum_zero", "K-bar summed over keys is zero (every row of S-bar sums to zero)"),
+        CheckSpec(4, "matches_reference", _VS_GRAD),
+        CheckSpec(4, "matches_sdpa", _VS_SDPA_GRAD, "not with queries that have every key blocked"),
+        CheckSpec(4, "gradcheck", _GRADCHECK, _SMALL),
+        CheckSpec(4, "replay_bitwise", "a second run of the backward gives the same Q-bar, K-bar and V-bar bits",
+                  "--replay"),
+        *_user_grad("dk", "k"),
+    ), needs=GRAD),
+    StageSpec("grad_projections", "[out,in] Wq,Wk,Wv,Wo", "the projection weights' gradients", (
+        CheckSpec(1, "shape", "each weight's gradient has the weight's shape"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(4, "matches_reference", "agrees with float64 autograd of the whole reference on its sampled rows"),
+        CheckSpec(4, "matches_sdpa", "agrees with autograd of a forward built on F.scaled_dot_product_attention",
+                  "not with queries that have every key blocked"),
+    ), _P, needs=GRAD),
+    StageSpec("grad_input", "[B,Tq,E]", "x-bar (and x_kv-bar for cross-attention) through the projections", (
+        CheckSpec(1, "shape", "the input's shape"),
+        CheckSpec(3, "finite", "no NaN or infinity"),
+        CheckSpec(4, "matches_reference", "agrees with float64 autograd of the whole reference on its sampled rows"),
+        CheckSpec(4, "matches_sdpa", "agrees with autograd of a forward built on F.scaled_dot_product_attention",
+                  "not with queries that have every key blocked"),
+    ), _P, needs=GRAD),
 )
 
 
-def stage_names(mode: str = PIPELINE) -> tuple[str, ...]:
-    """The ledger's rows, in order, for the built-in pipeline or for saved tensors."""
-    return tuple(s.name for s in STAGES if mode in s.modes)
+def stage_names(mode: str = PIPELINE, *, rope: bool = False, grad: bool = False) -> tuple[str, ...]:
+    """The ledger's rows, in order, for the built-in pipeline or for saved tensors (``rope``, ``grad``: with those on)."""
+    on = {"": True, ROPE: rope, GRAD: grad}
+    return tuple(s.name for s in STAGES if mode in s.modes and on[s.needs])
 
 
 def find(stage: str, name: str) -> CheckSpec | None:
@@ -194,7 +302,8 @@ def markdown_table(mode: str = PIPELINE) -> str:
             continue
         for i, c in enumerate(checks):
             lead = head if i == 0 else "| | "
-            lines.append(f"{lead}| L{c.level} {LEVEL_NAMES[c.level]} | `{c.name}` | {_cell(c.meaning)} | {_cell(c.when or 'always')} |")
+            appears = "; ".join(part for part in (NEEDS_WORDS[spec.needs], c.when) if part) or "always"
+            lines.append(f"{lead}| L{c.level} {LEVEL_NAMES[c.level]} | `{c.name}` | {_cell(c.meaning)} | {_cell(appears)} |")
     for c in ANY_STAGE:
         lines.append(f"| any computed stage | | L{c.level} {LEVEL_NAMES[c.level]} | `{c.name}` | {_cell(c.meaning)} | {_cell(c.when)} |")
     return "\n".join(lines)

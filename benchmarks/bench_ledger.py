@@ -18,6 +18,12 @@ For each shape (B, Nh, T, Dh), causal, float32:
 subprocess (the file is written first, as .safetensors in a temporary directory) and reports its
 wall time and peak resident memory (``/usr/bin/time -v`` where present, else ``getrusage``).
 
+``--grad`` measures the backward instead, at (1, 8, 4096, 128): ``ledger_on_qkv(..., grad=True)`` (the
+forward ledger, the properties and the backward stages, streamed over query blocks) against SDPA's
+forward plus backward (autograd with the same ``O-bar`` of ones), paired as above, with the forward
+ledger alone beside them; it prints the ratio and the peak resident memory of the ``--grad`` ledger
+against the forward ledger's, and exits 1 if it is twice that or more.
+
 ``--baseline REV`` compares the ledger at a git revision with the one in this tree instead:
 ``git archive REV`` is unpacked into a temporary directory, and two worker processes are
 started, one with that directory first on PYTHONPATH and one with this tree's. Each measures
@@ -34,6 +40,7 @@ Usage::
     python benchmarks/bench_ledger.py --cli           # plus the 8192 CLI run
     python benchmarks/bench_ledger.py --device cuda   # CUDA shapes (memory columns are host RSS)
     python benchmarks/bench_ledger.py --baseline de39edb   # this tree against a revision, side by side
+    python benchmarks/bench_ledger.py --grad          # the backward at (1, 8, 4096, 128), time and peak memory
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ import time
 from pathlib import Path
 
 RATIO_SHAPES = [(1, 8, 512, 64), (1, 32, 2048, 128), (1, 8, 4096, 128)]
+GRAD_SHAPE = (1, 8, 4096, 128)
+GRAD_MEMORY_LIMIT = 2.0  # the --grad ledger's peak resident memory stays under this many times the forward ledger's
 SCALE_TS = [512, 1024, 2048, 4096, 8192]
 CLI_SHAPE = (1, 32, 8192, 128)
 SHORT_REPEATS = 31  # rounds for shapes whose SDPA call takes under 50 ms
@@ -166,6 +175,83 @@ def bench_shape(shape: tuple[int, int, int, int], repeats: int, device: str) -> 
         raise SystemExit(f"healthy ledger diverged at {shape}: {verdicts[-1]}")
     return {"shape": shape, "sdpa_s": sd_t, "ledger_s": lg_t, "ratio": ratio, "repeats": repeats,
             "sdpa_peak": sd_peak, "sdpa_grow": sd_grow, "ledger_peak": lg_peak, "ledger_grow": lg_grow}
+
+
+def bench_grad(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
+    """The ``--grad`` ledger against SDPA forward + backward, the forward ledger beside them (paired rounds)."""
+    import torch
+    import torch.nn.functional as F
+
+    from attn_ledger.ledger import ledger_on_qkv
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g).to(device) for _ in range(3))  # [B, Nh, T, Dh]
+    go = torch.ones_like(q)  # O-bar = 1, as the ledger's default seed
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    verdicts = []
+
+    def sdpa_fwd_bwd():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        torch.autograd.grad(out, leaves, go)
+
+    def ledger_grad():
+        verdicts.append(ledger_on_qkv(q, k, v, mask="causal", grad=True).first_finding)
+
+    def ledger_fwd():
+        verdicts.append(ledger_on_qkv(q, k, v, mask="causal").first_finding)
+
+    (sd_t, _, _, _), (gr_t, ratio, _, _), (fw_t, fw_ratio, _, _) = _paired(
+        [sdpa_fwd_bwd, ledger_grad, ledger_fwd], repeats, sync)
+    if any(d is not None for d in verdicts):
+        raise SystemExit(f"healthy ledger diverged at {shape}: {verdicts[-1]}")
+    # peaks in fresh processes, one call each: in this one, memory a call frees is kept for the next
+    peaks = {what: _peak_subprocess(shape, what, device) for what in ("inputs", "sdpa", "forward", "grad")}
+    return {"shape": shape, "sdpa_s": sd_t, "grad_s": gr_t, "fwd_s": fw_t, "ratio": ratio, "fwd_ratio": fw_ratio,
+            "peaks": peaks, "repeats": repeats}
+
+
+def _peak_subprocess(shape: tuple[int, int, int, int], what: str, device: str) -> float:
+    """Peak RSS (MiB) of a fresh process that makes the inputs and makes one call: ``inputs`` (none), ``sdpa``
+    (forward + backward), ``forward`` (the ledger) or ``grad`` (the ledger with --grad)."""
+    call = {
+        "inputs": "pass",
+        "sdpa": ("l=[t.clone().requires_grad_(True) for t in (q,k,v)];"
+                 "torch.autograd.grad(F.scaled_dot_product_attention(*l,is_causal=True),l,torch.ones_like(q))"),
+        "forward": "assert ledger_on_qkv(q,k,v,mask='causal').first_finding is None",
+        "grad": "assert ledger_on_qkv(q,k,v,mask='causal',grad=True).first_finding is None",
+    }[what]
+    code = (
+        "import re,torch,torch.nn.functional as F;from attn_ledger.alloc import retain_freed_memory;"
+        "from attn_ledger.ledger import ledger_on_qkv;retain_freed_memory();g=torch.Generator().manual_seed(0);"
+        f"q,k,v=(torch.randn(*{tuple(shape)},generator=g).to({device!r}) for _ in range(3));{call};"
+        "print(re.search(r'VmHWM:\\s+(\\d+)',open('/proc/self/status').read()).group(1))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    try:
+        return int(out.stdout.strip()) / 1024
+    except ValueError:
+        raise SystemExit(f"the {what} peak could not be measured: {out.stderr.strip()[-300:]}") from None
+
+
+def print_grad(r: dict) -> int:
+    """The ``--grad`` table; 1 if the --grad ledger's peak is twice the forward ledger's or more."""
+    p = r["peaks"]
+    within = p["grad"] < GRAD_MEMORY_LIMIT * p["forward"]
+    print("| (B, Nh, T, Dh) | SDPA fwd+bwd ms | ledger --grad ms | ledger --grad / SDPA fwd+bwd | forward ledger ms "
+          "| forward ledger / SDPA fwd+bwd |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| {_fmt_shape(r['shape'])} | {r['sdpa_s'] * 1e3:.0f} | {r['grad_s'] * 1e3:.0f} | {r['ratio']:.2f} "
+          f"| {r['fwd_s'] * 1e3:.0f} | {r['fwd_ratio']:.2f} |")
+    print("\nPeak resident memory of a fresh process making the inputs and one call (MiB; growth over the inputs alone):\n")
+    print("| inputs alone | SDPA fwd+bwd | forward ledger | ledger --grad | --grad / forward |")
+    print("|---:|---:|---:|---:|---:|")
+    grow = {k: v - p["inputs"] for k, v in p.items()}
+    print(f"| {p['inputs']:.0f} | {p['sdpa']:.0f} (+{grow['sdpa']:.0f}) | {p['forward']:.0f} (+{grow['forward']:.0f}) "
+          f"| {p['grad']:.0f} (+{grow['grad']:.0f}) | {p['grad'] / p['forward']:.2f} |")
+    print(f"\n{'OK' if within else 'FAIL'}: the --grad ledger's peak resident memory is "
+          f"{p['grad'] / p['forward']:.2f}x the forward ledger's (limit {GRAD_MEMORY_LIMIT:g}x)")
+    return 0 if within else 1
 
 
 def run_cli(shape: tuple[int, int, int, int]) -> dict:
@@ -359,12 +445,23 @@ def main(argv: list[str] | None = None) -> int:  # long only by its option list 
     ap.add_argument("--rounds", type=int, default=21, help="alternating rounds per shape with --baseline")
     ap.add_argument("--max-slowdown", type=float, default=0.05,
                     help="with --baseline: exit 1 if a current median ratio exceeds the baseline's by more than this")
+    ap.add_argument("--grad", action="store_true",
+                    help=f"the --grad ledger against SDPA forward + backward at {GRAD_SHAPE}, with its peak memory")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker()
     if args.baseline:
         return compare_with(args.baseline, args.rounds, args.max_slowdown)
+    if args.grad:
+        from attn_ledger.alloc import retain_freed_memory
+
+        retain_freed_memory()
+        print(f"Machine: {machine(args.device)}; device {args.device}; causal float32; O-bar = 1; allocator: freed memory "
+              f"retained (as the CLI); SDPA fwd+bwd, the --grad ledger and the forward ledger alternate, "
+              f"{args.repeats} rounds after one warm-up; ratios are medians of the per-round ratios; peak RSS via "
+              "/proc/self/clear_refs + VmHWM\n")
+        return print_grad(bench_grad(GRAD_SHAPE, args.repeats, args.device))
 
     allocator = "C library default"
     if args.allocator == "retain":

@@ -495,17 +495,19 @@ def gen_faults(arg: str) -> str:
 
 def gen_pipeline_faults(arg: str) -> str:
     """The built-in pipeline's faults, what each does, and where the default ledger first sees it."""
-    from attn_ledger.config import load_config
+    from attn_ledger.config import FAULT_NEEDS, load_config
     from attn_ledger.ledger import run_ledger
     from attn_ledger.pipeline import FAULT_SUMMARIES
     from attn_ledger.report import LEVEL_NAMES
 
     rows = ["| `--fault` | what it does | first finding on the default config |", "| --- | --- | --- |"]
     for name, summary in FAULT_SUMMARIES.items():
-        found = run_ledger(load_config(overrides={"fault": name})).first_finding
+        needs = FAULT_NEEDS.get(name, {})
+        found = run_ledger(load_config(overrides={"fault": name, **needs})).first_finding
         where = "none" if found is None else (
             f"`{found.row}`, L{found.check.level} {LEVEL_NAMES[found.check.level]}: `{found.check.name}`")
-        rows.append(f"| `{name}` | {summary} | {where} |")
+        said = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in needs.items())
+        rows.append(f"| `{name}` | {summary} | {where}{f' (with `{said}`)' if said else ''} |")
     return "\n".join(rows)
 
 

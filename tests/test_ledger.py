@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attn_ledger.config import load_config
-from attn_ledger.ledger import CONFIG_STAGES, TENSOR_STAGES, ledger_on_qkv, run_ledger, run_ledger_tensors
+from attn_ledger.ledger import config_stages, ledger_on_qkv, run_ledger, run_ledger_tensors, tensor_stages
 
 # The table: where each deliberate fault must first be caught (stage, highest allowed level).
 FAULT_TABLE = [
@@ -30,7 +30,7 @@ def test_default_is_healthy_and_every_check_holds():
     led = ledger()
     assert led.first_finding is None
     assert led.verdict == "pass" and led.exit_code == 0
-    assert [r.name for r in led.rows] == list(CONFIG_STAGES)
+    assert [r.name for r in led.rows] == list(config_stages())
     for row in led.rows:
         assert row.status == "pass"
         assert row.checks or row.name == "input", row.name  # the input row states what was validated
@@ -196,7 +196,7 @@ def seed000():
 def test_seed000_fixture_reproduces_the_worked_numbers():
     led = run_ledger_tensors("fixtures/tensors/seed000.safetensors")
     assert led.first_finding is None
-    assert [r.name for r in led.rows] == list(TENSOR_STAGES)
+    assert [r.name for r in led.rows] == list(tensor_stages())
     w = led.tensors["weights"][0, 0]
     out = led.tensors["context"][0, 0]
     assert torch.allclose(w, torch.tensor([[0.014166, 0.985834], [0.999151, 0.000849]], dtype=w.dtype), atol=1e-6)

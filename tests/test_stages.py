@@ -12,14 +12,20 @@ import pytest
 import torch
 
 from attn_ledger import stages
-from attn_ledger.config import Fault, load_config
+from attn_ledger.config import FAULT_NEEDS, Fault, load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger, run_ledger_tensors
 from attn_ledger.report import Report
 
 FIXTURES = __import__("pathlib").Path(__file__).parent.parent / "fixtures"
 
+
 CONFIGS = [
-    *({"fault": f.value} for f in Fault),
+    *({"fault": f.value, **FAULT_NEEDS.get(f.value, {})} for f in Fault),
+    {"grad": True, "replay": True, "rope": "half"},
+    {"grad": True, "mask": "padding", "valid_lengths": [5, 3]},  # keys no query of example 1 may use
+    {"grad": True, "mask": "padding", "valid_lengths": [5, 0], "empty_rows": "zeros"},
+    {"grad": True, "query_len": 3, "key_len": 6, "num_heads": 4, "num_kv_heads": 2, "embed_dim": 16},
+    {"batch_size": 1},
     {"fault": "k-transpose", "seq_len": 4, "num_heads": 4, "embed_dim": 16},  # Nh == T == Dh: it does not raise
     {"mask": "none"},
     {"mask": "padding", "valid_lengths": [5, 3]},
@@ -50,6 +56,15 @@ def _tensor_reports() -> list[Report]:
     grid = torch.zeros(1, 2, 4, 3)  # [B, Nh, Tq, Tk - 1]: the wrong shape
     out = torch.zeros(1, 2, 4, 7)  # [B, Nh, Tq, Dv - 1]: the wrong shape
     reports.append(ledger_on_qkv(q, k, v, mask="causal", scores=grid, weights=grid, out=out, keep_going=True))
+    go = torch.randn(1, 2, 4, 8, generator=g)
+    with torch.enable_grad():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ctx = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+        dq, dk, dv = torch.autograd.grad(ctx, leaves, go)
+    saved = {"grad_out": go, "dq": dq, "dk": dk, "dv": dv}
+    reports.append(ledger_on_qkv(q, k, v, mask="causal", grad=True, grads=saved, replay=True, rope="half", keep_going=True))
+    wrong = {n: torch.zeros(1, 2, 4, 7) for n in saved}  # every one a width short
+    reports.append(ledger_on_qkv(q, k, v, mask="causal", grad=True, grads=wrong, keep_going=True))
     return reports
 
 

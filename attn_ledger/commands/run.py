@@ -33,7 +33,8 @@ OPTION_NAMES = {"batch_size": "--batch-size", "seq_len": "--seq-len", "query_len
                 "value_dim": "--value-dim", "mask": "--mask", "valid_lengths": "--valid-lengths", "window": "--window",
                 "prefix_len": "--prefix-len", "empty_rows": "--empty-rows", "dtype": "--dtype", "seed": "--seed",
                 "input": "--input", "device": "--device", "block_size": "--block-size", "keep_grids": "--keep-grids",
-                "fault": "--fault"}
+                "fault": "--fault", "grad": "--grad", "grad_output": "--grad-output", "replay": "--replay",
+                "scale": "--scale", "temperature": "--temperature", "rope": "--rope"}
 
 
 class EmptyRows(str, Enum):
@@ -81,6 +82,12 @@ def run(
     show: Annotated[Optional[list[Show]], typer.Option("--show", help="After the table, draw a heatmap per head of the diverging example: the weights, or what masking did (repeatable; up to Tq, Tk = 32 cell by cell, pooled beyond).")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the mask and weight heatmaps.")] = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free); a run estimated above it is refused.")] = None,
+    grad: Annotated[bool, typer.Option("--grad", help="Also run and check the backward stages (grad_context .. grad_k; for configs grad_projections, grad_input).")] = False,
+    grad_output: Annotated[Optional[str], typer.Option("--grad-output", help="O-bar seeded on the last forward stage (with --grad): ones (default), identity (I on each head's [Tq, Dv] block; needs Tq == Dv) or a tensor file of that stage's shape.")] = None,
+    replay: Annotated[bool, typer.Option("--replay", help="Run the computation twice and check the two bitwise (on output, or context for --tensors; with --grad also on grad_k).")] = False,
+    scale: Annotated[Optional[float], typer.Option("--scale", help="Score scale S (default 1/sqrt(Dh)); the pipeline and every reference use S/tau.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Softmax temperature tau: the score scale becomes S/tau.")] = None,
+    rope: Annotated[Optional[str], typer.Option("--rope", help="Rotary positions on q and k before the scores: PAIRING[,base=B][,dim=D], PAIRING half or interleaved (e.g. half, interleaved,base=500000,dim=32).")] = None,
 ) -> None:
     """Run attention as named stages, check each, and name the first stage that diverges.
 
@@ -115,7 +122,9 @@ def run(
             "mask": mask, "valid_lengths": lengths, "window": positions["--window"], "prefix_len": positions["--prefix-len"],
             "empty_rows": empty_rows.value if empty_rows else None, "dtype": dtype.value if dtype else None,
             "seed": seed_value, "input": input_kind.value if input_kind else None, "device": device,
-            "block_size": positions["--block-size"], "keep_grids": keep_grids or None,
+            "block_size": positions["--block-size"], "keep_grids": keep_grids or None, "grad": grad or None,
+            "grad_output": grad_output, "replay": replay or None, "scale": scale, "temperature": temperature,
+            "rope": rope,
         }
         cfg = load_config(config, overrides, OPTION_NAMES)
         if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
@@ -150,6 +159,7 @@ def run(
                 found, mask=mask or "none", window=positions["--window"], prefix_len=positions["--prefix-len"],
                 empty_rows=(empty_rows.value if empty_rows else "error"), dtype=dtype.value if dtype else None,
                 device=device or "cpu", block_size=positions["--block-size"], keep_grids=keep_grids,
-                keep_going=keep_going, progress=progress, backends=backends, source=str(tensors))
+                keep_going=keep_going, progress=progress, backends=backends, source=str(tensors), scale=scale,
+                temperature=temperature, rope=rope, grad=grad, grad_output=grad_output, replay=replay)
 
     execute(build, output_format, output, command="run", show=shown, html=html)

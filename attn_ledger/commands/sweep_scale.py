@@ -1,4 +1,4 @@
-"""``attn-ledger sweep-scale``: score spread and softmax sharpness against Dh, raw and scaled."""
+"""``attn-ledger sweep-scale``: score spread and softmax sharpness against Dh, raw and scaled; or temperature."""
 
 from __future__ import annotations
 
@@ -21,18 +21,34 @@ def sweep_scale(
         Optional[Path], typer.Option("--tensors", help="Saved q and k ([B, T, Dh] or [B, Nh, T, Dh]) to measure instead.")
     ] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of std and entropy against Dh (needs matplotlib).")] = None,
+    temperatures: Annotated[Optional[str], typer.Option("--temperatures", help="Instead of the Dh sweep: softmax(scores / tau) and its entropy at each temperature tau, e.g. 0.5,1,2.")] = None,
+    scores: Annotated[Optional[str], typer.Option("--scores", help="The fixed row of scores for --temperatures.", show_default="1.2,0.3,-0.4,1.8")] = None,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free).")] = None,
 ) -> None:
     """Does 1/sqrt(Dh) hold the score spread near 1 and the softmax entropy flat across Dh?
 
-    Exit 1 when the relationship fails (sweep) or a saturation/headroom flag is raised (--tensors).
+    With --temperatures: the softmax of one fixed row of scores at each temperature, and its entropy.
+    Exit 1 when the relationship fails (sweep), a saturation/headroom flag is raised (--tensors), or a
+    distribution disagrees with a float64 softmax of the same scores (--temperatures).
     """
 
     def build():
+        from attn_ledger.errors import InputError
         from attn_ledger.experiments import scale
 
+        if temperatures is not None:
+            for option, value in (("--dh", dh), ("--tensors", tensors), ("--queries", queries), ("--keys", keys),
+                                  ("--seed", seed), ("--plot", plot), ("--max-memory", max_memory)):
+                if value is not None:
+                    raise InputError(f"{option}: got {str(value)!r}, expected no {option} with --temperatures "
+                                     "(one fixed row of scores, no sweep over Dh)")
+            taus = scale.parse_values(temperatures, "--temperatures", positive=True, distinct=True)
+            row = scale.DEFAULT_SCORES if scores is None else scale.parse_values(scores, "--scores")
+            return scale.temperature_lab(taus, row)
+        if scores is not None:
+            raise InputError(f"--scores: got {scores!r}, expected it only with --temperatures")
         if tensors is not None:
             opt.refuse_given({"--dh": dh, "--queries": queries, "--keys": keys, "--seed": seed},
                              "with --tensors (the file sets the sizes and holds q and k)")

@@ -8,6 +8,8 @@ sampled; the output also compares every row with the SDPA-based forward.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -137,3 +139,93 @@ def output(merged_ctx: "Tensor", wo: "Tensor", sdpa_ctx: "Tensor", ref_ctx: dict
         d, ex = C.excess_error(out, sd_out, rtol, atol * max(1.0, C.max_abs(sd_out)))
         found.append(C.compare_check("matches_sdpa", d, ex, rtol, atol, "SDPA-based forward"))
     return out, found
+
+
+# --- the backward of the stages outside the score grid (configs, with grad) -----------------------
+
+GRAD_AXES = {"grad_projections": "[out,in] Wq,Wk,Wv,Wo", "grad_input": "[B,Tq,E]"}
+
+
+def grad_context(ops: Any, grad_output: "Tensor", wo: "Tensor", nh: int) -> "Tensor":
+    """``O-bar`` of the output ``[B, Tq, E]`` back through the output projection and the merge: ``[B, Nh, Tq, Dv]``."""
+    grad_merged = grad_output @ wo  # [B, Tq, E] @ [E, Nh*Dv] -> [B, Tq, Nh*Dv]
+    return ops.split(grad_merged, nh)  # the merge's adjoint is the split: [B, Nh, Tq, Dv]
+
+
+def grad_projections(ops: Any, dq: "Tensor", dk: "Tensor", dv: "Tensor", grad_output: "Tensor", x: "Tensor",
+                     x_kv: "Tensor", merged: "Tensor") -> dict[str, "Tensor"]:
+    """The projection weights' gradients, ``nn.Linear`` layout ``[out, in]``: ``W-bar = y-bar^T x`` summed over B and T.
+
+    Args:
+        dq: ``[B, Nh, Tq, Dh]``; dk, dv: ``[B, Nkv, Tk, *]`` (the head split's adjoint is the merge).
+        grad_output: ``[B, Tq, E]``; x, x_kv: ``[B, Tq, E]``, ``[B, Tk, E]``; merged: ``[B, Tq, Nh*Dv]``.
+    """
+
+    def outer(y: "Tensor", inp: "Tensor") -> "Tensor":
+        return y.reshape(-1, y.shape[-1]).transpose(0, 1) @ inp.reshape(-1, inp.shape[-1])  # [out, in]
+
+    return {"wq": outer(ops.merge(dq), x), "wk": outer(ops.merge(dk), x_kv), "wv": outer(ops.merge(dv), x_kv),
+            "wo": outer(grad_output, merged)}
+
+
+def grad_input(ops: Any, dq: "Tensor", dk: "Tensor", dv: "Tensor", w: Any, cross: bool) -> dict[str, "Tensor"]:
+    """``x-bar`` ``[B, Tq, E]`` (and ``x_kv-bar`` ``[B, Tk, E]`` for cross-attention) through the three projections."""
+    gx = ops.merge(dq) @ w.wq  # [B, Tq, Nh*Dh] @ [Nh*Dh, E]
+    gkv = ops.merge(dk) @ w.wk + ops.merge(dv) @ w.wv  # [B, Tk, E]
+    return {"x": gx, "x_kv": gkv} if cross else {"x": gx + gkv}
+
+
+def sdpa_chain_gradients(inp: Inputs, nh: int, nkv: int, allow: "Tensor | None", whole_causal: bool, scale: float,
+                         rotation: Any, grad_output: "Tensor") -> dict[str, "Tensor"]:
+    """Autograd, in the run's dtype, of the same multi-head attention built on F.scaled_dot_product_attention."""
+    import torch
+    import torch.nn.functional as F
+
+    from attn_ledger.reference import heads_of, join_heads, repeat_kv
+    from attn_ledger.rotary import apply_rotary
+
+    cross = inp.x_kv is not inp.x
+    with torch.enable_grad():
+        leaves = [t.detach().clone().requires_grad_(True) for t in
+                  (inp.x, inp.weights.wq, inp.weights.wk, inp.weights.wv, inp.weights.wo) + ((inp.x_kv,) if cross else ())]
+        x, wq, wk, wv, wo = leaves[:5]
+        xkv = leaves[5] if cross else x
+        q, k, v = heads_of(x @ wq.T, nh), heads_of(xkv @ wk.T, nkv), heads_of(xkv @ wv.T, nkv)  # [B, N, T, D]
+        if rotation is not None:
+            q, k = apply_rotary(q, rotation.spec, offset=rotation.q_start), apply_rotary(k, rotation.spec)
+        ctx = F.scaled_dot_product_attention(q, repeat_kv(k, nh), repeat_kv(v, nh), attn_mask=allow, dropout_p=0.0,
+                                             is_causal=whole_causal, scale=scale)  # [B, Nh, Tq, Dv]
+        out = join_heads(ctx) @ wo.T  # [B, Tq, E]
+        found = torch.autograd.grad(out, leaves, grad_output)
+    names = ("x", "wq", "wk", "wv", "wo") + (("x_kv",) if cross else ())
+    return dict(zip(names, found))
+
+
+def grad_checks(full: dict[str, "Tensor"], shapes: dict[str, tuple[int, ...]], axes: str, partial: dict[str, "Tensor"],
+                ref: "dict[str, Tensor] | None", sdpa: "dict[str, Tensor] | None", sampled: str) -> list[Check]:
+    """A whole-tensor backward row: shapes, finite values, float64 autograd (on the sample) and SDPA autograd (every row)."""
+    got = {n: list(t.shape) for n, t in full.items()}
+    want = {n: list(s) for n, s in shapes.items()}
+    found = [Check(1, "shape", "pass" if got == want else "fail", reason=f"{axes} derived {want}, got {got}",
+                   data={"expected": want, "got": got, "axes": axes})]
+    if got != want:
+        return found
+    found.append(C.finite_check(sum(C.nonfinite_count(t) for t in full.values()), "gradient values"))
+    for name, against, mine, theirs in (("matches_reference", f"float64 autograd ({sampled})", partial, ref),
+                                        ("matches_sdpa", "autograd of the SDPA-based forward", full, sdpa)):
+        if theirs is None:
+            continue
+        dtype = next(iter(full.values())).dtype
+        rtol, atol = tolerance.reference(dtype)
+        worst, excess, each = 0.0, -atol, {}
+        for n, t in mine.items():
+            d, ex = C.excess_error(t, theirs[n], rtol, atol * max(1.0, C.max_abs(theirs[n])))
+            worst, excess, each[n] = _worst(worst, d), _worst(excess, ex), d
+        check = C.compare_check(name, worst, excess, rtol, atol, against)
+        found.append(Check(**{**check.__dict__, "data": {**check.data, "each": each}}))
+    return found
+
+
+def _worst(a: float, b: float) -> float:
+    """The larger, NaN winning (a NaN anywhere fails the comparison)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)

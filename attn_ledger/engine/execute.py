@@ -388,6 +388,48 @@ def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor
                             M.excess(out, ref["out"], rtol, atol * max(1.0, M.max_abs(ref["out"])))[1], backend=name, dtype=dn)
 
 
+# --- one block through the pipeline, unmeasured (replay and the backward's recompute) ---------------
+
+def block_stages(ops: Any, qb: "Tensor", kb: "Tensor", ap: "Tensor | None", pipe_band: tuple[int, int], scale: float,
+                 empty_zero: bool) -> tuple["Tensor", "Tensor"]:
+    """A block's scores and weights through the pipeline's stage functions, as :class:`Execution` runs them.
+
+    The mask function runs on the band where the pipeline's relation is not all-allowed, as in
+    :meth:`Execution._masked`, so a replay gives the same bits. Returns the masked scores and the
+    weights, ``[B, Nh, rows, kw]`` each.
+    """
+    p0, p1 = pipe_band
+    s = ops.scores(qb, kb, scale)  # [B, Nh, rows, kw]
+    if p1 > p0:
+        s[..., p0:p1] = ops.mask(s[..., p0:p1], ap[..., p0:p1])
+    return s, ops.softmax(s, ap, empty_zero)  # [B, Nh, rows, kw] each
+
+
+def block_layout(plan: P.Plan, relation: "Relation", ops: Any, blk: P.Block) -> tuple[P.Layout, "Tensor | None", "Tensor | None"]:
+    """A block's layout under the relation the pipeline applies, the intended relation and the applied one."""
+    allow_i = relation.block(blk.q0, blk.q1)  # intended, [B|1, Nh|1, rows, Tk]
+    allow_p = ops.polarity(allow_i)  # what the pipeline applies
+    lay = blk.layout if allow_p is allow_i else P.layout(relation, allow_i, allow_p, blk.q0, blk.q1, plan.tk,
+                                                         plan.full_keys, plan.width_step)
+    return lay, allow_i, allow_p
+
+
+def replay_context(plan: P.Plan, relation: "Relation", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
+                   scale: float, empty_zero: bool) -> "Tensor":
+    """The context ``[B, Nh, Tq, Dv]`` computed again, block by block with the same key ranges, unmeasured."""
+    import torch
+
+    out = torch.empty(plan.b, plan.nh, plan.tq, v_exp.shape[-1], dtype=q.dtype, device=q.device)
+    with torch.inference_mode():
+        for blk in plan.blocks:
+            lay, _, allow_p = block_layout(plan, relation, ops, blk)
+            lo, hi = lay.lo, lay.hi
+            ap = None if allow_p is None else allow_p[..., lo:hi]
+            _, w = block_stages(ops, q[:, :, blk.q0:blk.q1], k_exp[:, :, lo:hi], ap, lay.pipe_band, scale, empty_zero)
+            out[:, :, blk.q0:blk.q1] = ops.mix(w, v_exp[:, :, lo:hi])
+    return out
+
+
 # --- the float64 reference on the sampled rows ----------------------------------------------
 
 class Sample:
@@ -457,15 +499,28 @@ def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation
     spans = plan.reference_spans  # absolute query rows
     contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
     qs = q[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([q[:, :, r0:r1] for r0, r1 in spans], dim=2)
-    allow = None
-    if relation.parts:
-        parts = []
-        for r0, r1 in spans:
-            a = relation.block(r0, r1)  # [B|1, Nh|1, rows|1, Tk]
-            parts.append(a.expand(a.shape[0], a.shape[1], r1 - r0, tk))
-        allow = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    ref = reference_block(qs, k, v, allow, scale, empty, dtype)
+    ref = reference_block(qs, k, v, sample_allow(relation, spans, tk), scale, empty, dtype)
     return {key: t for key, t in ref.items() if key != "allow"}
+
+
+def sample_allow(relation: "Relation", spans: tuple[tuple[int, int], ...], tk: int) -> "Tensor | None":
+    """The intended relation on the sampled rows, one span after another: ``[B|1, Nh|1, R, Tk]``, or None."""
+    import torch
+
+    if not relation.parts:
+        return None
+    parts = []
+    for r0, r1 in spans:
+        a = relation.block(r0, r1)  # [B|1, Nh|1, rows|1, Tk]
+        parts.append(a.expand(a.shape[0], a.shape[1], r1 - r0, tk))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def sample_rows(spans: tuple[tuple[int, int], ...], device: Any = None) -> "Tensor":
+    """``[R]``: the absolute query rows of the sample, span after span."""
+    import torch
+
+    return torch.cat([torch.arange(r0, r1, device=device) for r0, r1 in spans]) if spans else torch.zeros(0, dtype=torch.long)
 
 
 def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,

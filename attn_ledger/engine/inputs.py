@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-TENSOR_NAMES = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out")
+TENSOR_NAMES = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 GIVEN = (("scores", "scores"), ("weights", "weights"), ("out", "context"))  # (name, the stage it is compared at)
+GIVEN_GRADS = (("grad_out", "grad_context"), ("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_values"))
 
 
 def validate_qkv(q: "Tensor", k: "Tensor", v: "Tensor") -> None:
@@ -94,6 +95,91 @@ def given_tensors(found: "dict[str, Tensor | None]", one_head: bool, b: int, nh:
     return given, broken
 
 
+def given_grads(found: "dict[str, Tensor | None]", one_head: bool, shapes: dict[str, tuple[int, ...]]
+                ) -> tuple["dict[str, Tensor]", list[Broken]]:
+    """The user's saved gradients placed with a head axis, and a :class:`Broken` for each of the wrong shape.
+
+    ``grad_out`` must have the context's shape, ``dq``/``dk``/``dv`` those of q, k, v (without the head
+    axis when Q, K, V have none). ``shapes``: stage -> derived shape with the head axis.
+    """
+    given: dict[str, Tensor] = {}
+    broken: list[Broken] = []
+    for name, stage in GIVEN_GRADS:
+        t = found.get(name)
+        if t is None:
+            continue
+        if not t.is_floating_point():
+            raise InputError(f"{name}: got dtype {dtype_name(t.dtype)}, expected a floating-point tensor")
+        want = shapes[stage]
+        t4 = t[:, None] if (one_head and t.dim() == 3) else t
+        if tuple(t4.shape) != want:
+            broken.append(Broken(stage, "given", shape=tuple(t.shape), expected=want if not one_head else (want[0], *want[2:])))
+        else:
+            given[name] = t4
+    return given, broken
+
+
+def grad_seed(value: "str | Tensor | None", shape: tuple[int, ...], dtype: "torch.dtype", device: "torch.device",
+              *, heads: int | None = None, one_head: bool = False) -> "Tensor":
+    """``O-bar`` for the last forward stage: ``ones``, ``identity``, a tensor file, or a tensor.
+
+    Args:
+        value: None or ``"ones"`` (every entry 1); ``"identity"`` (I on each head's ``[Tq, Dv]`` block,
+            which needs Tq == Dv); a path to a ``.pt``/``.safetensors``/``.npz`` file holding one tensor
+            (or one named ``grad_out``) of ``shape``; or a tensor of ``shape``.
+        shape: ``[B, Nh, Tq, Dv]`` (the context), or ``[B, Tq, E]`` (the output) with ``heads`` = Nh.
+        one_head: the inputs had no head axis: a seed of ``[B, Tq, Dv]`` is expected (and accepted).
+
+    Raises:
+        InputError: identity where Tq != Dv, or a file that is unsafe, unreadable or of another shape.
+    """
+    import torch
+
+    if value is None or (isinstance(value, str) and value == "ones"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    if isinstance(value, str) and value == "identity":
+        return _identity_seed(shape, heads, dtype, device)
+    t = value if isinstance(value, torch.Tensor) else _seed_file(str(value))
+    if not t.is_floating_point():
+        raise InputError(f"grad_output: got dtype {dtype_name(t.dtype)}, expected a floating-point tensor")
+    got = list(t.shape)
+    if one_head and t.dim() == 3:
+        t = t[:, None]  # one head: [B, Tq, Dv] -> [B, 1, Tq, Dv]
+    if tuple(t.shape) != tuple(shape):
+        want = [shape[0], *shape[2:]] if one_head else list(shape)
+        raise InputError(f"grad_output: got shape {got}, expected the shape of the stage it seeds, {want}")
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise InputError("grad_output: holds NaN or inf values, expected a finite gradient")
+    return t.to(dtype=dtype, device=device)
+
+
+def _identity_seed(shape: tuple[int, ...], heads: int | None, dtype: "torch.dtype", device: "torch.device") -> "Tensor":
+    import torch
+
+    if heads is None:  # the context [B, Nh, Tq, Dv]
+        b, nh, tq, dv = shape
+    else:  # the output [B, Tq, E], its features in Nh blocks of Dv
+        b, tq, e = shape
+        nh, dv = heads, shape[-1] // heads
+    if tq != dv:
+        raise InputError(f"grad_output: got 'identity' (I on each head's [Tq, Dv] block), expected Tq == Dv; "
+                         f"got Tq={tq}, Dv={dv}")
+    eye = torch.eye(tq, dtype=dtype, device=device).expand(b, nh, tq, dv)  # [B, Nh, Tq, Dv]
+    return eye.clone() if heads is None else eye.transpose(1, 2).reshape(b, tq, nh * dv)  # [B, Tq, Nh*Dv]
+
+
+def _seed_file(path: str) -> "Tensor":
+    from attn_ledger.tensorio import load_tensor_file
+
+    found = load_tensor_file(path, "grad_output")
+    if "grad_out" in found:
+        return found["grad_out"]
+    if len(found) != 1:
+        raise TensorFileError(f"grad_output: {path!r} holds {sorted(found) or 'nothing'}, expected one tensor "
+                              "(or one named 'grad_out')")
+    return next(iter(found.values()))
+
+
 def load(path: "str | os.PathLike[str] | Mapping[str, Tensor]", dtype: "torch.dtype | None",
          device: "torch.device", source: str | None = None) -> dict[str, "Tensor"]:
     """The tensors of a ``.pt`` / ``.safetensors`` / ``.npz`` file, named from :data:`TENSOR_NAMES`, on ``device``
@@ -113,7 +199,7 @@ def load(path: "str | os.PathLike[str] | Mapping[str, Tensor]", dtype: "torch.dt
                               "expected q, k and v")
     t = {n: x.to(device) for n, x in found.items()}
     if dtype is not None:
-        for n in ("q", "k", "v", "scores", "weights", "out"):
+        for n in ("q", "k", "v", "scores", "weights", "out", "grad_out", "dq", "dk", "dv"):
             if n in t and t[n].is_floating_point():
                 t[n] = t[n].to(dtype)
     return t

@@ -345,3 +345,61 @@ def _headroom(max_abs_score: float, dtype: str) -> Check:
 def _nonneg(value: float) -> float:
     """An excess clipped at zero for display, NaN kept (it fails the bound)."""
     return value if math.isnan(value) else max(0.0, value)
+
+
+# --- the backward stages ---------------------------------------------------------------------
+
+GRAD_GRID_STAGES = ("grad_weights", "grad_values", "grad_scores", "grad_q", "grad_k")
+GRAD_AXES = {
+    "grad_context": "[B,Nh,Tq,Dv]",
+    "grad_weights": "[B,Nh,Tq,Tk]",
+    "grad_values": "[B,Nkv,Tk,Dv]",
+    "grad_scores": "[B,Nh,Tq,Tk]",
+    "grad_q": "[B,Nh,Tq,Dh]",
+    "grad_k": "[B,Nkv,Tk,Dh]",
+}
+
+
+def judge_backward(t: Tally, dtype: str, *, derived: dict[str, tuple[int, ...]], sampled: str) -> Verdicts:
+    """The checks of the backward's score-grid stages from a tally.
+
+    Args:
+        derived: each stage's derived shape (its L1 check).
+        sampled: how the float64 reference covered the rows, for its checks' words.
+    """
+    v = Verdicts()
+    for stage in GRAD_GRID_STAGES:
+        v.checks[stage] = []
+        if (stage, "pipeline") in t.broken:
+            _broken(v, stage, t.broken[(stage, "pipeline")], GRAD_AXES[stage], "shape")
+            continue
+        if not t.reached(stage):
+            continue
+        v.add(stage, _blocks_shape(derived[stage], GRAD_AXES[stage]))
+        n = t.count(stage, "nonfinite")
+        v.add(stage, C.finite_check(n.n, stage.replace("_", " ") + " values"), n.where)
+        if stage == "grad_scores":
+            rule = t.agreement(stage, "pipeline", "row_rule")
+            rtol, atol = tolerance.reference(dtype)
+            v.add(stage, Check(3, "softmax_row_rule", "pass" if rule.excess is not None and rule.excess <= 0 else "fail",
+                               "max |S-bar - A*(A-bar - rowsum(A*A-bar))|, per query row", rule.diff, rtol=rtol,
+                               atol=atol, data={"excess": rule.excess}), rule.where)
+        if stage in ("grad_values", "grad_k"):
+            _blocked_keys(v, t, stage)
+        if stage == "grad_k":
+            p = t.peak(stage, "key_sum")
+            v.add(stage, _bound(3, "key_sum_zero", 0.0 if p is None else p.value, tolerance.row_sum(dtype),
+                                "max |sum over keys of K-bar| / sum over keys of |K-bar|"))
+        _compare(v, stage, "matches_reference", t.agreement(stage, "pipeline", "float64"), dtype,
+                 f"float64 autograd ({sampled})")
+        _compare(v, stage, "matches_sdpa", t.agreement(stage, "pipeline", "sdpa"), dtype,
+                 "autograd of F.scaled_dot_product_attention")
+    return v
+
+
+def _blocked_keys(v: Verdicts, t: Tally, stage: str) -> None:
+    p = t.peak(stage, "blocked_max")
+    if p is None:
+        v.add(stage, _not_applicable(3, "blocked_keys_zero", "every key is used by some query"))
+        return
+    v.add(stage, _bound(3, "blocked_keys_zero", p.value, 0.0, "largest |gradient| on a key no query may use"), p.where)

@@ -437,3 +437,98 @@ def write_plot(report: Report, path: str | Path) -> str:
     finally:
         plt.close(fig)
     return str(path)
+
+
+# --- temperature: one fixed row of scores at several temperatures ---------------------------------------
+
+DEFAULT_SCORES = (1.2, 0.3, -0.4, 1.8)  # a fixed row of four scores
+TEMPERATURE_DTYPE = "float32"  # the pipeline's softmax runs in the default run dtype
+ACROSS_TAU = "across tau"
+MAX_VALUES = 4096
+
+
+def parse_values(text: str, option: str, *, positive: bool = False, distinct: bool = False) -> tuple[float, ...]:
+    """``"0.5,1,2"`` -> ``(0.5, 1.0, 2.0)``: finite numbers (positive, distinct where asked), at most MAX_VALUES."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) > MAX_VALUES:
+        raise field_error(option, f"{len(parts)} values", f"at most {MAX_VALUES} comma-separated numbers")
+    values = []
+    for p in parts:
+        try:
+            v = float(p)
+        except ValueError:
+            raise field_error(option, text, f"comma-separated numbers such as 0.5,1,2 ({p!r} is not a number)") from None
+        if not math.isfinite(v) or (positive and v <= 0):
+            raise field_error(option, text, f"{'positive ' if positive else ''}finite numbers ({p!r} is not)")
+        values.append(v)
+    if distinct and len(set(values)) != len(values):
+        raise field_error(option, text, "distinct values")
+    return tuple(values)
+
+
+def temperature_lab(temperatures: Sequence[float], scores: Sequence[float] = DEFAULT_SCORES,
+                    softmax: Callable | None = None) -> Report:
+    """The softmax of one fixed row of scores at each temperature: ``softmax(scores / tau)`` and its entropy.
+
+    The distribution comes from the pipeline's softmax (``softmax``, default
+    :func:`attn_ledger.pipeline.softmax_keys`) in float32, and is checked against a float64 softmax of
+    the same scores written out with ``math.exp``. Lower temperatures sharpen, higher ones flatten:
+    the entropy never falls as tau rises (its derivative is the scores' variance under the
+    distribution over tau cubed).
+
+    Returns:
+        One row per temperature (fields: ``temperature``, ``probabilities``, ``entropy``, ``max_p``) with
+        ``matches_float64_softmax`` (L4) and ``sums_to_one`` (L3), then an ``across tau`` row with
+        ``entropy_rises`` (L4).
+    """
+    import torch
+
+    from attn_ledger import tolerance
+    from attn_ledger.pipeline import softmax_keys
+
+    fn = softmax or softmax_keys
+    if not scores:
+        raise field_error("--scores", "", "at least one score")
+    rtol, atol = tolerance.reference(TEMPERATURE_DTYPE)
+    rows, measured = [], []
+    for tau in temperatures:
+        x = torch.tensor(scores, dtype=torch.float32) / tau  # [Tk]
+        p = [float(v) for v in fn(x[None], None, False)[0]]  # [Tk] from the pipeline's softmax
+        want = _softmax64([s / tau for s in scores])
+        entropy = -math.fsum(v * math.log(v) for v in p if v > 0)
+        diff = max((abs(a - b) for a, b in zip(p, want)), default=0.0) if len(p) == len(want) else math.nan
+        excess = max((abs(a - b) - atol - rtol * abs(b) for a, b in zip(p, want)), default=-atol) \
+            if len(p) == len(want) else math.nan
+        checks = (Check(4, "matches_float64_softmax", "pass" if excess <= 0 else "fail", "max |p - float64 softmax|",
+                        diff, rtol=rtol, atol=atol, location={"temperature": tau}, data={"excess": excess, "float64": want}),
+                  bounded(3, "sums_to_one", "|sum p - 1|", abs(math.fsum(p) - 1.0), tolerance.row_sum(TEMPERATURE_DTYPE),
+                          location={"temperature": tau}))
+        rows.append(Row(f"tau={tau:g}", row_status(checks), checks,
+                        fields={"temperature": tau, "probabilities": p, "entropy": entropy, "max_p": max(p, default=0.0)}))
+        measured.append((tau, entropy))
+    across = (_entropy_rises(measured),)
+    rows.append(Row(ACROSS_TAU, row_status(across), across))
+    details = {"mode": "temperature", "scores": list(scores), "temperatures": list(temperatures),
+               "dtype": TEMPERATURE_DTYPE, "ln_tk": math.log(len(scores)), "plot": None}
+    note = ("softmax(scores / tau) from the pipeline's softmax in float32; entropy in nats (ln Tk = "
+            f"{math.log(len(scores)):.4f} is uniform)")
+    title = f"sweep-scale --temperatures: scores {list(scores)} at tau {', '.join(f'{t:g}' for t in temperatures)}"
+    return Report(COMMAND, title, tuple(rows), notes=(note,), details=details, unit="row", row_label="row")
+
+
+def _softmax64(x: Sequence[float]) -> list[float]:
+    """A float64 softmax written out: ``exp(x - max) / sum``."""
+    top = max(x)
+    e = [math.exp(v - top) for v in x]
+    total = math.fsum(e)
+    return [v / total for v in e]
+
+
+def _entropy_rises(measured: list[tuple[float, float]]) -> Check:
+    """Across temperatures in increasing order: steps where the entropy falls (beyond float32 rounding)."""
+    if len(measured) < 2:
+        return unjudged(4, "entropy_rises", "not_applicable", "needs at least two temperatures")
+    ordered = sorted(measured)
+    falls = [[a[0], b[0]] for a, b in zip(ordered, ordered[1:]) if b[1] < a[1] - 1e-6]
+    return counted(4, "entropy_rises", "steps of rising tau where the entropy falls", len(falls),
+                   data={"steps": falls, "entropies": [e for _, e in ordered]})

@@ -1,0 +1,223 @@
+"""Boundary properties of the score-grid stages, each checked on a small probe derived from the inputs.
+
+The probe is the first examples, heads and positions of the tensors that entered the scores
+stage (after projections and rotary positions), with the intended relation on those positions,
+run through the pipeline's own stage functions (:func:`attn_ledger.pipeline.attend`). A query
+row the relation leaves without a key in the probe is declared empty there and not measured.
+
+One check per property:
+
+* ``single_token`` (L3): the first query and key alone: its weight is 1 and its context is its
+  value; with ``grad``, ``single_token_zero_grad`` (L3): autograd through the forward's functions
+  gives zero query and key gradients, since a lone key's weight does not depend on its score
+  (a property of the forward; the hand-written backward is checked in its own rows);
+* ``equal_keys_uniform`` (L3): every key set equal to the first: each row is uniform over its
+  allowed keys;
+* ``permutation_equivariant`` (L4): queries and keys reversed, the relation's rows and columns
+  with them (one joint permutation in self-attention): the context rows come out reversed;
+* ``batch_independent`` (L4): each example alone gives the context it had in the batch
+  (not applicable with one example);
+* ``empty_batch`` (L1): the batch sliced to 0 runs and keeps the derived shape.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+from attn_ledger import tolerance
+from attn_ledger.report import Check, bounded, unjudged
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from attn_ledger.engine.relations import Relation
+
+PROBE_EXAMPLES = 2
+PROBE_HEADS = 2
+PROBE_TOKENS = 8
+PROPERTIES = ("single_token", "single_token_zero_grad", "equal_keys_uniform", "permutation_equivariant",
+              "batch_independent", "empty_batch")
+
+
+def probe_of(q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", relation: "Relation") -> tuple:
+    """The probe: up to PROBE_EXAMPLES examples, PROBE_HEADS heads, PROBE_TOKENS queries and keys, and the relation there."""
+    b, nh = min(q.shape[0], PROBE_EXAMPLES), min(q.shape[1], PROBE_HEADS)
+    nq, nk = min(q.shape[2], PROBE_TOKENS), min(k_exp.shape[2], PROBE_TOKENS)
+    allow = relation.block(0, nq)  # [B|1, Nh|1, nq|1, Tk]
+    if allow is not None:
+        allow = allow[:b, :nh, :, :nk]
+        allow = allow.expand(allow.shape[0], allow.shape[1], nq, nk)  # [B'|1, Nh'|1, nq, nk]
+    return q[:b, :nh, :nq], k_exp[:b, :nh, :nk], v_exp[:b, :nh, :nk], allow
+
+
+def check_properties(ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", relation: "Relation", scale: float,
+                     *, grad: bool) -> list[Check]:
+    """Every boundary property on the probe, in the order of :data:`PROPERTIES`.
+
+    Args:
+        q: ``[B, Nh, Tq, Dh]``; k_exp, v_exp: ``[B, Nh, Tk, Dh]``, ``[B, Nh, Tk, Dv]``, as they entered the scores stage.
+        grad: also the single token's zero query and key gradients.
+    """
+    import torch
+
+    probe = probe_of(q, k_exp, v_exp, relation)
+    lim = tolerance.row_sum(q.dtype)
+    rel = sum(tolerance.reference(q.dtype))
+    if q.shape[0] == 0:
+        why = "B = 0: no example to probe"
+        names = [n for n in PROPERTIES[:-1] if grad or n != "single_token_zero_grad"]
+        levels = {"permutation_equivariant": 4, "batch_independent": 4}
+        return [unjudged(levels.get(n, 3), n, "not_applicable", why) for n in names] + [_empty(ops, probe, scale)]
+    with torch.inference_mode():  # the probes' many small operations spared autograd's bookkeeping
+        try:
+            base: "Tensor | Exception" = _run(ops, *probe, scale)["context"]  # [B', Nh', Tq', Dv]
+        except Exception as exc:
+            base = exc
+        found = [_single_token(ops, probe, scale, lim),
+                 _guarded("equal_keys_uniform", 3, lambda: _equal_keys(ops, probe, scale, lim)),
+                 _guarded("permutation_equivariant", 4, lambda: _permutation(ops, probe, scale, rel, base)),
+                 _guarded("batch_independent", 4, lambda: _batch(ops, probe, scale, rel, base)),
+                 _empty(ops, probe, scale)]
+    if grad:  # autograd, so outside inference mode
+        q, k, v, _ = probe
+        found.insert(1, _guarded("single_token_zero_grad", 3,
+                                 lambda: _zero_grad(ops, q[:, :, :1], k[:, :, :1], v[:, :, :1], scale, lim)))
+    return found
+
+
+def _guarded(name: str, level: int, fn: Callable[[], Check]) -> Check:
+    """A property whose probe raises fails (the stage that raised is the finding elsewhere, or here)."""
+    try:
+        return fn()
+    except Exception as exc:
+        return _raised(name, level, exc)
+
+
+def _raised(name: str, level: int, exc: Exception) -> Check:
+    return Check(level, name, "fail", reason=f"the probe raised {type(exc).__name__}: {str(exc).strip()[:160]}",
+                 data={"exception": type(exc).__name__})
+
+
+def _run(ops: Any, q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float) -> dict[str, "Tensor"]:
+    from attn_ledger.pipeline import attend
+
+    return attend(ops, q, k, v, allow, scale, True)  # probe rows without a key are declared empty
+
+
+def _live(allow: "Tensor | None", shape: tuple[int, ...]) -> "Tensor":
+    """``[B, Nh, Tq, 1]``: the probe's query rows that have an allowed key."""
+    import torch
+
+    if allow is None:
+        return torch.ones(*shape[:3], 1, dtype=torch.bool)
+    return allow.any(dim=-1, keepdim=True).expand(*shape[:3], 1).cpu()
+
+
+def _single_token(ops: Any, probe: tuple, scale: float, lim: float) -> Check:
+    q, k, v, _ = probe
+    q1, k1, v1 = q[:, :, :1], k[:, :, :1], v[:, :, :1]  # [B', Nh', 1, *]
+    try:
+        st = _run(ops, q1, k1, v1, None, scale)
+        w_err = float((st["weights"] - 1).abs().amax())
+        c_err = float((st["context"] - v1).abs().amax()) / max(1.0, float(v1.abs().amax()))
+    except Exception as exc:
+        return _raised("single_token", 3, exc)
+    return bounded(3, "single_token", "max of |weight - 1| and |context - value| / max(1, |value|), one key",
+                   _worst(w_err, c_err), lim, data={"weight_err": w_err, "context_err": c_err})
+
+
+def _zero_grad(ops: Any, q1: "Tensor", k1: "Tensor", v1: "Tensor", scale: float, lim: float) -> Check:
+    """Autograd through the pipeline's forward on one key: its weight cannot move, so Q-bar and K-bar are zero.
+
+    Autograd of the forward, not the hand backward: this is a property of the forward's functions
+    (the backward stages are checked in their own rows).
+    """
+    import torch
+
+    with torch.enable_grad():
+        qg, kg = (t.detach().clone().requires_grad_(True) for t in (q1, k1))
+        ctx = _run(ops, qg, kg, v1, None, scale)["context"]  # [B', Nh', 1, Dv]
+        found = torch.autograd.grad(ctx.sum(), (qg, kg), allow_unused=True)
+    size = max(1.0, float(v1.abs().amax()) if v1.numel() else 0.0)
+    value = 0.0
+    for g in found:
+        if g is not None and g.numel():
+            value = _worst(value, float(g.abs().amax()) / size)
+    return bounded(3, "single_token_zero_grad", "max |Q-bar|, |K-bar| / max(1, |value|), one key, O-bar = 1 "
+                   "(autograd of the forward)", value, lim)
+
+
+def _equal_keys(ops: Any, probe: tuple, scale: float, lim: float) -> Check:
+    """Every key the first one: each live row uniform over its allowed keys."""
+    import torch
+
+    q, k, v, allow = probe
+    same = k[:, :, :1].expand(k.shape).contiguous()  # [B', Nh', nk, Dh]
+    w = _run(ops, q, same, v, allow, scale)["weights"]  # [B', Nh', nq, nk]
+    ok = torch.ones_like(w, dtype=torch.bool) if allow is None else allow.expand(w.shape)
+    n = ok.sum(dim=-1, keepdim=True).clamp(min=1)  # [B', Nh', nq, 1]
+    uniform = torch.where(ok, 1.0 / n.to(w.dtype), torch.zeros((), dtype=w.dtype))  # [B', Nh', nq, nk]
+    live = _live(allow, tuple(w.shape)).to(w.device)
+    err = torch.where(live, (w - uniform).abs(), torch.zeros((), dtype=w.dtype))
+    return bounded(3, "equal_keys_uniform", "max |weight - 1/allowed keys|, every key equal to the first",
+                   float(err.amax()) if err.numel() else 0.0, lim, data={"keys": int(k.shape[2])})
+
+
+def _permutation(ops: Any, probe: tuple, scale: float, rel: float, base: "Tensor | Exception") -> Check:
+    """Queries and keys reversed with the relation: the context rows reversed."""
+    import torch
+
+    if isinstance(base, Exception):
+        raise base
+    q, k, v, allow = probe
+    pq, pk = torch.arange(q.shape[2] - 1, -1, -1), torch.arange(k.shape[2] - 1, -1, -1)
+    moved_allow = None if allow is None else allow[:, :, pq][..., pk]
+    moved = _run(ops, q[:, :, pq], k[:, :, pk], v[:, :, pk], moved_allow, scale)["context"]
+    return _agree("permutation_equivariant", "tokens reversed", moved, base[:, :, pq], rel,
+                  {"queries": int(q.shape[2]), "keys": int(k.shape[2]), "joint": q.shape[2] == k.shape[2]})
+
+
+def _batch(ops: Any, probe: tuple, scale: float, rel: float, whole: "Tensor | Exception") -> Check:
+    """Each example alone against its rows of the batch (``whole``: the probe's context, [B', Nh', nq, Dv])."""
+    import torch
+
+    q, k, v, allow = probe
+    if q.shape[0] < 2:
+        return unjudged(4, "batch_independent", "not_applicable", "one example (B = 1)")
+    if isinstance(whole, Exception):
+        raise whole
+    alone = torch.cat([_run(ops, q[b:b + 1], k[b:b + 1], v[b:b + 1],
+                            None if allow is None else allow[b:b + 1] if allow.shape[0] > 1 else allow, scale)["context"]
+                       for b in range(q.shape[0])])
+    return _agree("batch_independent", "each example alone", alone, whole, rel, {"examples": int(q.shape[0])})
+
+
+def _agree(name: str, what: str, got: "Tensor", want: "Tensor", rel: float, data: dict[str, Any]) -> Check:
+    if tuple(got.shape) != tuple(want.shape):
+        return Check(4, name, "fail", reason=f"{what}: shape {list(got.shape)}, expected {list(want.shape)}",
+                     data={**data, "got": list(got.shape), "expected": list(want.shape)})
+    size = max(1.0, float(want.abs().amax()) if want.numel() else 0.0)
+    diff = float((got - want).abs().amax()) / size if want.numel() else 0.0
+    return bounded(4, name, f"max |context diff| / max(1, |context|), {what}", diff, rel, data=data)
+
+
+def _worst(a: float, b: float) -> float:
+    """The larger, NaN winning."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def _empty(ops: Any, probe: tuple, scale: float) -> Check:
+    """The batch sliced to 0: runs and keeps the derived shape."""
+    q, k, v, allow = probe
+    q0, k0, v0 = q[:0], k[:0], v[:0]
+    a0 = None if allow is None else (allow[:0] if allow.shape[0] > 1 else allow)
+    want = [0, q.shape[1], q.shape[2], v.shape[-1]]
+    try:
+        st = _run(ops, q0, k0, v0, a0, scale)
+    except Exception as exc:
+        return Check(1, "empty_batch", "fail", reason=f"B = 0 raised {type(exc).__name__}: {str(exc).strip()[:160]}",
+                     data={"exception": type(exc).__name__, "expected": want})
+    got = list(st["context"].shape)
+    return Check(1, "empty_batch", "pass" if got == want else "fail",
+                 reason=f"[B,Nh,Tq,Dv] derived {want} for B = 0, got {got}", data={"expected": want, "got": got})

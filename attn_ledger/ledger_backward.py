@@ -1,0 +1,263 @@
+"""The ledger's backward half: seed ``O-bar``, run the backward stages, check them against float64 autograd.
+
+Rows, in order: ``grad_context`` (``O-bar``), ``grad_weights``, ``grad_values``, ``grad_scores``,
+``grad_q``, ``grad_k`` and, for the built-in pipeline, ``grad_projections`` and ``grad_input``.
+The score-grid stages run block by block (:mod:`attn_ledger.engine.backward`); the float64
+reference differentiates the plain attention (or, for the built-in pipeline, the whole plain
+multi-head attention) on the query rows the forward's reference sampled; small inputs also get a
+gradcheck of the hand backward against central differences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from attn_ledger import checks as C
+from attn_ledger import tolerance
+from attn_ledger.engine.backward import BACKWARD_STAGES, GRADCHECK_ENTRIES, Backward, Rotation, gradcheck
+from attn_ledger.engine.judge import GRAD_AXES, Tally, judge_backward
+from attn_ledger.engine.rows import Rows
+from attn_ledger.report import Check, unjudged
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from attn_ledger.engine.plan import Plan
+    from attn_ledger.engine.relations import Relation
+
+CONFIG_BACKWARD = BACKWARD_STAGES + ("grad_projections", "grad_input")
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What the forward hands the backward.
+
+    Attributes:
+        q, k_exp, v_exp: as they entered the scores stage (rotated, kv heads expanded).
+        q_in, k_in, v_in: the q, k, v stages' tensors (before rotation and expansion); the rows'
+            gradients are with respect to these.
+        refs: the reference's q, k, v (float64, before rotation).
+        scale: the pipeline's score scale; sdpa_scale: the intended one (every reference's).
+    """
+
+    q: "Tensor"
+    k_exp: "Tensor"
+    v_exp: "Tensor"
+    q_in: "Tensor"
+    k_in: "Tensor"
+    v_in: "Tensor"
+    refs: tuple["Tensor", "Tensor", "Tensor"]
+    relation: "Relation"
+    plan: "Plan"
+    scale: float
+    sdpa_scale: float
+    empty_zero: bool
+    rotation: Rotation | None
+
+
+def sampled_words(plan: "Plan") -> str:
+    return "every row" if plan.reference_rows == plan.tq else f"{plan.reference_rows} sampled rows"
+
+
+def core_backward(rows: Rows, ops: Any, fwd: Forward, go: "Tensor", ref: "dict[str, Tensor]", *,
+                  replay: bool) -> Backward | None:
+    """The backward's score-grid stages: run, judged, gradcheck on small inputs, and the gradients kept."""
+    b, nh, tq, dh = fwd.q.shape
+    nkv, tk, dv = fwd.k_in.shape[1], fwd.k_exp.shape[2], fwd.v_exp.shape[-1]
+    run = Backward(fwd.plan, fwd.relation, ops, fwd.q, fwd.k_exp, fwd.v_exp, go, scale=fwd.scale,
+                   sdpa_scale=fwd.sdpa_scale, empty_zero=fwd.empty_zero, n_kv=nkv, rotation=fwd.rotation, ref=ref)
+    tally = Tally.of(run.run())
+    derived = {"grad_weights": (b, nh, tq, tk), "grad_values": (b, nkv, tk, dv), "grad_scores": (b, nh, tq, tk),
+               "grad_q": (b, nh, tq, dh), "grad_k": (b, nkv, tk, dh)}
+    verdicts = judge_backward(tally, tolerance.dtype_name(fwd.q.dtype), derived=derived, sampled=sampled_words(fwd.plan))
+    for stage, checks in verdicts.checks.items():
+        broken = tally.broken.get((stage, "pipeline"))
+        if broken is not None and broken.raised is not None:
+            rows.raised[stage] = broken.raised
+        if checks or stage in rows.raised:
+            rows.stage(stage, derived[stage], checks)
+    if run.dq is None:
+        return None
+    if sum(t.numel() for t in (fwd.q_in, fwd.k_in, fwd.v_in)) <= GRADCHECK_ENTRIES:
+        allow = fwd.relation.block(0, tq)
+        for stage, check in gradcheck(ops, fwd.q_in, fwd.k_in, fwd.v_in, go, allow, fwd.scale, fwd.empty_zero,
+                                      fwd.rotation).items():
+            rows.checks[stage].append(check)
+    if replay:
+        rows.checks["grad_k"].append(_replayed(ops, fwd, go, run))
+    rows.tensors.update({"grad_q": run.dq, "grad_k": run.dk, "grad_values": run.dv})
+    for key, parts in run.kept.items():
+        import torch
+
+        rows.tensors[key] = torch.cat(parts, dim=2)  # [B, Nh, Tq, Tk]
+    return run
+
+
+def _replayed(ops: Any, fwd: Forward, go: "Tensor", first: Backward) -> Check:
+    """The backward run again: Q-bar, K-bar and V-bar bitwise the same."""
+    second = Backward(fwd.plan, fwd.relation, ops, fwd.q, fwd.k_exp, fwd.v_exp, go, scale=fwd.scale,
+                      sdpa_scale=fwd.sdpa_scale, empty_zero=fwd.empty_zero, n_kv=fwd.k_in.shape[1],
+                      rotation=fwd.rotation, sdpa=False)
+    for _ in second.run():
+        pass
+    return replay_check([(n, a, b) for n, a, b in (("grad_q", first.dq, second.dq), ("grad_k", first.dk, second.dk),
+                                                   ("grad_values", first.dv, second.dv))],
+                        ("example", "head", "row", "feature"))
+
+
+def replay_check(pairs: list[tuple[str, "Tensor", "Tensor | None"]], axes: tuple[str, ...]) -> Check:
+    """L4: two runs bitwise equal; the first element that differs when not."""
+    import torch
+
+    differ, first = 0, None
+    for name, a, b in pairs:
+        if b is None or a.shape != b.shape:
+            return Check(4, "replay_bitwise", "fail", reason=f"the second run of {name} did not produce its tensor",
+                         data={"tensor": name})
+        size = a.element_size()
+        bad = a.contiguous().view(-1).view(torch.uint8).reshape(a.numel(), size) != \
+            b.contiguous().view(-1).view(torch.uint8).reshape(b.numel(), size)  # [N, bytes]: bitwise
+        per = bad.any(dim=-1)  # [N]
+        n = int(per.sum())
+        if n and first is None:
+            at = int(torch.argmax(per.to(torch.uint8)))
+            idx = _unravel(at, tuple(a.shape))
+            first = {"tensor": name, "index": list(idx), "first_run": float(a.reshape(-1)[at]),
+                     "second_run": float(b.reshape(-1)[at])}
+            location = {"tensor": name, **dict(zip(axes[-len(idx):], idx))}
+        differ += n
+    if first is None:
+        return Check(4, "replay_bitwise", "pass", "elements that differ between two runs", 0, 0, "<=",
+                     data={"elements": sum(a.numel() for _, a, _ in pairs)})
+    return Check(4, "replay_bitwise", "fail", "elements that differ between two runs", differ, 0, "<=",
+                 location=location, data={"elements": sum(a.numel() for _, a, _ in pairs), "first": first})
+
+
+def _unravel(at: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    idx = []
+    for size in reversed(shape):
+        idx.append(at % size)
+        at //= size
+    return tuple(reversed(idx))
+
+
+# --- saved tensors: the seed and the user's own gradients ---------------------------------------------
+
+def context_row(rows: Rows, go: "Tensor", source: str, given_broken: Any = None) -> None:
+    """``grad_context`` for saved tensors: the seed itself, its shape and finite values."""
+    b, nh, tq, dv = go.shape
+    checks = [C.shape_check(go.shape, (b, nh, tq, dv), GRAD_AXES["grad_context"]),
+              C.finite_check(C.nonfinite_count(go), "O-bar values")]
+    if given_broken is not None:
+        checks.append(C.shape_check(given_broken.shape, given_broken.expected,
+                                    "given grad_out " + ("[B,Tq,Dv]" if len(given_broken.expected) == 3 else "[B,Nh,Tq,Dv]"),
+                                    "user_grad_out_shape"))
+    rows.stage("grad_context", tuple(go.shape), checks, f"O-bar seeded on the context: {source}")
+    rows.tensors["grad_context"] = go
+
+
+def user_grads(rows: Rows, run: Backward, ref: "dict[str, Tensor]", given: "dict[str, Tensor]", broken: list[Any],
+               plan: "Plan", seeded: bool) -> None:
+    """The user's saved ``dq``, ``dk``, ``dv``: shape (a wrong one is an L1 finding), then against both references."""
+    import torch
+
+    shown = {"grad_q": "[B,Nh,Tq,Dh]", "grad_k": "[B,Nkv,Tk,Dh]", "grad_values": "[B,Nkv,Tk,Dv]"}
+    for b in broken:
+        if b.stage == "grad_context":
+            continue
+        name = {"grad_q": "dq", "grad_k": "dk", "grad_values": "dv"}[b.stage]
+        axes = shown[b.stage].replace("Nh,", "").replace("Nkv,", "") if len(b.expected) == 3 else shown[b.stage]
+        rows.checks.setdefault(b.stage, []).append(C.shape_check(b.shape, b.expected, f"given {name} {axes}", f"user_{name}_shape"))
+    rtol, atol = tolerance.reference(run.q.dtype)
+    spans = plan.reference_spans
+    for name, stage, mine in (("dq", "grad_q", run.dq), ("dk", "grad_k", run.dk), ("dv", "grad_values", run.dv)):
+        if name not in given:
+            continue
+        checks = rows.checks.setdefault(stage, [])
+        if not seeded:
+            checks.append(unjudged(4, f"user_{name}_matches_reference", "not_applicable",
+                                   "the saved grad_out could not seed the backward"))
+            continue
+        t = given[name]
+        if stage == "grad_q":
+            rows_t = torch.cat([t[:, :, r0:r1] for r0, r1 in spans], dim=2)  # [B, Nh, R, Dh]
+            checks.append(_agree(f"user_{name}_matches_reference", rows_t, ref[stage], rtol, atol,
+                                 f"float64 autograd ({sampled_words(plan)})"))
+        elif run.every_row:
+            checks.append(_agree(f"user_{name}_matches_reference", t, ref[stage], rtol, atol, "float64 autograd (every row)"))
+        else:
+            checks.append(unjudged(4, f"user_{name}_matches_reference", "not_applicable",
+                                   "K-bar and V-bar sum over every query row; the float64 reference sampled some"))
+        if run.sdpa_grads is not None:
+            checks.append(_agree(f"user_{name}_matches_sdpa", t, run.sdpa_grads[stage], rtol, atol,
+                                 "autograd of F.scaled_dot_product_attention (every row)"))
+
+
+def _agree(name: str, got: "Tensor", want: "Tensor", rtol: float, atol: float, against: str) -> Check:
+    d, ex = C.excess_error(got, want, rtol, atol * max(1.0, C.max_abs(want)))
+    return C.compare_check(name, d, ex, rtol, atol, against)
+
+
+# --- the built-in pipeline: the output's O-bar, projections and input ------------------------------------
+
+def config_context_row(rows: Rows, ops: Any, go_out: "Tensor", wo: "Tensor", nh: int, dv: int,
+                       ref: "dict[str, Tensor]", plan: "Plan", source: str) -> "Tensor | None":
+    """``grad_context`` for the built-in pipeline: ``O-bar`` of the output back through the output projection and merge."""
+    import torch
+
+    from attn_ledger.engine.builtin import grad_context
+
+    b, tq, _ = go_out.shape
+    go = rows.run("grad_context", lambda: grad_context(ops, go_out, wo, nh))
+    if go is None:
+        return None
+    want = (b, nh, tq, dv)
+    checks = [C.shape_check(go.shape, want, GRAD_AXES["grad_context"]), C.finite_check(C.nonfinite_count(go), "O-bar values")]
+    if tuple(go.shape) == want:
+        spans = plan.reference_spans
+        got = torch.cat([go[:, :, r0:r1] for r0, r1 in spans], dim=2)  # [B, Nh, R, Dv]
+        rtol, atol = tolerance.reference(go.dtype)
+        checks.append(_agree("matches_reference", got, ref["grad_context"], rtol, atol,
+                             f"float64 autograd ({sampled_words(plan)})"))
+    rows.stage("grad_context", tuple(go.shape), checks, f"O-bar seeded on the output: {source}")
+    rows.tensors["grad_context"] = go
+    return go if tuple(go.shape) == want else None
+
+
+def config_rows(rows: Rows, ops: Any, run: Backward, inp: Any, go_out: "Tensor", merged: "Tensor",
+                ref: "dict[str, Tensor]", sdpa: "dict[str, Tensor] | None", plan: "Plan") -> None:
+    """``grad_projections`` and ``grad_input``: from the attention's gradients, against float64 and SDPA autograd."""
+    import torch
+
+    from attn_ledger.engine.builtin import GRAD_AXES as AXES, grad_checks, grad_input, grad_projections
+
+    cross = inp.x_kv is not inp.x
+    w = inp.weights
+    full = rows.run("grad_projections", lambda: grad_projections(ops, run.dq, run.dk, run.dv, go_out, inp.x, inp.x_kv, merged))
+    if full is None:
+        return
+    if run.every_row:
+        partial_dq, partial_dk, partial_dv, go_s = run.dq, run.dk, run.dv, go_out
+    else:  # what the sampled rows alone give: the rest of O-bar set to zero
+        picked = torch.zeros(go_out.shape[1], dtype=torch.bool, device=go_out.device)
+        for r0, r1 in plan.reference_spans:
+            picked[r0:r1] = True
+        go_s = go_out * picked[None, :, None]
+        partial_dq, partial_dk, partial_dv = run.dq * picked[None, None, :, None], run.dk_sample, run.dv_sample
+    partial = grad_projections(ops, partial_dq, partial_dk, partial_dv, go_s, inp.x, inp.x_kv, merged)
+    shapes = {"wq": tuple(w.wq.shape), "wk": tuple(w.wk.shape), "wv": tuple(w.wv.shape), "wo": tuple(w.wo.shape)}
+    words = sampled_words(plan)
+    ref_w = {n: ref[f"grad_{n}"] for n in shapes}
+    rows.stage("grad_projections", None, grad_checks(full, shapes, AXES["grad_projections"], partial, ref_w,
+                                                     None if sdpa is None else {n: sdpa[n] for n in shapes}, words))
+    rows.tensors.update({f"grad_{n}": t for n, t in full.items()})
+    gin = rows.run("grad_input", lambda: grad_input(ops, run.dq, run.dk, run.dv, w, cross))
+    if gin is None:
+        return
+    shapes_x = {"x": tuple(inp.x.shape), **({"x_kv": tuple(inp.x_kv.shape)} if cross else {})}
+    part_x = grad_input(ops, partial_dq, partial_dk, partial_dv, w, cross)
+    ref_x = {"x": ref["grad_x"], **({"x_kv": ref["grad_x_kv"]} if cross else {})}
+    sd_x = None if sdpa is None else {n: sdpa[n] for n in shapes_x}
+    rows.stage("grad_input", tuple(gin["x"].shape), grad_checks(gin, shapes_x, AXES["grad_input"], part_x, ref_x, sd_x, words))
+    rows.tensors.update({f"grad_{n}": t for n, t in gin.items()})
