@@ -22,15 +22,16 @@ from attn_ledger.tensorio import save_tensor_file
 runner = CliRunner()
 
 B, NH, NKV, TQ, TK, DH, DV = 2, 4, 2, 3, 5, 6, 7  # all different, so a change to one axis matches no other
-KEYS = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out")
+KEYS = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv")
+GRAD_KEYS = ("grad_out", "dq", "dk", "dv")  # compared by the backward stages, so the walk runs them with --grad
 
 
 def consistent_file() -> dict[str, torch.Tensor]:
     """q, k, v, masks and the intermediates a correct attention gives, in float64."""
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(B, NH, TQ, DH, generator=g, dtype=torch.float64)
-    k = torch.randn(B, NKV, TK, DH, generator=g, dtype=torch.float64)
-    v = torch.randn(B, NKV, TK, DV, generator=g, dtype=torch.float64)
+    q = torch.randn(B, NH, TQ, DH, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, NKV, TK, DH, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, NKV, TK, DV, generator=g, dtype=torch.float64, requires_grad=True)
     allow = torch.ones(TQ, TK, dtype=torch.bool).tril(TK - TQ).expand(B, NH, TQ, TK).clone()  # causal, bottom-right
     key_valid = torch.ones(B, TK, dtype=torch.bool)
     key_valid[1, -1] = False  # example 1 has one padded key; no query loses every key
@@ -39,8 +40,11 @@ def consistent_file() -> dict[str, torch.Tensor]:
     keep = allow & key_valid[:, None, None, :]
     weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
     out = weights @ vr  # [B, Nh, Tq, Dv]
-    return {"q": q, "k": k, "v": v, "allow_mask": allow, "key_valid": key_valid,
-            "scores": scores, "weights": weights, "out": out}
+    grad_out = torch.randn(B, NH, TQ, DV, generator=g, dtype=torch.float64)  # O-bar
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    found = {"q": q, "k": k, "v": v, "allow_mask": allow, "key_valid": key_valid, "scores": scores,
+             "weights": weights, "out": out, "grad_out": grad_out, "dq": dq, "dk": dk, "dv": dv}
+    return {name: t.detach() for name, t in found.items()}
 
 
 def reshaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -84,8 +88,10 @@ def headline(doc: dict) -> tuple[str, int, str] | None:
 
 
 def run_file(tensors: dict[str, torch.Tensor], path) -> tuple[int, str, dict | None]:
+    """Run the file, with --grad when it holds gradients (without, they are refused)."""
     save_tensor_file(tensors, path)
-    r = runner.invoke(app, ["run", "--tensors", str(path), "--format", "json"])
+    grad = ["--grad"] if any(name in tensors for name in GRAD_KEYS) else []
+    r = runner.invoke(app, ["run", "--tensors", str(path), "--format", "json", *grad])
     doc = json.loads(r.stdout) if r.exit_code in (0, 1) else None
     return r.exit_code, r.stderr, doc
 
@@ -94,10 +100,21 @@ def test_the_walk_covers_every_key_the_loader_accepts():
     assert set(KEYS) == set(TENSOR_NAMES)
 
 
-def test_the_consistent_file_passes(tmp_path):
-    code, err, doc = run_file(consistent_file(), tmp_path / "ok.pt")
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
+def test_the_consistent_file_passes(tmp_path, grad):
+    tensors = {name: t for name, t in consistent_file().items() if grad or name not in GRAD_KEYS}
+    code, err, doc = run_file(tensors, tmp_path / "ok.pt")
     assert code == 0, err
     assert headline(doc) is None
+
+
+def test_saved_gradients_without_grad_are_refused(tmp_path):
+    code, err, _ = run_file(consistent_file(), tmp_path / "grads.pt")
+    assert code == 0, err
+    save_tensor_file(consistent_file(), tmp_path / "grads.pt")
+    r = runner.invoke(app, ["run", "--tensors", str(tmp_path / "grads.pt")])
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and "--grad" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 CASES = [(key, shape) for key, t in consistent_file().items() for shape in wrong_shapes(tuple(t.shape))]
