@@ -177,6 +177,18 @@ def test_a_probe_that_moves_nothing_is_inconclusive_not_a_pass():
     assert moved.status == "pass" and moved.data["moved"] > moved.data["moved_min"]
 
 
+def test_a_query_head_probe_over_thousands_of_keys_sharpens_until_it_has_power():
+    # bf16, one query over 2048 keys: a fresh query of the inputs' spread leaves near-uniform weights whose
+    # output moves less than bfloat16's floor; the probe retries with a wider query that must move it
+    case = parse_case("b1-h8kv1-tq1tk2048-dh64dv64-lpad256-rand-bf16")
+    probe = check_case(good_attention, case).check("q_head_isolation")
+    assert probe.status == "pass" and probe.data["perturbed"]["sharpen"] == 8.0
+    assert probe.data["moved"] > 10 * probe.data["moved_min"]
+    leaked = check_case(q_heads_reversed, case).check("q_head_isolation")
+    assert leaked.status == "fail" and leaked.value > leaked.limit
+    assert check_case(ignores_q, case).check("q_head_isolation").status == "inconclusive"
+
+
 def test_every_check_breaker_is_listed():
     assert {b[0] for b in BREAKERS} | WARNERS == {name for _, name in CHECK_ORDER}
 
