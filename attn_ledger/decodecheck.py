@@ -516,6 +516,25 @@ def _encoding(q_tab: "torch.Tensor") -> dict[str, Any]:
     return {"kind": "not rotary" if obs.kind == "none" else "unrecognised", "description": obs.describe()}
 
 
+def _grouped_alike(k: "torch.Tensor", k_tab: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"] | None:
+    """The decode call's k ``[B, Hk, Tk, Dh]`` and the table's k ``[B, e, Hk', M, Dh]`` with as many heads.
+
+    A grouped-query module may hand SDPA its Nkv kv heads in one call (``enable_gqa``) and kv
+    heads repeated to Nh in another (a library that repeats them itself whenever it passes a
+    mask, as transformers' SDPA path does for a chunk over a cache). Both are read with kv head
+    j serving query heads j*g .. j*g + g - 1, so the side with fewer heads is repeated that
+    way; None where the head counts do not divide.
+    """
+    hk, ht = k.shape[1], k_tab.shape[2]
+    if hk == ht:
+        return k, k_tab
+    if hk > ht and hk % ht == 0:
+        return k, k_tab.repeat_interleave(hk // ht, dim=2)  # [B, e, Hk, M, Dh]
+    if ht > hk and ht % hk == 0:
+        return k.repeat_interleave(ht // hk, dim=1), k_tab  # [B, Hk', Tk, Dh]
+    return None
+
+
 def _observed_core(case: _Case) -> tuple[Diagnosis | None, dict[str, Any]]:
     """Compare the q and k entering attention in the failing call with each token's q and k by position."""
     core = case.core
@@ -526,11 +545,15 @@ def _observed_core(case: _Case) -> tuple[Diagnosis | None, dict[str, Any]]:
         return None, {"core": "not observed in the full forward"}
     q_tab, k_tab = table
     if core.q.dim() != 4 or core.k.dim() != 4 or core.q.shape[1] != q_tab.shape[2] \
-            or core.k.shape[1] != k_tab.shape[2] or core.q.shape[-1] != q_tab.shape[-1]:
+            or core.q.shape[-1] != q_tab.shape[-1]:
         return None, {"core": f"observed ({core.via}) with other shapes than in the full forward"}
+    aligned = _grouped_alike(core.k, k_tab)
+    if aligned is None:
+        return None, {"core": f"observed ({core.via}) with other kv heads than in the full forward"}
+    core_k, k_tab = aligned
     rel = 2 * case.sub.rel
     qpos = _query_positions(q_tab, core.q, case.mis.start, rel * output_scale(q_tab))
-    keys = _key_identities(k_tab, core.k, rel * output_scale(k_tab))
+    keys = _key_identities(k_tab, core_k, rel * output_scale(k_tab))
     evidence: dict[str, Any] = {"core": core.via, "query_positions": qpos,
                                 "expected_query_positions": list(range(case.mis.start, case.end)),
                                 "keys": keys, "expected_keys": case.end}

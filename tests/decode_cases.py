@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attn_ledger.userload import load_object
@@ -142,3 +143,56 @@ def decode_two_arguments(module, x_new):
 def decode_meta(module, x_new, cache):
     y, cache = fixture("decode_list")(module, x_new, cache)
     return y.to("meta"), cache
+
+
+class GroupedRotary(PlainAttention):
+    """Rotary grouped-query attention (Nkv = Nh / 2) that hands SDPA its Nkv kv heads (``enable_gqa``) in
+    the full forward, while its decode path repeats them to Nh and passes a mask, as transformers' SDPA
+    path does over a cache: the kv heads entering attention differ in number between the two."""
+
+    def __init__(self, embed_dim: int, num_heads: int) -> None:
+        super().__init__(embed_dim, num_heads, rotary=True)
+        self.num_kv = num_heads // 2
+        kv_width = self.num_kv * (embed_dim // num_heads)
+        self.wk = nn.Linear(embed_dim, kv_width, bias=False)
+        self.wv = nn.Linear(embed_dim, kv_width, bias=False)
+
+    def heads(self, x: torch.Tensor, offset: int = 0):
+        b, t, e = x.shape
+        dh = e // self.num_heads
+        q = self.wq(x).reshape(b, t, self.num_heads, dh).transpose(1, 2)  # [B, Nh, t, Dh]
+        k = self.wk(x).reshape(b, t, self.num_kv, dh).transpose(1, 2)  # [B, Nkv, t, Dh]
+        v = self.wv(x).reshape(b, t, self.num_kv, dh).transpose(1, 2)  # [B, Nkv, t, Dh]
+        return rope(q, offset), rope(k, offset), v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))  # [B, T, E]
+
+
+rope = fixture("rope")
+
+
+def grouped_rotary(embed_dim: int, num_heads: int) -> nn.Module:
+    return GroupedRotary(embed_dim, num_heads)
+
+
+def _decode_grouped(module, x_new, cache, shift: int):
+    past_k, past_v = _lists(cache)
+    offset = sum(k.shape[2] for k in past_k)
+    q, k, v = module.heads(x_new, offset + (shift if past_k else 0))
+    keys, values = torch.cat(past_k + [k], dim=2), torch.cat(past_v + [v], dim=2)  # [B, Nkv, Tk, Dh]
+    g = q.shape[1] // keys.shape[1]
+    allowed = causal_allowed(q.shape[2], keys.shape[2])
+    ctx = F.scaled_dot_product_attention(q, keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1),
+                                         attn_mask=allowed)  # [B, Nh, t, Dh]
+    return module.merge(ctx), (past_k + [k], past_v + [v])
+
+
+def decode_grouped(module, x_new, cache):
+    return _decode_grouped(module, x_new, cache, 0)
+
+
+def decode_grouped_off_by_one(module, x_new, cache):
+    """Bug: the position offset counts one too many once a cache exists."""
+    return _decode_grouped(module, x_new, cache, 1)

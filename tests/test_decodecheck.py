@@ -308,3 +308,22 @@ def test_docs_show_the_protocol_with_the_fixture_adapters_and_help_names_decode(
         assert f"`{kind}`" in doc
     res = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "--decode" in res.output
+
+
+def test_grouped_kv_heads_repeated_in_decode_and_not_in_the_full_forward():
+    # the full forward gives SDPA Nkv kv heads (enable_gqa), the decode path Nh repeated ones: positions
+    # are still read off the observed keys, so the offset is named rather than left unexplained
+    E4, NH4 = 16, 4
+    import torch
+
+    rows = {}
+    for decode in ("decode_grouped", "decode_grouped_off_by_one"):
+        torch.manual_seed(0)
+        found, _ = decode_rows(cases.grouped_rotary(E4, NH4), getattr(cases, decode), E4, length=SMALL)
+        rows[decode] = {r.name: r for r in found}
+    assert all(r.status == "pass" for r in rows["decode_grouped"].values())
+    for name, row in rows["decode_grouped_off_by_one"].items():
+        par = row.check("decode_parity")
+        assert par.status == "fail" and par.data["diagnosis"] == "positions_offset", name
+        assert par.data["diagnosed_by"] == "observed q and k" and par.data["evidence"]["query_offset"] == 1
+        assert par.data["evidence"]["keys_misplaced"] == par.location["chunk_size"]  # the new keys only
