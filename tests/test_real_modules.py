@@ -2,88 +2,38 @@
 
 Each model is built from a tiny config with random weights, one layer deep, and fed through
 ``inputs_embeds`` so the module protocol ``[B, T, E] -> [B, T, E]`` holds while the layer's
-own code builds its own masks and rotary tables. The word embedding is unused on that path
-and frozen, so it is not reported as a parameter without a gradient.
+own code builds its own masks and rotary tables (factories in ``tests/real_models.py``). The
+word embedding is unused on that path and frozen, so it is not reported as a parameter without
+a gradient. The decode tests run each model's own cache (``DynamicCache``) through
+``check --module --decode``.
 
 Skipped when transformers is absent (``pip install -e '.[real]'`` installs it).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
-from torch import nn
+from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers", minversion="4.48")
 
 from attn_ledger.modulecheck import check_module  # noqa: E402
 from attn_ledger.report import Report  # noqa: E402
+import real_models  # noqa: E402
+from attn_ledger.cli import app  # noqa: E402
+from real_models import bert, gpt2, gpt_neox, llama, mistral  # noqa: E402
 
 E, NH = 32, 4  # Dh = 8
+runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
 def quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
-
-
-class FromEmbeddings(nn.Module):
-    """A one-layer transformers model read as ``[B, T, E] -> [B, T, E]`` through ``inputs_embeds``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        for p in model.get_input_embeddings().parameters():
-            p.requires_grad_(False)  # unused when inputs_embeds is given
-
-    def forward(self, x):
-        return self.model(inputs_embeds=x).last_hidden_state
-
-
-def llama(impl: str, **extra):
-    def make(e: int, nh: int) -> nn.Module:
-        cfg = transformers.LlamaConfig(hidden_size=e, intermediate_size=2 * e, num_hidden_layers=1,
-                                       num_attention_heads=nh, num_key_value_heads=nh // 2, vocab_size=16,
-                                       max_position_embeddings=64, attn_implementation=impl, **extra)
-        return FromEmbeddings(transformers.LlamaModel(cfg))
-    return make
-
-
-def mistral(impl: str, window: int):
-    def make(e: int, nh: int) -> nn.Module:
-        cfg = transformers.MistralConfig(hidden_size=e, intermediate_size=2 * e, num_hidden_layers=1,
-                                         num_attention_heads=nh, num_key_value_heads=nh // 2, vocab_size=16,
-                                         max_position_embeddings=64, sliding_window=window, attn_implementation=impl)
-        return FromEmbeddings(transformers.MistralModel(cfg))
-    return make
-
-
-def gpt2(impl: str, **extra):
-    def make(e: int, nh: int) -> nn.Module:
-        cfg = transformers.GPT2Config(n_embd=e, n_layer=1, n_head=nh, vocab_size=16, n_positions=64,
-                                      bos_token_id=None, eos_token_id=None, attn_implementation=impl, **extra)
-        return FromEmbeddings(transformers.GPT2Model(cfg))
-    return make
-
-
-def gpt_neox(impl: str):
-    def make(e: int, nh: int) -> nn.Module:
-        cfg = transformers.GPTNeoXConfig(hidden_size=e, intermediate_size=2 * e, num_hidden_layers=1,
-                                         num_attention_heads=nh, vocab_size=16, max_position_embeddings=64,
-                                         rotary_pct=0.5, bos_token_id=None, eos_token_id=None,
-                                         attn_implementation=impl)
-        return FromEmbeddings(transformers.GPTNeoXModel(cfg))
-    return make
-
-
-def bert(impl: str):
-    def make(e: int, nh: int) -> nn.Module:
-        cfg = transformers.BertConfig(hidden_size=e, intermediate_size=2 * e, num_hidden_layers=1,
-                                      num_attention_heads=nh, vocab_size=16, max_position_embeddings=64,
-                                      attn_implementation=impl)
-        return FromEmbeddings(transformers.BertModel(cfg, add_pooling_layer=False))
-    return make
 
 
 def check(report: Report, name: str):
@@ -136,3 +86,62 @@ def test_mistral_configured_with_another_window_than_declared():
     assert (first.row, first.name) == ("core", "mask_relation")
     assert (first.check.data["applied"], first.check.data["window"], first.check.data["comparison"]) == \
         ("sliding-window", 5, "wider")
+
+
+# --- KV-cache decode with transformers' own cache --------------------------------------------------
+
+DECODE_SCENARIOS = ("decode_tokens", "decode_chunks", "decode_prefill_5", "decode_prefill_17", "decode_two_sequences")
+FIRST_CACHED = {"decode_tokens": 1, "decode_chunks": 3, "decode_prefill_5": 5, "decode_prefill_17": 17,
+                "decode_two_sequences": 1}  # the first position decoded over a cache in each scenario
+MODELS = str(Path(real_models.__file__))
+
+
+def test_llama_decode_with_its_cache_passes_from_the_command_line():
+    # rotary (half-split), grouped-query kv heads, SDPA: DynamicCache, position_ids from its length
+    res = runner.invoke(app, ["check", "--module", f"{MODELS}:llama_decode", "--decode",
+                              f"{MODELS}:decode_transformers", "--embed-dim", str(E), "--heads", str(NH),
+                              "--format", "json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["first_finding"] is None
+    decoded = {r["name"]: r for r in doc["rows"] if r["name"].startswith("decode_")}
+    assert list(decoded) == list(DECODE_SCENARIOS)
+    for row in decoded.values():
+        parity = next(c for c in row["checks"] if c["name"] == "decode_parity")
+        assert parity["status"] == "pass" and parity["value"] <= parity["limit"]
+        assert parity["data"]["bad_positions"] == 0
+    assert [r["name"] for r in doc["rows"] if r["status"] != "pass"] == []
+
+
+def test_gpt2_decode_with_its_cache_passes_with_zero_findings():
+    report = check_module(real_models.gpt2_decode, E, NH, decode=real_models.decode_transformers)
+    assert report.exit_code == 0 and report.first_finding is None
+    assert [(r, c.name) for r, c in report.checks() if c.status in ("fail", "warn")] == []
+    for name in DECODE_SCENARIOS:
+        parity = report.check(name, "decode_parity")
+        assert parity.status == "pass" and parity.data["bad_positions"] == 0
+
+
+@pytest.mark.parametrize("factory, decode, restarting, offset", [
+    ("llama_decode", "decode_transformers_off_by_one", False, 1),
+    ("llama_decode", "decode_transformers_positions_restart", True, None),
+    ("gpt2_decode", "decode_transformers_positions_restart", True, None),
+], ids=["llama-position-ids-off-by-one", "llama-position-ids-restarting", "gpt2-position-ids-restarting"])
+def test_wrong_position_ids_over_a_real_cache_are_positions_offset(factory, decode, restarting, offset):
+    report = check_module(getattr(real_models, factory), E, NH, decode=getattr(real_models, decode))
+    assert report.exit_code == 1 and report.first_finding.row == "decode_tokens"
+    # the module's own checks still pass: the bug is in the decode path only
+    assert [r for r, c in report.checks() if c.status == "fail" and not r.startswith("decode_")] == []
+    for name, first in FIRST_CACHED.items():
+        parity = report.check(name, "decode_parity")
+        assert parity.status == "fail" and parity.value > parity.limit, name
+        assert parity.location["position"] == first and parity.location["chunk"] == 1
+        assert parity.data["diagnosis"] == "positions_offset" and parity.data["diagnosed_by"] == "observed q and k"
+        evidence = parity.data["evidence"]
+        assert evidence["restarting"] is restarting
+        size = parity.location["chunk_size"]
+        want = list(range(size)) if restarting else [first + offset + i for i in range(size)]
+        assert evidence["query_positions"] == want and evidence["expected_query_positions"][0] == first
+    if factory == "llama_decode":
+        encoding = report.check("decode_tokens", "decode_parity").data["evidence"]["position_encoding"]
+        assert encoding == {"kind": "rotary", "pairing": "half", "base": 10000.0, "rotated_dim": 8, "head_dim": 8}
