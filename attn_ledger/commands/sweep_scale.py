@@ -22,7 +22,7 @@ def sweep_scale(
     ] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of std and entropy against Dh (needs matplotlib).")] = None,
     temperatures: Annotated[Optional[str], typer.Option("--temperatures", help="Instead of the Dh sweep: softmax(scores / tau) and its entropy at each temperature tau, e.g. 0.5,1,2.")] = None,
-    scores: Annotated[Optional[str], typer.Option("--scores", help="The fixed row of scores for --temperatures.", show_default="1.2,0.3,-0.4,1.8")] = None,
+    scores: Annotated[Optional[str], typer.Option("--scores", help="The fixed row of scores for --temperatures. Default: 1.2,0.3,-0.4,1.8.")] = None,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free).")] = None,
