@@ -293,6 +293,21 @@ def _grid_stage(b: int, nh: int, nkv: int, tq: int, tk: int, dh: int, dv: int, s
     return [(n, v) for n, v in held if v], transient, ref_rows
 
 
+BACKWARD_GRIDS = 8  # block-sized grids alive at once in a backward block: A recomputed (scores, masked
+# scores, weights), A-bar, S-bar, the row rule's products, and the sampled rows' K-bar and V-bar terms
+
+
+def _backward(b: int, nh: int, tq: int, tk: int, dh: int, dv: int, s: int, block_size: int | None
+              ) -> tuple[list[tuple[str, int]], tuple[str, int]]:
+    """``--grad``: (parts held to the end: Q-bar, K-bar, V-bar summed over blocks and SDPA autograd's,
+    with the inputs SDPA differentiates and O-bar), the backward blocks' streaming peak)."""
+    rows, _ = _plan(b, nh, tq, tk, block_size)
+    grads = b * nh * (tq * dh + tk * (dh + dv))  # [B, Nh, Tq, Dh] and [B, Nh, Tk, Dh + Dv]
+    held = [("gradients: the stages' sums and SDPA autograd's, with its inputs", 3 * grads * s),
+            ("O-bar", b * nh * tq * dv * s)]
+    return held, ("backward stages streaming", BACKWARD_GRIDS * b * nh * rows * tk * s)
+
+
 def _peak(*phases: tuple[str, int]) -> tuple[str, int]:
     """The busiest of moments that do not overlap, named."""
     name, n = max(phases, key=lambda p: p[1])
@@ -301,19 +316,24 @@ def _peak(*phases: tuple[str, int]) -> tuple[str, int]:
 
 def estimate_attention(b: int, nh: int, nkv: int, tq: int, tk: int, dh: int, dv: int, itemsize: int, *,
                        block_size: int | None = None, keep_grids: bool = False, given: Iterable[str] = (),
-                       masked: bool = True, what: str = "the ledger") -> Estimate:
-    """The ledger's score-grid stages on Q, K, V already in memory (``run --tensors``).
+                       masked: bool = True, grad: bool = False, what: str = "the ledger") -> Estimate:
+    """The ledger's score-grid stages on Q, K, V already in memory (``run --tensors``), and with
+    ``grad`` its backward stages.
 
     ``given`` names the user's own intermediates (scores, weights, out) that are compared
     block by block. The inputs themselves are not counted: they are loaded already.
     """
     held, transient, _ = _grid_stage(b, nh, nkv, tq, tk, dh, dv, itemsize, block_size=block_size,
                                      keep_grids=keep_grids, masked=masked, ref_cast=True, given=given)
+    if grad:
+        grad_held, streaming = _backward(b, nh, tq, tk, dh, dv, itemsize, block_size)
+        held, transient = [*held, *grad_held], [*transient, streaming]
     return Estimate(what, _with_slack([*held, _peak(*transient)]), b * nh * tq * tk)
 
 
 def estimate_tensors(found: "Mapping[str, Any]", *, dtype: str | None = None, block_size: int | None = None,
-                     keep_grids: bool = False, mask: str = "none", what: str = "run --tensors") -> Estimate | None:
+                     keep_grids: bool = False, mask: str = "none", grad: bool = False,
+                     what: str = "run --tensors") -> Estimate | None:
     """``run --tensors`` on tensors already loaded: None when q, k, v are missing or cannot be
     attention inputs (the ledger's own validation then says why, before allocating)."""
     q, k, v = (found.get(n) for n in ("q", "k", "v"))
@@ -329,7 +349,8 @@ def estimate_tensors(found: "Mapping[str, Any]", *, dtype: str | None = None, bl
     exact_causal = relations in ({"causal-top-left"}, *([{"causal"}] if tq == tk else []))
     masked = "allow_mask" in found or "key_valid" in found or bool(relations and not exact_causal)
     est = estimate_attention(b, nh, nkv, tq, tk, dh, dv, itemsize, block_size=block_size, keep_grids=keep_grids,
-                             given=given, masked=masked, what=f"{what} B={b} Nh={nh} Tq={tq} Tk={tk} Dh={dh} Dv={dv}")
+                             given=given, masked=masked, grad=grad,
+                             what=f"{what} B={b} Nh={nh} Tq={tq} Tk={tk} Dh={dh} Dv={dv}{' --grad' if grad else ''}")
     converted = sum(t.numel() * itemsize for n, t in found.items() if dtype and t.is_floating_point())
     parts = est.parts + ((("inputs converted to the run's dtype", converted),) if converted else ())
     return Estimate(est.what, parts, est.grid_entries)
@@ -342,7 +363,7 @@ def estimate_run(cfg: Any, *, what: str | None = None) -> Estimate:
     b, tq, tk, e, nh, nkv, dh, dv = cfg.batch_size, cfg.tq, cfg.tk, cfg.embed_dim, cfg.num_heads, cfg.nkv, cfg.dh, cfg.dv
     s, r = ITEMSIZE[cfg.dtype], REF_BYTES
     cross = cfg.query_len is not None
-    label = what or f"run B={b} Tq={tq} Tk={tk} E={e} Nh={nh} Dv={dv} {cfg.dtype}"
+    label = what or f"run B={b} Tq={tq} Tk={tk} E={e} Nh={nh} Dv={dv} {cfg.dtype}{' --grad' if cfg.grad else ''}"
     tokens = b * (tq + (tk if cross else 0))
     weights = e * (nh * dh + nkv * dh + nkv * dv + nh * dv)
     largest_weight = e * max(nh * dh, nkv * dv, nh * dv)
@@ -356,6 +377,12 @@ def estimate_run(cfg: Any, *, what: str | None = None) -> Estimate:
     # merged and SDPA's merged context, the output and SDPA's, on every row; the output compared
     # with SDPA's on every row, the merged context with the reference on its rows
     merging = 2 * s * b * tq * (nh * dv + e) + COMPARE * r * (b * tq * e + b * ref_rows * nh * dv) + e * nh * dv * r
+    phases = [("projections compared", projections), *transient, ("merge and output compared", merging)]
+    if cfg.grad:
+        grad_held, streaming = _backward(b, nh, tq, tk, dh, dv, s, cfg.block_size)
+        # and the projections' and the input's gradients, each with its float64 autograd reference
+        held = [*held, *grad_held, ("projection and input gradients", 2 * (weights + tokens * e) * (s + r))]
+        phases.append(streaming)
     parts = [
         ("inputs and their float64 copies", tokens * e * (s + r)),
         ("projection weights", weights * s),
@@ -363,7 +390,7 @@ def estimate_run(cfg: Any, *, what: str | None = None) -> Estimate:
          + (b * nh * tk * (dh + dv) * r if nkv != nh else 0)),
         ("head split/merge probes", probe * e * 2 * r + probe * nh * dv * 2 * r),
         *held,
-        _peak(("projections compared", projections), *transient, ("merge and output compared", merging)),
+        _peak(*phases),
     ]
     return Estimate(label, _with_slack(parts), b * nh * tq * tk)
 

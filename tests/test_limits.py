@@ -78,8 +78,10 @@ SIZES = [  # a streamed score grid; projections and blocks together; a large bat
 
 
 @pytest.mark.slow
-def test_the_estimate_is_within_twice_the_measured_peak_at_three_sizes():
-    r = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(SIZES)], capture_output=True, text=True, cwd=ROOT)
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
+def test_the_estimate_is_within_twice_the_measured_peak_at_three_sizes(grad):
+    sizes = [{**size, "grad": True} if grad else size for size in SIZES]
+    r = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(sizes)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     peaks = [row["peak"] for row in rows]
@@ -202,6 +204,13 @@ def test_a_tight_budget_refuses_even_the_default_run():
     r = invoke("run", "--max-memory", "1K")
     assert r.exit_code == 2 and "1.0 KiB available (--max-memory)" in one_line(r)
     assert invoke("run", "--max-memory", "1G").exit_code == 0
+
+
+def test_the_backward_is_counted_in_the_estimate(tmp_path):
+    forward = limits.estimate_run(load_config(None, {"seq_len": 4096}))
+    backward = limits.estimate_run(load_config(None, {"seq_len": 4096, "grad": True}))
+    assert backward.bytes > forward.bytes and "--grad" in backward.what
+    assert any(name.startswith("backward stages streaming") for name, _ in backward.parts)
 
 
 def test_a_large_valid_request_is_announced_not_refused():

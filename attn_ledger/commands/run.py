@@ -153,7 +153,7 @@ def run(
                                  f"{relation!r} (the mask is {(mask or 'none')!r})")
         found = load_tensor_file(tensors, "tensors", max_memory=budget)
         opt.guard(estimate_tensors(found, dtype=dtype.value if dtype else None, block_size=positions["--block-size"],
-                                   keep_grids=keep_grids, mask=mask or "none"), budget, progress=progress)
+                                   keep_grids=keep_grids, mask=mask or "none", grad=grad), budget, progress=progress)
         with progress:
             return run_ledger_tensors(
                 found, mask=mask or "none", window=positions["--window"], prefix_len=positions["--prefix-len"],
