@@ -277,6 +277,11 @@ def stage_names(mode: str = PIPELINE, *, rope: bool = False, grad: bool = False)
     return tuple(s.name for s in STAGES if mode in s.modes and on[s.needs])
 
 
+def axes(mode: str = PIPELINE) -> dict[str, str]:
+    """Every stage's axes as its row shows them, for the built-in pipeline or for saved tensors."""
+    return {s.name: s.axes_in(mode) for s in STAGES}
+
+
 def find(stage: str, name: str) -> CheckSpec | None:
     """The entry for a check the ledger reported at ``stage``, or None if the list does not have it."""
     for spec in STAGES:

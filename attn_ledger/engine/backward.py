@@ -437,6 +437,6 @@ def _coordinates(name: str, which: int, x: list["Tensor"], analytic: "Tensor", f
             if math.isnan(diff):
                 break
     where = None if at is None or worst <= GRADCHECK_TOL else dict(zip(("example", "head", "row", "feature"),
-                                                                        M._unravel(at, tuple(x[which].shape))))
+                                                                        M.unravel(at, tuple(x[which].shape))))
     return bounded(4, "gradcheck", "max |analytic - central difference| (float64)", worst, GRADCHECK_TOL,
                    location=where, data={"coordinates": len(picks), "of": n, "step": GRADCHECK_STEP, "of_tensor": name})

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from attn_ledger import checks as C
-from attn_ledger import tolerance
+from attn_ledger import stages, tolerance
 from attn_ledger.report import Check
 
 if TYPE_CHECKING:
@@ -22,16 +22,10 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from attn_ledger.config import RunConfig
+    from attn_ledger.engine.relations import Relation
+    from attn_ledger.engine.rows import Rows
 
-AXES = {
-    "input": "[B,Tq,E]",
-    "head_roundtrip": "[B,T,E]",
-    "q": "[B,Nh,Tq,Dh]",
-    "k": "[B,Nkv,Tk,Dh]",
-    "v": "[B,Nkv,Tk,Dv]",
-    "merged": "[B,Tq,Nh*Dv]",
-    "output": "[B,Tq,E]",
-}
+AXES = stages.axes(stages.PIPELINE)
 
 
 @dataclass(frozen=True)
@@ -61,6 +55,49 @@ def make_inputs(cfg: "RunConfig", dtype: "torch.dtype", device: "torch.device", 
     k64 = R.heads_of(xkv64 @ w.wk.to(ref_dtype).T, cfg.nkv)  # [B, Nkv, Tk, Dh]
     v64 = R.heads_of(xkv64 @ w.wv.to(ref_dtype).T, cfg.nkv)  # [B, Nkv, Tk, Dv]
     return Inputs(x, x_kv, w, q64, k64, v64)
+
+
+def config_title(cfg: "RunConfig", relation: "Relation", device: "torch.device") -> tuple[str, dict[str, Any]]:
+    """The ledger's title line and the facts of its details, from the config."""
+    b, tq, tk, e, nh, nkv, dh, dv = cfg.batch_size, cfg.tq, cfg.tk, cfg.embed_dim, cfg.num_heads, cfg.nkv, cfg.dh, cfg.dv
+    title = (f"ATTENTION LEDGER B={b} Tq={tq} Tk={tk} E={e} Nh={nh}" + (f" Nkv={nkv}" if nkv != nh else "")
+             + f" Dh={dh}" + (f" Dv={dv}" if dv != dh else "") + f" mask={relation.name} dtype={cfg.dtype}"
+             + (f" fault={cfg.fault}" if cfg.fault else ""))
+    meta = {"B": b, "Tq": tq, "Tk": tk, "E": e, "Nh": nh, "Nkv": nkv, "Dh": dh, "Dv": dv, "mask": relation.name,
+            "dtype": cfg.dtype, "device": str(device), "fault": cfg.fault, "input": cfg.input, "seed": cfg.seed}
+    return title, meta
+
+
+def input_row(rows: "Rows", cfg: "RunConfig", inp: Inputs) -> None:
+    """The ``input`` row: built from the validated config, so nothing about it can fail here; the row
+    states what was validated instead of carrying checks that could not fail."""
+    rows.shapes["input"] = tuple(inp.x.shape)
+    rows.checks["input"] = []
+    rows.row_notes["input"] = (f"E == Nh*Dh: {cfg.embed_dim} == {cfg.num_heads}*{cfg.dh} (validated with the config)"
+                               + (f"; keys/values from x_kv [B,Tk,E] {list(inp.x_kv.shape)}" if cfg.query_len is not None else ""))
+
+
+def projections(rows: "Rows", ops: Any, cfg: "RunConfig", inp: Inputs) -> "tuple[Tensor, Tensor, Tensor] | None":
+    """The q, k and v stages: project, split into heads, check each; None once one raises."""
+    from attn_ledger.pipeline import project
+
+    b, tq, tk, nh, nkv = cfg.batch_size, cfg.tq, cfg.tk, cfg.num_heads, cfg.nkv
+    w = inp.weights
+    found = []
+    for stage, x, wmat, heads, want, ref in (
+        ("q", inp.x, w.wq, nh, (b, nh, tq, cfg.dh), inp.q64),  # [B, Nh, Tq, Dh]
+        ("k", inp.x_kv, w.wk, nkv, (b, nkv, tk, cfg.dh), inp.k64),  # [B, Nkv, Tk, Dh]
+        ("v", inp.x_kv, w.wv, nkv, (b, nkv, tk, cfg.dv), inp.v64),  # [B, Nkv, Tk, Dv]
+    ):
+        t = rows.run(stage, lambda: ops.split(project(x, wmat), heads))
+        if t is None:
+            return None
+        rows.shapes[stage] = tuple(t.shape)
+        rows.checks[stage] = projection(t, want, stage, ref)
+        if stage == "k":
+            rows.checks["k"].insert(1, C.kv_pairing_check(ops.expand, nh, nkv))
+        found.append(t)
+    return found[0], found[1], found[2]
 
 
 def head_roundtrip(ops: Any, b: int, tq: int, e: int, nh: int, dv: int) -> tuple[tuple[int, ...], list[Check]]:
@@ -142,9 +179,6 @@ def output(merged_ctx: "Tensor", wo: "Tensor", sdpa_ctx: "Tensor", ref_ctx: dict
 
 
 # --- the backward of the stages outside the score grid (configs, with grad) -----------------------
-
-GRAD_AXES = {"grad_projections": "[out,in] Wq,Wk,Wv,Wo", "grad_input": "[B,Tq,E]"}
-
 
 def grad_context(ops: Any, grad_output: "Tensor", wo: "Tensor", nh: int) -> "Tensor":
     """``O-bar`` of the output ``[B, Tq, E]`` back through the output projection and the merge: ``[B, Nh, Tq, Dv]``."""

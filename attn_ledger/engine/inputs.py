@@ -8,8 +8,9 @@ comes back as a :class:`~attn_ledger.engine.measure.Broken` measurement, judged 
 
 from __future__ import annotations
 
+import math
 import os
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from attn_ledger.engine.measure import Broken
 from attn_ledger.errors import InputError, TensorFileError
@@ -18,6 +19,9 @@ from attn_ledger.tolerance import dtype_name
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
+
+    from attn_ledger.engine.relations import Relation
+    from attn_ledger.engine.rows import Rows
 
 TENSOR_NAMES = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -76,23 +80,8 @@ def given_tensors(found: "dict[str, Tensor | None]", one_head: bool, b: int, nh:
     ``scores`` and ``weights`` must have the derived grid's shape, ``out`` the context's
     (without the head axis when Q, K, V have none). A wrong shape never broadcasts in.
     """
-    grid, ctx = (b, nh, tq, tk), (b, nh, tq, dv)
-    given: dict[str, Tensor] = {}
-    broken: list[Broken] = []
-    for name, stage in GIVEN:
-        t = found.get(name)
-        if t is None:
-            continue
-        if not t.is_floating_point():
-            raise InputError(f"{name}: got dtype {dtype_name(t.dtype)}, expected a floating-point tensor")
-        want = ctx if name == "out" else grid
-        t4 = t[:, None] if (one_head and t.dim() == 3) else t
-        if tuple(t4.shape) != want:
-            shown = want if not one_head else (want[0], *want[2:])
-            broken.append(Broken(stage, "given", shape=tuple(t.shape), expected=shown))
-        else:
-            given[name] = t4
-    return given, broken
+    grid = (b, nh, tq, tk)
+    return _placed(found, GIVEN, {"scores": grid, "weights": grid, "context": (b, nh, tq, dv)}, one_head)
 
 
 def given_grads(found: "dict[str, Tensor | None]", one_head: bool, shapes: dict[str, tuple[int, ...]]
@@ -102,9 +91,16 @@ def given_grads(found: "dict[str, Tensor | None]", one_head: bool, shapes: dict[
     ``grad_out`` must have the context's shape, ``dq``/``dk``/``dv`` those of q, k, v (without the head
     axis when Q, K, V have none). ``shapes``: stage -> derived shape with the head axis.
     """
+    return _placed(found, GIVEN_GRADS, shapes, one_head)
+
+
+def _placed(found: "dict[str, Tensor | None]", names: tuple[tuple[str, str], ...], shapes: dict[str, tuple[int, ...]],
+            one_head: bool) -> tuple["dict[str, Tensor]", list[Broken]]:
+    """Each tensor of ``names`` (name, stage) that is there, with a head axis inserted for one head, where it has the
+    stage's derived shape; a :class:`Broken` (the expected shape as the user's tensor would have it) where not."""
     given: dict[str, Tensor] = {}
     broken: list[Broken] = []
-    for name, stage in GIVEN_GRADS:
+    for name, stage in names:
         t = found.get(name)
         if t is None:
             continue
@@ -227,3 +223,56 @@ def torch_dtype(name: str) -> "torch.dtype":
     import torch
 
     return {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+# --- the options of a ledger on given tensors, and its input row ----------------------------------
+
+def rope_spec(rope: Any, dh: int) -> Any:
+    """The rotary spec ``rope`` names (validated against the head width), or None."""
+    from attn_ledger.rotary import parse_spec
+
+    if rope is None:
+        return None
+    spec = parse_spec(rope)
+    try:
+        spec.width(dh)
+    except InputError as exc:
+        raise InputError(str(exc)) from None
+    return spec
+
+
+def check_options(scale: Any, temperature: Any, grad: bool, grad_output: Any, grads: "dict[str, Tensor]") -> None:
+    """A scale or temperature that is not a positive finite number, or a backward option without ``grad``: exit 2."""
+    for name, value in (("scale", scale), ("temperature", temperature)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise InputError(f"{name}: got {value!r}, expected a finite number greater than 0")
+
+    if grad_output is not None and not grad:
+        raise InputError(f"grad_output: got {grad_output if isinstance(grad_output, str) else 'a tensor'!r}, "
+                         "expected it only with grad (--grad)")
+    if grads and not grad:
+        raise InputError(f"tensors: holds saved gradients {sorted(grads)}, expected them only with grad (--grad), "
+                         "which compares them with the backward stages")
+    if "grad_out" in grads and grad_output is not None:
+        raise InputError("grad_output: got one together with a saved grad_out, expected one seed for O-bar")
+
+
+def tensor_rows(rows: "Rows", q: "Tensor", k: "Tensor", v: "Tensor", one_head: bool, relation: "Relation",
+                source: str, given: "dict[str, Tensor]") -> tuple[str, dict[str, Any]]:
+    """The input row, the title and the facts of a ledger on given Q, K, V."""
+    b, nh, tq, dh = q.shape
+    nkv, tk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = dtype_name(q.dtype)
+    rows.shapes["input"] = tuple(q.shape)
+    # Q, K, V were validated on the way in (ranks, batch, widths, token counts, kv heads, finite
+    # values); the row says so instead of carrying checks that could not fail.
+    rows.checks["input"] = []
+    rows.row_notes["input"] = (f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
+                               + (" (one head: Nh=1 inserted)" if one_head else "")
+                               + "; batch, widths, token counts and finite values validated on load"
+                               + (f"; query head h reads kv head h // {nh // nkv}" if nkv != nh else ""))
+    title = (f"ATTENTION LEDGER ({source}) B={b} Tq={tq} Tk={tk} Nh={nh}" + (f" Nkv={nkv}" if nkv != nh else "")
+             + f" Dh={dh}" + (f" Dv={dv}" if dv != dh else "") + f" mask={relation.name} dtype={dtype}")
+    meta = {"B": b, "Tq": tq, "Tk": tk, "Nh": nh, "Nkv": nkv, "Dh": dh, "Dv": dv, "mask": relation.name,
+            "dtype": dtype, "device": str(q.device), "given": sorted(["q", "k", "v", *given])}
+    return title, meta

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from attn_ledger import checks as C
-from attn_ledger import tolerance
+from attn_ledger import stages, tolerance
 from attn_ledger.engine.measure import Agreement, Broken, Count, Measure, Peak, Where
 from attn_ledger.report import Check, bounded, unjudged
 
 GRID_STAGES = ("scores", "masked_scores", "weights", "context")
-AXES = {**dict.fromkeys(GRID_STAGES[:3], "[B,Nh,Tq,Tk]"), "context": "[B,Nh,Tq,Dv]"}
+AXES = stages.axes(stages.PIPELINE)  # every stage's axes, the score grid's and the backward's among them
 GIVEN_NAMES = {"scores": "scores", "weights": "weights", "context": "out"}  # the user's tensor at each stage
 
 
@@ -350,14 +350,6 @@ def _nonneg(value: float) -> float:
 # --- the backward stages ---------------------------------------------------------------------
 
 GRAD_GRID_STAGES = ("grad_weights", "grad_values", "grad_scores", "grad_q", "grad_k")
-GRAD_AXES = {
-    "grad_context": "[B,Nh,Tq,Dv]",
-    "grad_weights": "[B,Nh,Tq,Tk]",
-    "grad_values": "[B,Nkv,Tk,Dv]",
-    "grad_scores": "[B,Nh,Tq,Tk]",
-    "grad_q": "[B,Nh,Tq,Dh]",
-    "grad_k": "[B,Nkv,Tk,Dh]",
-}
 
 
 def judge_backward(t: Tally, dtype: str, *, derived: dict[str, tuple[int, ...]], sampled: str) -> Verdicts:
@@ -371,11 +363,11 @@ def judge_backward(t: Tally, dtype: str, *, derived: dict[str, tuple[int, ...]],
     for stage in GRAD_GRID_STAGES:
         v.checks[stage] = []
         if (stage, "pipeline") in t.broken:
-            _broken(v, stage, t.broken[(stage, "pipeline")], GRAD_AXES[stage], "shape")
+            _broken(v, stage, t.broken[(stage, "pipeline")], AXES[stage], "shape")
             continue
         if not t.reached(stage):
             continue
-        v.add(stage, _blocks_shape(derived[stage], GRAD_AXES[stage]))
+        v.add(stage, _blocks_shape(derived[stage], AXES[stage]))
         n = t.count(stage, "nonfinite")
         v.add(stage, C.finite_check(n.n, stage.replace("_", " ") + " values"), n.where)
         if stage == "grad_scores":

@@ -122,7 +122,7 @@ def first_index(bad: "Tensor", shape: tuple[int, ...] | None = None) -> tuple[in
         return None
     flat = full.reshape(-1)
     at = int(torch.argmax(flat.to(torch.uint8)))
-    return _unravel(at, tuple(full.shape)) if bool(flat[at]) else None
+    return unravel(at, tuple(full.shape)) if bool(flat[at]) else None
 
 
 def worst_index(values: "Tensor") -> tuple[int, ...] | None:
@@ -134,10 +134,10 @@ def worst_index(values: "Tensor") -> tuple[int, ...] | None:
     flat = values.reshape(-1)
     nan = torch.isnan(flat)
     at = int(torch.argmax(nan.to(torch.uint8))) if bool(nan.any()) else int(torch.argmax(flat))
-    return _unravel(at, tuple(values.shape))
+    return unravel(at, tuple(values.shape))
 
 
-def _unravel(at: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def unravel(at: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     idx = []
     for size in reversed(shape):
         idx.append(at % size)

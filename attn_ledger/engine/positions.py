@@ -29,6 +29,7 @@ from attn_ledger import tolerance
 from attn_ledger.report import Check, bounded, unjudged
 
 if TYPE_CHECKING:
+    from attn_ledger.engine.rows import Rows
     from torch import Tensor
 
     from attn_ledger.rotary import RotarySpec
@@ -76,6 +77,18 @@ def rope_stage(ops: Any, spec: "RotarySpec", q: "Tensor", k: "Tensor", v: "Tenso
             f"{spec.pairing} pairs, base {spec.base:g}); query i at position i{start:+d} (i + Tk - Tq), key j at j; "
             "v not rotated; the reference rotates its q and k the same way")
     return Rotated(qr, kr, vr, q_ref, k_ref, checks, note)
+
+
+def rope_row(rows: "Rows", ops: Any, spec: "RotarySpec | None", qkv: tuple, refs: tuple, *, saved: bool) -> tuple | None:
+    """The ``rope`` row when rotary positions are on: ``((q, k, v), refs)`` rotated (the reference's too), else
+    them unchanged; None when the stage raised."""
+    if spec is None:
+        return qkv, refs
+    rot = rows.run("rope", lambda: rope_stage(ops, spec, *qkv, refs, saved=saved))
+    if rot is None:
+        return None
+    rows.stage("rope", tuple(rot.q.shape), rot.checks, rot.note)
+    return (rot.q, rot.k, rot.v), (rot.q_ref, rot.k_ref, refs[2])
 
 
 def _shapes(q, k, v, qr, kr, vr) -> Check:

@@ -29,6 +29,7 @@ from attn_ledger import tolerance
 from attn_ledger.report import Check, bounded, unjudged
 
 if TYPE_CHECKING:
+    from attn_ledger.engine.rows import Rows
     from torch import Tensor
 
     from attn_ledger.engine.relations import Relation
@@ -84,6 +85,17 @@ def check_properties(ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", re
         found.insert(1, _guarded("single_token_zero_grad", 3,
                                  lambda: _zero_grad(ops, q[:, :, :1], k[:, :, :1], v[:, :, :1], scale, lim)))
     return found
+
+
+def properties_row(rows: "Rows", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", relation: "Relation",
+                   scale: float, grad: bool) -> None:
+    """The ``properties`` row: every property on the probe, and the probe's size as a field."""
+    probe = probe_of(q, k_exp, v_exp, relation)
+    rows.stage("properties", None, check_properties(ops, q, k_exp, v_exp, relation, scale, grad=grad))
+    rows.fields["properties"] = {"probe": [int(probe[0].shape[0]), int(probe[0].shape[1]), int(probe[0].shape[2]),
+                                           int(probe[1].shape[2])]}
+    rows.row_notes["properties"] = ("probe [B', Nh', Tq', Tk']: the first examples, heads and positions as they "
+                                    "entered the scores stage, with the relation there")
 
 
 def _guarded(name: str, level: int, fn: Callable[[], Check]) -> Check:

@@ -1,4 +1,4 @@
-"""The ledger's backward half: seed ``O-bar``, run the backward stages, check them against float64 autograd.
+"""The ledger's backward rows: seed ``O-bar``, run the backward stages, check them against float64 autograd.
 
 Rows, in order: ``grad_context`` (``O-bar``), ``grad_weights``, ``grad_values``, ``grad_scores``,
 ``grad_q``, ``grad_k`` and, for the built-in pipeline, ``grad_projections`` and ``grad_input``.
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from attn_ledger import checks as C
 from attn_ledger import tolerance
-from attn_ledger.engine.backward import BACKWARD_STAGES, GRADCHECK_ENTRIES, Backward, Rotation, gradcheck
-from attn_ledger.engine.judge import GRAD_AXES, Tally, judge_backward
+from attn_ledger.engine.backward import GRADCHECK_ENTRIES, Backward, Rotation, gradcheck
+from attn_ledger.engine.judge import AXES, Tally, judge_backward
 from attn_ledger.engine.rows import Rows
 from attn_ledger.report import Check, unjudged
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from attn_ledger.engine.plan import Plan
     from attn_ledger.engine.relations import Relation
 
-CONFIG_BACKWARD = BACKWARD_STAGES + ("grad_projections", "grad_input")
 
 
 @dataclass(frozen=True)
@@ -101,45 +100,11 @@ def _replayed(ops: Any, fwd: Forward, go: "Tensor", first: Backward) -> Check:
                       rotation=fwd.rotation, sdpa=False)
     for _ in second.run():
         pass
+    from attn_ledger.engine.replay import replay_check
+
     return replay_check([(n, a, b) for n, a, b in (("grad_q", first.dq, second.dq), ("grad_k", first.dk, second.dk),
                                                    ("grad_values", first.dv, second.dv))],
                         ("example", "head", "row", "feature"))
-
-
-def replay_check(pairs: list[tuple[str, "Tensor", "Tensor | None"]], axes: tuple[str, ...]) -> Check:
-    """L4: two runs bitwise equal; the first element that differs when not."""
-    import torch
-
-    differ, first = 0, None
-    for name, a, b in pairs:
-        if b is None or a.shape != b.shape:
-            return Check(4, "replay_bitwise", "fail", reason=f"the second run of {name} did not produce its tensor",
-                         data={"tensor": name})
-        size = a.element_size()
-        bad = a.contiguous().view(-1).view(torch.uint8).reshape(a.numel(), size) != \
-            b.contiguous().view(-1).view(torch.uint8).reshape(b.numel(), size)  # [N, bytes]: bitwise
-        per = bad.any(dim=-1)  # [N]
-        n = int(per.sum())
-        if n and first is None:
-            at = int(torch.argmax(per.to(torch.uint8)))
-            idx = _unravel(at, tuple(a.shape))
-            first = {"tensor": name, "index": list(idx), "first_run": float(a.reshape(-1)[at]),
-                     "second_run": float(b.reshape(-1)[at])}
-            location = {"tensor": name, **dict(zip(axes[-len(idx):], idx))}
-        differ += n
-    if first is None:
-        return Check(4, "replay_bitwise", "pass", "elements that differ between two runs", 0, 0, "<=",
-                     data={"elements": sum(a.numel() for _, a, _ in pairs)})
-    return Check(4, "replay_bitwise", "fail", "elements that differ between two runs", differ, 0, "<=",
-                 location=location, data={"elements": sum(a.numel() for _, a, _ in pairs), "first": first})
-
-
-def _unravel(at: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    idx = []
-    for size in reversed(shape):
-        idx.append(at % size)
-        at //= size
-    return tuple(reversed(idx))
 
 
 # --- saved tensors: the seed and the user's own gradients ---------------------------------------------
@@ -147,7 +112,7 @@ def _unravel(at: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 def context_row(rows: Rows, go: "Tensor", source: str, given_broken: Any = None) -> None:
     """``grad_context`` for saved tensors: the seed itself, its shape and finite values."""
     b, nh, tq, dv = go.shape
-    checks = [C.shape_check(go.shape, (b, nh, tq, dv), GRAD_AXES["grad_context"]),
+    checks = [C.shape_check(go.shape, (b, nh, tq, dv), AXES["grad_context"]),
               C.finite_check(C.nonfinite_count(go), "O-bar values")]
     if given_broken is not None:
         checks.append(C.shape_check(given_broken.shape, given_broken.expected,
@@ -213,7 +178,7 @@ def config_context_row(rows: Rows, ops: Any, go_out: "Tensor", wo: "Tensor", nh:
     if go is None:
         return None
     want = (b, nh, tq, dv)
-    checks = [C.shape_check(go.shape, want, GRAD_AXES["grad_context"]), C.finite_check(C.nonfinite_count(go), "O-bar values")]
+    checks = [C.shape_check(go.shape, want, AXES["grad_context"]), C.finite_check(C.nonfinite_count(go), "O-bar values")]
     if tuple(go.shape) == want:
         spans = plan.reference_spans
         got = torch.cat([go[:, :, r0:r1] for r0, r1 in spans], dim=2)  # [B, Nh, R, Dv]
@@ -230,7 +195,7 @@ def config_rows(rows: Rows, ops: Any, run: Backward, inp: Any, go_out: "Tensor",
     """``grad_projections`` and ``grad_input``: from the attention's gradients, against float64 and SDPA autograd."""
     import torch
 
-    from attn_ledger.engine.builtin import GRAD_AXES as AXES, grad_checks, grad_input, grad_projections
+    from attn_ledger.engine.builtin import grad_checks, grad_input, grad_projections
 
     cross = inp.x_kv is not inp.x
     w = inp.weights
@@ -261,3 +226,79 @@ def config_rows(rows: Rows, ops: Any, run: Backward, inp: Any, go_out: "Tensor",
     sd_x = None if sdpa is None else {n: sdpa[n] for n in shapes_x}
     rows.stage("grad_input", tuple(gin["x"].shape), grad_checks(gin, shapes_x, AXES["grad_input"], part_x, ref_x, sd_x, words))
     rows.tensors.update({f"grad_{n}": t for n, t in gin.items()})
+
+
+# --- the two orchestrations: the built-in pipeline, and given q, k, v ----------------------------------------
+
+def seed_words(value: Any) -> str:
+    """How ``O-bar`` was seeded, for the ``grad_context`` row's note."""
+    if value is None or value == "ones":
+        return "ones (every entry 1)"
+    if value == "identity":
+        return "identity (I on each head's [Tq, Dv] block)"
+    return f"from {value}"
+
+
+def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merged: "Tensor", relation: "Relation",
+                    keep_going: bool) -> None:
+    """The backward rows of the built-in pipeline: O-bar on the output, back to the projections and the input."""
+    from attn_ledger.engine import inputs
+    from attn_ledger.engine.builtin import sdpa_chain_gradients
+    from attn_ledger.engine.execute import reference_dtype, sample_allow, sample_rows
+    from attn_ledger.reference import reference_chain_gradients
+
+    b, tq, e = inp.x.shape
+    go_out = inputs.grad_seed(cfg.grad_output, (b, tq, e), inp.x.dtype, inp.x.device, heads=cfg.num_heads)
+    plan, w = fwd.plan, inp.weights
+    rot = None if fwd.rotation is None else (fwd.rotation.spec, fwd.rotation.q_start)
+    picked = sample_rows(plan.reference_spans, inp.x.device)
+    ref = reference_chain_gradients(inp.x, None if inp.x_kv is inp.x else inp.x_kv, (w.wq, w.wk, w.wv, w.wo),
+                                    cfg.num_heads, cfg.nkv, picked, go_out[:, picked],
+                                    allow_mask=sample_allow(relation, plan.reference_spans, cfg.tk),
+                                    scale=fwd.sdpa_scale, empty_rows="zeros" if fwd.empty_zero else "nan",
+                                    rope=rot, dtype=reference_dtype(inp.x.device))
+    go = config_context_row(rows, ops, go_out, w.wo, cfg.num_heads, cfg.dv, ref, plan, seed_words(cfg.grad_output))
+    if go is None or (rows.failed() and not keep_going):
+        return
+    run = core_backward(rows, ops, fwd, go, ref, replay=cfg.replay)
+    if run is None or (rows.failed() and not keep_going):
+        return
+    sdpa = None
+    if b and all(blk.layout.all_live for blk in plan.blocks):
+        allow = None if plan.sdpa_whole_causal else relation.block(0, tq)
+        sdpa = sdpa_chain_gradients(inp, cfg.num_heads, cfg.nkv, allow, plan.sdpa_whole_causal, fwd.sdpa_scale,
+                                    fwd.rotation, go_out)
+    config_rows(rows, ops, run, inp, go_out, merged, ref, sdpa, plan)
+
+
+def tensor_backward(rows: Rows, fwd: Forward, grad_output: Any, grads: "dict[str, Tensor]", one_head: bool,
+                    replay: bool) -> None:
+    """The backward rows on given Q, K, V: O-bar on the context (or the saved grad_out), then the stages."""
+    from attn_ledger.engine import inputs
+    from attn_ledger.engine.execute import reference_dtype, sample_allow, sample_rows
+    from attn_ledger.pipeline import HEALTHY
+    from attn_ledger.reference import reference_gradients
+
+    q_in, k_in, v_in = fwd.q_in, fwd.k_in, fwd.v_in
+    b, nh, tq, _ = q_in.shape
+    shapes = {"grad_context": (b, nh, tq, v_in.shape[-1]), "grad_q": tuple(q_in.shape), "grad_k": tuple(k_in.shape),
+              "grad_values": tuple(v_in.shape)}
+    given, broken = inputs.given_grads(grads, one_head, shapes)
+    seed_broken = next((x for x in broken if x.stage == "grad_context"), None)
+    seeded = seed_broken is None
+    value = given.get("grad_out", grad_output)
+    go = inputs.grad_seed(value, shapes["grad_context"], q_in.dtype, q_in.device, one_head=one_head)
+    source = ("the saved grad_out" if "grad_out" in given else
+              "ones (every entry 1; the saved grad_out has the wrong shape)" if not seeded else seed_words(grad_output))
+    context_row(rows, go, source, seed_broken)
+    plan = fwd.plan
+    picked = sample_rows(plan.reference_spans, q_in.device)
+    start = 0 if fwd.rotation is None else fwd.rotation.q_start
+    ref = reference_gradients(q_in[:, :, picked], k_in, v_in, go[:, :, picked], q_positions=picked + start,
+                              allow_mask=sample_allow(fwd.relation, plan.reference_spans, k_in.shape[2]),
+                              scale=fwd.sdpa_scale, empty_rows="zeros" if fwd.empty_zero else "nan",
+                              rope=None if fwd.rotation is None else (fwd.rotation.spec,),
+                              dtype=reference_dtype(q_in.device))
+    run = core_backward(rows, HEALTHY, fwd, go, ref, replay=replay)
+    if run is not None:
+        user_grads(rows, run, ref, given, broken, plan, seeded)
