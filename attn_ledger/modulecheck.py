@@ -35,6 +35,7 @@ Public: :func:`check_module` (build with the factory, then check) and
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -382,40 +383,16 @@ def _row(name: str, checks: tuple[Check, ...]) -> Row:
     return Row(name, status, checks)
 
 
-def check_module(
-    factory: Callable[..., Any],
-    embed_dim: int,
-    num_heads: int,
-    *,
-    causal: bool = True,
-    window: int | None = None,
-    scale: float | None = None,
-    seed: int = 0,
-    batch_size: int = BATCH_SIZE,
-    seq_len: int = SEQ_LEN,
-    progress: Callable[[int, int], None] | None = None,
-    subject: str = "module",
-    decode: Callable[..., Any] | None = None,
-) -> Report:
+def check_module(factory: Callable[..., Any], embed_dim: int, num_heads: int, *, seed: int = 0, **options: Any) -> Report:
     """Check a module built by ``factory(embed_dim, num_heads)`` against the attention contract.
 
     Args:
         factory: the already-loaded callable returning an ``nn.Module``.
-        embed_dim: E, passed to the factory and used for the input ``[B, T, E]``.
-        num_heads: Nh, passed to the factory (the checks read the head count the module uses).
-        causal: the module is meant to be causal: check causality (intervention, controls,
-            gradient form) and expect the causal relation; otherwise check permutation
-            equivariance and expect a bidirectional core.
-        window: with ``causal``, the module is meant to use a sliding window of this many keys
-            (query i uses keys i-window+1..i).
-        scale: the design's own softmax scale, where it is not 1/sqrt(Dh).
-        seed: seeds torch's generator around the factory and the forwards, and the inputs.
-        batch_size: B (at least 2, so batch independence can be judged).
-        seq_len: T (at least 2).
-        progress: ``callback(done, total)`` after each check group.
-        subject: a name for the output.
-        decode: ``decode(module, x_new, cache) -> (y_new, cache)``: adds the KV-cache decode
-            parity rows of :mod:`attn_ledger.decodecheck` (needs ``causal``).
+        embed_dim, num_heads, seed: as :func:`check_built_module` takes them; ``seed`` also seeds
+            torch's generator around the factory.
+        options: the other keywords of :func:`check_built_module` (``causal``, ``window``, ``scale``,
+            ``batch_size``, ``seq_len``, ``progress``, ``subject``, ``decode``), refused before the factory
+            runs where out of range.
 
     Returns:
         A :class:`~attn_ledger.report.Report` (command ``check``), one row per aspect
@@ -427,16 +404,18 @@ def check_module(
     """
     import torch
 
-    _declared(embed_dim, num_heads, batch_size, seq_len, causal, window, scale, decode)
+    bound = inspect.signature(check_built_module).bind(None, embed_dim, num_heads, seed=seed, **options)
+    bound.apply_defaults()  # the declaration with check_built_module's defaults, checked before the factory runs
+    given = bound.arguments
+    _declared(embed_dim, num_heads, given["batch_size"], given["seq_len"], given["causal"], given["window"],
+              given["scale"], given["decode"])
     with torch.random.fork_rng(devices=[]):
         manual_seed(seed)
         module = build_module(factory, embed_dim, num_heads)
-        return check_built_module(module, embed_dim, num_heads, causal=causal, window=window, scale=scale, seed=seed,
-                                  batch_size=batch_size, seq_len=seq_len, progress=progress, subject=subject,
-                                  decode=decode)
+        return check_built_module(module, embed_dim, num_heads, seed=seed, **options)
 
 
-def check_built_module(
+def check_built_module(  # long by its documented arguments; the code is about 30 lines
     module: "nn.Module",
     embed_dim: int,
     num_heads: int,
@@ -451,10 +430,36 @@ def check_built_module(
     subject: str = "module",
     decode: Callable[..., Any] | None = None,
 ) -> Report:
-    """:func:`check_module` on a module already built; torch's global generator goes on from where the caller left it.
+    """Check a module already built against the attention contract; torch's global generator goes on from where the
+    caller left it (:func:`check_module` builds it from a factory first).
+
+    Args:
+        module: the ``nn.Module`` (put in eval mode for the checks).
+        embed_dim: E, used for the input ``[B, T, E]``.
+        num_heads: Nh (the checks read the head count the module uses).
+        causal: the module is meant to be causal: check causality (intervention, controls,
+            gradient form) and expect the causal relation; otherwise check permutation
+            equivariance and expect a bidirectional core.
+        window: with ``causal``, the module is meant to use a sliding window of this many keys
+            (query i uses keys i-window+1..i).
+        scale: the design's own softmax scale, where it is not 1/sqrt(Dh).
+        seed: seeds the inputs and torch's generator around the forwards.
+        batch_size: B (at least 2, so batch independence can be judged).
+        seq_len: T (at least 2).
+        progress: ``callback(done, total)`` after each check group.
+        subject: a name for the output.
+        decode: ``decode(module, x_new, cache) -> (y_new, cache)``: adds the KV-cache decode
+            parity rows of :mod:`attn_ledger.decodecheck` (needs ``causal``).
 
     A call into the module (or into ``decode``) that exits or runs past its time limit stops
     the check (see :func:`stopped_module_report`).
+
+    Returns:
+        A :class:`~attn_ledger.report.Report` (command ``check``), one row per aspect
+        (:data:`ASPECTS`); ``exit_code`` 0 when no check fails, 1 on a finding.
+
+    Raises:
+        InputError: sizes, window or scale out of range, or ``decode`` without ``causal``.
     """
     import torch
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from attn_ledger.seeding import generator
 
@@ -159,38 +159,56 @@ def invert_none(allow: "Tensor | None") -> "Tensor | None":
 
 
 # --- deliberate faults ------------------------------------------------------------
+# Each fault is registered where its function is written: its name, the Ops field it replaces and one line
+# on what it does (the fault tables of the docs are generated from these lines, in this order).
 
+_CHANGES: dict[str, dict[str, Any]] = {}
+FAULT_SUMMARIES: dict[str, str] = {}
+
+
+def _register(name: str, summary: str, **changes: Any) -> None:
+    """Fault ``name``: the :class:`Ops` fields it changes, and its summary (given once, with its first change)."""
+    _CHANGES.setdefault(name, {}).update(changes)
+    if summary:
+        FAULT_SUMMARIES[name] = summary
+
+
+def _fault(name: str, field: str, summary: str = "") -> Callable[[Callable], Callable]:
+    """Register the decorated function as what fault ``name`` puts in the :class:`Ops` field ``field``."""
+    def register(fn: Callable) -> Callable:
+        _register(name, summary, **{field: fn})
+        return fn
+    return register
+
+
+@_fault("split-reshape", "split", "heads split by reshape alone, without moving the head axis")
 def _split_by_reshape(x: "Tensor", n_heads: int) -> "Tensor":
     b, t, e = x.shape
     return x.reshape(b, n_heads, t, e // n_heads)  # right shape, positions cut across heads
 
 
+@_fault("merge-reshape", "merge", "heads merged by reshape alone, without moving the head axis back")
 def _merge_by_reshape(x: "Tensor") -> "Tensor":
     b, nh, t, d = x.shape
     return x.reshape(b, t, nh * d)  # head axis never moved back inside
 
 
+@_fault("k-transpose", "scores", "scores from k.transpose(1, 2) instead of a transpose of the last two axes")
 def _scores_wrong_transpose(q: "Tensor", k: "Tensor", scale: float) -> "Tensor":
     return (q * scale) @ k.transpose(1, 2)  # swaps heads with key positions
 
 
+@_fault("softmax-axis", "softmax", "softmax over queries instead of keys")
 def _softmax_over_queries(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool) -> "Tensor":
     import torch
 
     return torch.softmax(masked, dim=-2)
 
 
-def _mask_after_softmax(scores: "Tensor", allow: "Tensor | None") -> "Tensor":
-    return scores  # the mask is applied later, to the weights
+_register("no-scale", "no 1/sqrt(Dh) on the scores", unscaled=True)
 
 
-def _softmax_then_zero(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool) -> "Tensor":
-    import torch
-
-    weights = torch.softmax(masked, dim=-1)
-    return weights if allow is None else weights.masked_fill(~allow, 0.0)
-
-
+@_fault("mask-polarity", "polarity", "the allow relation applied inverted, as if True meant blocked")
 def _invert(allow: "Tensor | None") -> "Tensor | None":
     import torch
 
@@ -199,22 +217,40 @@ def _invert(allow: "Tensor | None") -> "Tensor | None":
     return torch.logical_not(allow)
 
 
+@_fault("mask-after-softmax", "mask", "softmax over every key, then the forbidden weights set to zero")
+def _mask_after_softmax(scores: "Tensor", allow: "Tensor | None") -> "Tensor":
+    return scores  # the mask is applied later, to the weights
+
+
+@_fault("mask-after-softmax", "softmax")
+def _softmax_then_zero(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool) -> "Tensor":
+    import torch
+
+    weights = torch.softmax(masked, dim=-1)
+    return weights if allow is None else weights.masked_fill(~allow, 0.0)
+
+
 # --- deliberate faults in the backward stages ----------------------------------------
 
+@_fault("softmax-backward-no-rowsum", "softmax_backward",
+        "softmax backward without the row-sum term: S-bar = A * A-bar")
 def _softmax_backward_no_rowsum(weights: "Tensor", grad_w: "Tensor") -> "Tensor":
     return weights * grad_w  # the row-sum term dropped: S-bar = A * A-bar
 
 
+@_fault("grad-k-no-scale", "grad_k", "K-bar without the score scale")
 def _grad_k_unscaled(grad_s: "Tensor", q: "Tensor", scale: float) -> "Tensor":
     return matmul(grad_s.transpose(-2, -1), q)  # the scale forgotten on the key side only
 
 
+@_fault("grad-values-untransposed", "grad_values", "V-bar = A O-bar instead of A^T O-bar")
 def _grad_values_untransposed(weights: "Tensor", grad_context: "Tensor") -> "Tensor":
     return matmul(weights, grad_context)  # A O-bar instead of A^T O-bar: [Tq, Tk] @ [Tq, Dv] needs Tk == Tq
 
 
 # --- deliberate faults in rotary positions ------------------------------------------
 
+@_fault("rope-on-v", "rope", "rotary positions applied to v as well as q and k")
 def _rotate_v_too(q: "Tensor", k: "Tensor", v: "Tensor", spec: "RotarySpec", q_start: int):
     from attn_ledger.rotary import apply_rotary
 
@@ -222,12 +258,14 @@ def _rotate_v_too(q: "Tensor", k: "Tensor", v: "Tensor", spec: "RotarySpec", q_s
     return q, k, apply_rotary(v, spec)  # values carry content, not positions
 
 
+@_fault("rope-query-offset", "rope", "queries rotated one position ahead of the keys")
 def _rotate_query_ahead(q: "Tensor", k: "Tensor", v: "Tensor", spec: "RotarySpec", q_start: int):
     from attn_ledger.rotary import apply_rotary
 
     return apply_rotary(q, spec, offset=q_start + 1), apply_rotary(k, spec), v  # queries one position ahead
 
 
+@_fault("rope-q-only", "rope", "only q rotated, k left as it was")
 def _rotate_q_only(q: "Tensor", k: "Tensor", v: "Tensor", spec: "RotarySpec", q_start: int):
     from attn_ledger.rotary import apply_rotary
 
@@ -236,6 +274,8 @@ def _rotate_q_only(q: "Tensor", k: "Tensor", v: "Tensor", spec: "RotarySpec", q_
 
 # --- deliberate faults that break a boundary property --------------------------------
 
+@_fault("softmax-plus-one", "softmax",
+        "softmax with an extra 1 in the denominator, so a lone key gets less than weight 1")
 def _softmax_plus_one(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool) -> "Tensor":
     """``exp(s) / (1 + sum exp(s))``: an extra "none of these" slot, so a lone key gets less than 1."""
     import torch
@@ -245,6 +285,7 @@ def _softmax_plus_one(masked: "Tensor", allow: "Tensor | None", empty_rows_zero:
     return e / (torch.exp(-top) + e.sum(dim=-1, keepdim=True))
 
 
+@_fault("scores-key-bias", "scores", "a leftover bias of 0.1 per key position added to the scores")
 def _scores_key_bias(q: "Tensor", k: "Tensor", scale: float) -> "Tensor":
     import torch
 
@@ -252,15 +293,19 @@ def _scores_key_bias(q: "Tensor", k: "Tensor", scale: float) -> "Tensor":
     return qk_scores(q, k, scale) + bias  # [B, Nh, Tq, Tk]
 
 
+@_fault("context-rows-shifted", "mix", "each query's context written one row late")
 def _mix_rows_shifted(weights: "Tensor", v: "Tensor") -> "Tensor":
     return matmul(weights, v).roll(1, dims=-2)  # each query's context written one row late
 
 
+@_fault("values-batch-mix", "mix", "values reshaped with B and Nh confused, so examples swap values")
 def _mix_batch_heads(weights: "Tensor", v: "Tensor") -> "Tensor":
     mixed = v.transpose(0, 1).reshape(v.shape)  # B and Nh confused in a reshape: examples swap values
     return matmul(weights, mixed)
 
 
+@_fault("softmax-global-max", "softmax",
+        "softmax stabilised by the largest score of the whole tensor, which an empty batch has not")
 def _softmax_global_max(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool) -> "Tensor":
     """Stabilised by the largest score of the whole tensor, not of each row: ``max()`` of an empty batch raises."""
     import torch
@@ -301,52 +346,7 @@ class Ops:
 
 HEALTHY = Ops()
 
-_FAULTY = {
-    "split-reshape": replace(HEALTHY, split=_split_by_reshape),
-    "merge-reshape": replace(HEALTHY, merge=_merge_by_reshape),
-    "k-transpose": replace(HEALTHY, scores=_scores_wrong_transpose),
-    "softmax-axis": replace(HEALTHY, softmax=_softmax_over_queries),
-    "no-scale": replace(HEALTHY, unscaled=True),
-    "mask-polarity": replace(HEALTHY, polarity=_invert),
-    "mask-after-softmax": replace(HEALTHY, mask=_mask_after_softmax, softmax=_softmax_then_zero),
-    # the backward stages (with --grad)
-    "softmax-backward-no-rowsum": replace(HEALTHY, softmax_backward=_softmax_backward_no_rowsum),
-    "grad-k-no-scale": replace(HEALTHY, grad_k=_grad_k_unscaled),
-    "grad-values-untransposed": replace(HEALTHY, grad_values=_grad_values_untransposed),
-    # rotary positions (with rope)
-    "rope-on-v": replace(HEALTHY, rope=_rotate_v_too),
-    "rope-query-offset": replace(HEALTHY, rope=_rotate_query_ahead),
-    "rope-q-only": replace(HEALTHY, rope=_rotate_q_only),
-    # each breaks one boundary property
-    "softmax-plus-one": replace(HEALTHY, softmax=_softmax_plus_one),
-    "scores-key-bias": replace(HEALTHY, scores=_scores_key_bias),
-    "context-rows-shifted": replace(HEALTHY, mix=_mix_rows_shifted),
-    "values-batch-mix": replace(HEALTHY, mix=_mix_batch_heads),
-    "softmax-global-max": replace(HEALTHY, softmax=_softmax_global_max),
-}
-
-
-# What each fault does, in one line (the fault tables of the docs are generated from these).
-FAULT_SUMMARIES = {
-    "split-reshape": "heads split by reshape alone, without moving the head axis",
-    "merge-reshape": "heads merged by reshape alone, without moving the head axis back",
-    "k-transpose": "scores from k.transpose(1, 2) instead of a transpose of the last two axes",
-    "softmax-axis": "softmax over queries instead of keys",
-    "no-scale": "no 1/sqrt(Dh) on the scores",
-    "mask-polarity": "the allow relation applied inverted, as if True meant blocked",
-    "mask-after-softmax": "softmax over every key, then the forbidden weights set to zero",
-    "softmax-backward-no-rowsum": "softmax backward without the row-sum term: S-bar = A * A-bar",
-    "grad-k-no-scale": "K-bar without the score scale",
-    "grad-values-untransposed": "V-bar = A O-bar instead of A^T O-bar",
-    "rope-on-v": "rotary positions applied to v as well as q and k",
-    "rope-query-offset": "queries rotated one position ahead of the keys",
-    "rope-q-only": "only q rotated, k left as it was",
-    "softmax-plus-one": "softmax with an extra 1 in the denominator, so a lone key gets less than weight 1",
-    "scores-key-bias": "a leftover bias of 0.1 per key position added to the scores",
-    "context-rows-shifted": "each query's context written one row late",
-    "values-batch-mix": "values reshaped with B and Nh confused, so examples swap values",
-    "softmax-global-max": "softmax stabilised by the largest score of the whole tensor, which an empty batch has not",
-}
+_FAULTY = {name: replace(HEALTHY, **changes) for name, changes in _CHANGES.items()}
 
 
 def ops_for(fault: str | None) -> Ops:

@@ -12,7 +12,7 @@ Dh query/key width, Dv value width.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +119,16 @@ def _rotated(x: "torch.Tensor", rope: "tuple | None", positions: "torch.Tensor")
     return apply_rotary(x, rope[0], positions=positions)
 
 
+def _rotated_stages(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", q_positions: "torch.Tensor",
+                    rope: "tuple | None", **attend: Any) -> dict[str, "torch.Tensor"]:
+    """:func:`reference_stages` with q rotated at ``q_positions`` and key j at j by ``rope`` (differentiable)."""
+    import torch
+
+    qr = _rotated(q, rope, q_positions)  # [B, Nh, R, Dh]
+    kr = _rotated(k, rope, torch.arange(k.shape[-2], device=k.device))  # [B, Nkv, Tk, Dh]
+    return reference_stages(qr, kr, v, **attend)
+
+
 def reference_gradients(
     q_rows: "torch.Tensor",
     k: "torch.Tensor",
@@ -154,10 +164,8 @@ def reference_gradients(
     dtype = dtype or torch.float64
     with torch.enable_grad():
         q64, k64, v64 = (t.detach().to(dtype).requires_grad_(True) for t in (q_rows, k, v))
-        tk = k.shape[-2]
-        qr = _rotated(q64, rope, q_positions)
-        kr = _rotated(k64, rope, torch.arange(tk, device=k.device))
-        st = reference_stages(qr, kr, v64, allow_mask=allow_mask, scale=scale, empty_rows=empty_rows, dtype=dtype)
+        st = _rotated_stages(q64, k64, v64, q_positions, rope, allow_mask=allow_mask, scale=scale, empty_rows=empty_rows,
+                             dtype=dtype)
         loss = (st["out"] * grad_context.to(dtype)).sum()
         gq, gk, gv, gw, gs = torch.autograd.grad(loss, (q64, k64, v64, st["weights"], st["scores"]))
     return {"grad_q": gq, "grad_k": gk, "grad_values": gv, "grad_weights": gw, "grad_scores": gs,
@@ -173,11 +181,8 @@ def reference_chain_gradients(
     rows: "torch.Tensor",
     grad_output: "torch.Tensor",
     *,
-    allow_mask: "torch.Tensor | None" = None,
-    scale: float,
-    empty_rows: str = "zeros",
     rope: "tuple | None" = None,
-    dtype: "torch.dtype | None" = None,
+    **attend: Any,
 ) -> dict[str, "torch.Tensor"]:
     """Float64 autograd of the whole multi-head attention (projections, heads, attention, merge, output).
 
@@ -187,8 +192,9 @@ def reference_chain_gradients(
         x: ``[B, Tq, E]``; x_kv: ``[B, Tk, E]`` for cross-attention, None for self-attention.
         weights: ``wq [Nh*Dh, E]``, ``wk [Nkv*Dh, E]``, ``wv [Nkv*Dv, E]``, ``wo [E, Nh*Dv]`` (nn.Linear layout).
         rows: ``[R]`` the query rows; grad_output: ``O-bar`` of the output on them, ``[B, R, E]``.
-        allow_mask: bool, broadcastable to ``[B, Nh, R, Tk]``.
         rope: ``(RotarySpec, q_start)``: q and k rotated, query i at ``i + q_start``.
+        attend: ``allow_mask`` (bool, broadcastable to ``[B, Nh, R, Tk]``), ``scale`` (required),
+            ``empty_rows`` and ``dtype``, as :func:`reference_gradients` takes them.
 
     Returns:
         ``grad_context`` ``[B, Nh, R, Dv]``, ``grad_weights``/``grad_scores`` ``[B, Nh, R, Tk]``, ``grad_q``
@@ -197,7 +203,7 @@ def reference_chain_gradients(
     """
     import torch
 
-    dtype = dtype or torch.float64
+    dtype = attend.pop("dtype", None) or torch.float64
     with torch.enable_grad():
         xs = [t.detach().to(dtype).requires_grad_(True) for t in (x, x if x_kv is None else x_kv)]
         ws = [w.detach().to(dtype).requires_grad_(True) for w in weights]
@@ -205,11 +211,8 @@ def reference_chain_gradients(
         q = heads_of(x64 @ ws[0].T, n_heads)  # [B, Nh, Tq, Dh]
         k = heads_of(xkv64 @ ws[1].T, n_kv)  # [B, Nkv, Tk, Dh]
         v = heads_of(xkv64 @ ws[2].T, n_kv)  # [B, Nkv, Tk, Dv]
-        tk = k.shape[2]
         q_start = 0 if rope is None else rope[1]
-        qr = _rotated(q[:, :, rows], rope, rows.to(q.device) + q_start)  # [B, Nh, R, Dh]
-        kr = _rotated(k, rope, torch.arange(tk, device=k.device))
-        st = reference_stages(qr, kr, v, allow_mask=allow_mask, scale=scale, empty_rows=empty_rows, dtype=dtype)
+        st = _rotated_stages(q[:, :, rows], k, v, rows.to(q.device) + q_start, rope, dtype=dtype, **attend)
         out = join_heads(st["out"]) @ ws[3].T  # [B, R, E]
         loss = (out * grad_output.to(dtype)).sum()
         wanted = (st["out"], st["weights"], st["scores"], q, k, v, *ws, xs[0]) + (() if x_kv is None else (xs[1],))

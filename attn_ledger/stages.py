@@ -89,42 +89,80 @@ _GRADCHECK = ("the hand backward, run in float64, agrees with central difference
 _SMALL = "q, k and v with at most 4096 entries in all"
 
 
+# The checks most stages share: the shape, finite values, the float64 reference, SDPA.
+FINITE = CheckSpec(3, "finite", "no NaN or infinity")
+_VS_PROJ = CheckSpec(4, "matches_reference", "agrees with a float64 projection and split")
+_VS_REF = CheckSpec(4, "matches_reference", _VS_F64)
+_VS_REF_CHAIN = CheckSpec(4, "matches_reference", "agrees with the float64 reference")
+_VS_GRAD_REF = CheckSpec(4, "matches_reference", _VS_GRAD)
+_VS_SDPA_GRAD_ROWS = CheckSpec(4, "matches_sdpa", _VS_SDPA_GRAD, "not with queries that have every key blocked")
+_GRADCHECK_SPEC = CheckSpec(4, "gradcheck", _GRADCHECK, _SMALL)
+
+
+def _shape(meaning: str) -> CheckSpec:
+    return CheckSpec(1, "shape", meaning)
+
+
+def _derived(axes: str) -> CheckSpec:
+    """The whole tensor has the derived shape ``axes``."""
+    return _shape(f"the derived {axes}")
+
+
+def _blocks(width: str) -> CheckSpec:
+    """Every query block has the derived ``[B, Nh, rows, width]``."""
+    return _shape(f"every query block has the derived [B, Nh, rows, {width}]")
+
+
+def _key_parts(width: str) -> CheckSpec:
+    """Every query block's part of a key-side gradient has the derived ``[B, Nh, keys, width]``."""
+    return _shape(f"every query block's part has the derived [B, Nh, keys, {width}]")
+
+
+def _blocked_keys(what: str) -> CheckSpec:
+    return CheckSpec(3, "blocked_keys_zero", f"a key no query may use gets zero {what}", "not applicable when every key is used")
+
+
+def _vs_chain(what: str) -> tuple[CheckSpec, CheckSpec]:
+    """The built-in pipeline's projections and input gradients against both autograd references."""
+    return (CheckSpec(4, "matches_reference", "agrees with float64 autograd of the whole reference on its sampled rows"),
+            CheckSpec(4, "matches_sdpa", f"agrees with autograd of {what} built on F.scaled_dot_product_attention",
+                      "not with queries that have every key blocked"))
+
+
+def _user(name: str, stage_words: str, checks: tuple[tuple[int, str, str], ...], plural: bool = False
+          ) -> tuple[CheckSpec, ...]:
+    """The checks of a user's saved tensor ``name`` at a stage: its shape, then ``(level, check, meaning)`` each."""
+    wrong = f"--tensors with {'' if plural else 'a '}wrong-shaped {name}"
+    return (CheckSpec(1, f"user_{name}_shape", f"the given {name} {stage_words}", wrong, _T),
+            *(CheckSpec(level, f"user_{name}_{check}", meaning, f"--tensors with {name}", _T) for level, check, meaning in checks))
+
+
 def _user_grad(name: str, stage_words: str) -> tuple[CheckSpec, ...]:
-    return (
-        CheckSpec(1, f"user_{name}_shape", f"the given {name} has the shape of {stage_words}", f"--tensors with a wrong-shaped {name}", _T),
-        CheckSpec(4, f"user_{name}_matches_reference", f"the given {name} agrees with float64 autograd",
-                  f"--tensors with {name}", _T),
-        CheckSpec(4, f"user_{name}_matches_sdpa", f"the given {name} agrees with autograd of F.scaled_dot_product_attention",
-                  f"--tensors with {name}", _T),
-    )
+    return _user(name, f"has the shape of {stage_words}", (
+        (4, "matches_reference", f"the given {name} agrees with float64 autograd"),
+        (4, "matches_sdpa", f"the given {name} agrees with autograd of F.scaled_dot_product_attention")))
+
+
+def _projected(name: str, axes: str, holds: str, *middle: CheckSpec) -> StageSpec:
+    """The q, k and v stages of the built-in pipeline: projected and split into heads."""
+    spaced = axes.replace(",", ", ")
+    return StageSpec(name, axes, holds, (_derived(spaced), *middle, FINITE, _VS_PROJ), _P)
 
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("input", "[B,Tq,E]", "the input (saved q, k, v with --tensors)", (), BOTH, "[B,Nh,Tq,Dh]"),
     StageSpec("head_roundtrip", "[B,T,E]", "merge(split(x)) on a deterministic arange tensor", (
-        CheckSpec(1, "shape", "merge(split(x)) has the shape of x"),
+        _shape("merge(split(x)) has the shape of x"),
         CheckSpec(2, "roundtrip_exact", "merge(split(x)) == x, compared by value: no value moved"),
         CheckSpec(2, "split_head_slices", "after the split, head h holds features h*Dh..(h+1)*Dh of every position"),
         CheckSpec(2, "merge_head_slices", "after the merge, each head's values are back in their own feature slice"),
     ), _P),
-    StageSpec("q", "[B,Nh,Tq,Dh]", "queries after projection and head split", (
-        CheckSpec(1, "shape", "the derived [B, Nh, Tq, Dh]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(4, "matches_reference", "agrees with a float64 projection and split"),
-    ), _P),
-    StageSpec("k", "[B,Nkv,Tk,Dh]", "keys after projection and head split", (
-        CheckSpec(1, "shape", "the derived [B, Nkv, Tk, Dh]"),
-        CheckSpec(2, "kv_head_pairing", "with kv heads labelled by index, query head h reads kv head h // (Nh / Nkv)"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(4, "matches_reference", "agrees with a float64 projection and split"),
-    ), _P),
-    StageSpec("v", "[B,Nkv,Tk,Dv]", "values after projection and head split", (
-        CheckSpec(1, "shape", "the derived [B, Nkv, Tk, Dv]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(4, "matches_reference", "agrees with a float64 projection and split"),
-    ), _P),
+    _projected("q", "[B,Nh,Tq,Dh]", "queries after projection and head split"),
+    _projected("k", "[B,Nkv,Tk,Dh]", "keys after projection and head split",
+               CheckSpec(2, "kv_head_pairing", "with kv heads labelled by index, query head h reads kv head h // (Nh / Nkv)")),
+    _projected("v", "[B,Nkv,Tk,Dv]", "values after projection and head split"),
     StageSpec("rope", "[B,Nh,Tq,Dh]", "q and k rotated by rotary positions (query i at i + Tk - Tq), v untouched", (
-        CheckSpec(1, "shape", "q, k and v keep their shapes"),
+        _shape("q, k and v keep their shapes"),
         CheckSpec(2, "rotary_positions", "rotations recognised on q, k and v at their known positions: q and k "
                   "rotated alike, at the same offset, v never", "not applicable with one position, 0"),
         CheckSpec(2, "relative_positions", "one q and one k vector repeated along the sequence: their scores depend only "
@@ -133,17 +171,15 @@ STAGES: tuple[StageSpec, ...] = (
         CheckSpec(4, "matches_reference", "rotated q, k (and the untouched v) agree with the float64 rotation"),
     ), needs=ROPE),
     StageSpec("scores", "[B,Nh,Tq,Tk]", "scaled scores q k^T / sqrt(Dh), before masking", (
-        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
+        _blocks("Tk"), FINITE,
         CheckSpec(3, "exp_headroom", "largest |score| of an allowed pair stays below log(dtype max), where exp "
                   "overflows without max-subtraction", "a warning, never a finding"),
-        CheckSpec(4, "matches_reference", _VS_F64),
-        CheckSpec(1, "user_scores_shape", "the given scores have the score grid's shape", "--tensors with wrong-shaped scores", _T),
-        CheckSpec(4, "user_scores_matches_reference", "the given scores agree with the float64 reference",
-                  "--tensors with scores", _T),
+        _VS_REF,
+        *_user("scores", "have the score grid's shape", (
+            (4, "matches_reference", "the given scores agree with the float64 reference"),), plural=True),
     )),
     StageSpec("masked_scores", "[B,Nh,Tq,Tk]", "scores with forbidden pairs excluded (-inf)", (
-        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
+        _blocks("Tk"),
         CheckSpec(3, "finite", "no NaN and no +inf (-inf marks an excluded key)"),
         CheckSpec(3, "no_fully_blocked_query", "no query has every key blocked, beyond rows declared empty "
                   "(empty_rows = zeros)"),
@@ -152,49 +188,41 @@ STAGES: tuple[StageSpec, ...] = (
         CheckSpec(3, "allowed_kept", "no allowed (query, key) score is excluded", "with a mask relation"),
     )),
     StageSpec("weights", "[B,Nh,Tq,Tk]", "softmax over keys", (
-        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
+        _blocks("Tk"), FINITE,
         CheckSpec(3, "key_row_sums", "each query's weights sum to 1 over keys"),
         CheckSpec(3, "forbidden_weight", "the largest weight on a forbidden key is 0 (within the row-sum tolerance)"),
         CheckSpec(3, "empty_rows_zero", "rows declared empty hold only zeros", "empty_rows = zeros with such rows"),
-        CheckSpec(4, "matches_reference", _VS_F64),
-        CheckSpec(1, "user_weights_shape", "the given weights have the score grid's shape",
-                  "--tensors with wrong-shaped weights", _T),
-        CheckSpec(3, "user_weights_finite", "the given weights: no NaN or infinity", "--tensors with weights", _T),
-        CheckSpec(3, "user_weights_key_row_sums", "the given weights sum to 1 over keys", "--tensors with weights", _T),
-        CheckSpec(3, "user_weights_forbidden_weight", "the given weights put nothing on a forbidden key",
-                  "--tensors with weights", _T),
-        CheckSpec(4, "user_weights_matches_reference", "the given weights agree with the float64 reference",
-                  "--tensors with weights", _T),
+        _VS_REF,
+        *_user("weights", "have the score grid's shape", (
+            (3, "finite", "the given weights: no NaN or infinity"),
+            (3, "key_row_sums", "the given weights sum to 1 over keys"),
+            (3, "forbidden_weight", "the given weights put nothing on a forbidden key"),
+            (4, "matches_reference", "the given weights agree with the float64 reference")), plural=True),
     )),
     StageSpec("context", "[B,Nh,Tq,Dv]", "weights @ v", (
-        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Dv]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
+        _blocks("Dv"), FINITE,
         CheckSpec(3, "in_value_range", "each row lies inside the per-coordinate range of the value rows it mixes"),
-        CheckSpec(4, "matches_reference", _VS_F64),
+        _VS_REF,
         CheckSpec(4, "matches_sdpa", "agrees with F.scaled_dot_product_attention on the same q, k, v, scale and "
                   "mask (in its polarity, dropout off)"),
         CheckSpec(4, "sdpa[BACKEND,DTYPE]", "the same comparison with one SDPA backend pinned, in one dtype",
                   "--backends"),
-        CheckSpec(1, "user_out_shape", "the given out has the context's shape", "--tensors with a wrong-shaped out", _T),
-        CheckSpec(3, "user_out_finite", "the given out: no NaN or infinity", "--tensors with out", _T),
-        CheckSpec(3, "user_out_in_value_range", "the given out lies inside the range of the value rows it may mix",
-                  "--tensors with out", _T),
-        CheckSpec(4, "user_out_matches_reference", "the given out agrees with the float64 reference",
-                  "--tensors with out", _T),
+        *_user("out", "has the context's shape", (
+            (3, "finite", "the given out: no NaN or infinity"),
+            (3, "in_value_range", "the given out lies inside the range of the value rows it may mix"),
+            (4, "matches_reference", "the given out agrees with the float64 reference"))),
         CheckSpec(4, "user_out_matches_sdpa", "the given out agrees with F.scaled_dot_product_attention",
                   "--tensors with out, float32 or float64", _T),
         CheckSpec(4, "replay_bitwise", "a second run of the forward gives the same bits", "--tensors with --replay", _T),
     )),
     StageSpec("merged", "[B,Tq,Nh*Dv]", "heads merged back", (
-        CheckSpec(1, "shape", "the derived [B, Tq, Nh*Dv]"),
+        _derived("[B, Tq, Nh*Dv]"),
         CheckSpec(2, "merge_head_slices", "head h's context lands in features h*Dv..(h+1)*Dv"),
-        CheckSpec(4, "matches_reference", "agrees with the float64 reference"),
+        _VS_REF_CHAIN,
     ), _P),
     StageSpec("output", "[B,Tq,E]", "the output projection", (
         CheckSpec(1, "external_layout", "the output keeps the external [B, Tq, E] layout"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(4, "matches_reference", "agrees with the float64 reference"),
+        FINITE, _VS_REF_CHAIN,
         CheckSpec(4, "matches_sdpa", "agrees with a forward built on F.scaled_dot_product_attention"),
         CheckSpec(4, "replay_bitwise", "a second run of the whole forward gives the same bits", "--replay"),
     ), _P),
@@ -208,65 +236,38 @@ STAGES: tuple[StageSpec, ...] = (
         CheckSpec(1, "empty_batch", "the batch sliced to 0 runs and keeps the derived shape"),
     )),
     StageSpec("grad_context", "[B,Nh,Tq,Dv]", "O-bar: the seed, back through the output projection and merge", (
-        CheckSpec(1, "shape", "the derived [B, Nh, Tq, Dv]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
+        _derived("[B, Nh, Tq, Dv]"), FINITE,
         CheckSpec(4, "matches_reference", _VS_GRAD, modes=_P),
         CheckSpec(1, "user_grad_out_shape", "the saved grad_out has the context's shape (else the seed is ones)",
                   "--tensors with grad_out", _T),
     ), needs=GRAD),
-    StageSpec("grad_weights", "[B,Nh,Tq,Tk]", "A-bar = O-bar V^T, block by block", (
-        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(4, "matches_reference", _VS_GRAD),
-    ), needs=GRAD),
+    StageSpec("grad_weights", "[B,Nh,Tq,Tk]", "A-bar = O-bar V^T, block by block", (_blocks("Tk"), FINITE, _VS_GRAD_REF),
+              needs=GRAD),
     StageSpec("grad_values", "[B,Nkv,Tk,Dv]", "V-bar = A^T O-bar, summed over query blocks and the heads of a kv head", (
-        CheckSpec(1, "shape", "every query block's part has the derived [B, Nh, keys, Dv]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(3, "blocked_keys_zero", "a key no query may use gets zero V-bar", "not applicable when every key is used"),
-        CheckSpec(4, "matches_reference", _VS_GRAD),
-        CheckSpec(4, "matches_sdpa", _VS_SDPA_GRAD, "not with queries that have every key blocked"),
-        CheckSpec(4, "gradcheck", _GRADCHECK, _SMALL),
+        _key_parts("Dv"), FINITE, _blocked_keys("V-bar"), _VS_GRAD_REF, _VS_SDPA_GRAD_ROWS, _GRADCHECK_SPEC,
         *_user_grad("dv", "v"),
     ), needs=GRAD),
     StageSpec("grad_scores", "[B,Nh,Tq,Tk]", "S-bar, the softmax backward, block by block", (
-        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Tk]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
+        _blocks("Tk"), FINITE,
         CheckSpec(3, "softmax_row_rule", "per query row, S-bar = A * (A-bar - rowsum(A * A-bar)) from the same A and A-bar"),
-        CheckSpec(4, "matches_reference", _VS_GRAD),
+        _VS_GRAD_REF,
     ), needs=GRAD),
     StageSpec("grad_q", "[B,Nh,Tq,Dh]", "Q-bar = scale S-bar K (turned back through the rotation with rope)", (
-        CheckSpec(1, "shape", "every query block has the derived [B, Nh, rows, Dh]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(4, "matches_reference", _VS_GRAD),
-        CheckSpec(4, "matches_sdpa", _VS_SDPA_GRAD, "not with queries that have every key blocked"),
-        CheckSpec(4, "gradcheck", _GRADCHECK, _SMALL),
-        *_user_grad("dq", "q"),
+        _blocks("Dh"), FINITE, _VS_GRAD_REF, _VS_SDPA_GRAD_ROWS, _GRADCHECK_SPEC, *_user_grad("dq", "q"),
     ), needs=GRAD),
     StageSpec("grad_k", "[B,Nkv,Tk,Dh]", "K-bar = scale S-bar^T Q, summed over query blocks and the heads of a kv head", (
-        CheckSpec(1, "shape", "every query block's part has the derived [B, Nh, keys, Dh]"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(3, "blocked_keys_zero", "a key no query may use gets zero K-bar", "not applicable when every key is used"),
+        _key_parts("Dh"), FINITE, _blocked_keys("K-bar"),
         CheckSpec(3, "key_sum_zero", "K-bar summed over keys is zero (every row of S-bar sums to zero)"),
-        CheckSpec(4, "matches_reference", _VS_GRAD),
-        CheckSpec(4, "matches_sdpa", _VS_SDPA_GRAD, "not with queries that have every key blocked"),
-        CheckSpec(4, "gradcheck", _GRADCHECK, _SMALL),
+        _VS_GRAD_REF, _VS_SDPA_GRAD_ROWS, _GRADCHECK_SPEC,
         CheckSpec(4, "replay_bitwise", "a second run of the backward gives the same Q-bar, K-bar and V-bar bits",
                   "--replay"),
         *_user_grad("dk", "k"),
     ), needs=GRAD),
     StageSpec("grad_projections", "[out,in] Wq,Wk,Wv,Wo", "the projection weights' gradients", (
-        CheckSpec(1, "shape", "each weight's gradient has the weight's shape"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(4, "matches_reference", "agrees with float64 autograd of the whole reference on its sampled rows"),
-        CheckSpec(4, "matches_sdpa", "agrees with autograd of a forward built on F.scaled_dot_product_attention",
-                  "not with queries that have every key blocked"),
+        _shape("each weight's gradient has the weight's shape"), FINITE, *_vs_chain("a forward"),
     ), _P, needs=GRAD),
     StageSpec("grad_input", "[B,Tq,E]", "x-bar (and x_kv-bar for cross-attention) through the projections", (
-        CheckSpec(1, "shape", "the input's shape"),
-        CheckSpec(3, "finite", "no NaN or infinity"),
-        CheckSpec(4, "matches_reference", "agrees with float64 autograd of the whole reference on its sampled rows"),
-        CheckSpec(4, "matches_sdpa", "agrees with autograd of a forward built on F.scaled_dot_product_attention",
-                  "not with queries that have every key blocked"),
+        _shape("the input's shape"), FINITE, *_vs_chain("a forward"),
     ), _P, needs=GRAD),
 )
 

@@ -54,7 +54,7 @@ def rootdir() -> Path:
     return here
 
 
-def assert_attention_matches(
+def assert_attention_matches(  # long by its documented arguments; the code is under 20 lines
     fn: Callable[..., Any],
     cases: Sequence[str] | str | None = None,
     *,
@@ -161,23 +161,22 @@ def assert_module_matches(
     embed_dim: int,
     num_heads: int,
     *,
-    causal: bool = True,
-    window: int | None = None,
-    scale: float | None = None,
-    seed: int = 0,
     batch_size: int = 2,
     seq_len: int = 6,
     name: str | None = None,
     timeout: float | None = None,
+    **declared: Any,
 ) -> None:
     """Assert that the module ``factory(embed_dim, num_heads)`` builds passes every module check.
 
     Args:
         factory: ``factory(embed_dim, num_heads) -> nn.Module`` mapping ``[B, T, E]`` to ``[B, T, E]``.
         embed_dim, num_heads: E and Nh, passed to the factory.
-        causal, window, scale: what the module is meant to compute: causal or not, a causal
-            sliding window of ``window`` keys, its own softmax scale (default 1/sqrt(Dh)).
-        seed, batch_size, seq_len: the inputs (B >= 2, T >= 2).
+        batch_size, seq_len: the inputs (B >= 2, T >= 2).
+        declared: ``causal``, ``window``, ``scale``: what the module is meant to compute (causal or not,
+            a causal sliding window of ``window`` keys, its own softmax scale), and ``seed``; as
+            :func:`~attn_ledger.modulecheck.check_module` takes them, with its defaults (causal,
+            no window, 1/sqrt(Dh), seed 0).
         name: how to name the factory in the message and the command (default
             ``path/to/file.py:QUALNAME`` where the factory can be imported that way).
         timeout: seconds per call into the module (None: no limit); a call past it stops the
@@ -195,12 +194,27 @@ def assert_module_matches(
     __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
     check_timeout(timeout, "timeout")
     spec = name or _factory_spec(factory)
-    options = {"causal": causal, "window": window, "scale": scale, "seed": seed, "batch_size": batch_size,
-               "seq_len": seq_len}
+    options = {**_declaration(declared), "batch_size": batch_size, "seq_len": seq_len}
     with in_process(timeout):
         report = check_module(factory, embed_dim, num_heads, subject=spec, **options)
     if report.exit_code:
         raise AssertionError(module_diagnosis(report, reproduce=_module_reproduction(spec, embed_dim, num_heads, options)))
+
+
+DECLARED = ("causal", "window", "scale", "seed")  # what assert_module_matches passes on as check_module's keywords
+
+
+def _declaration(declared: dict[str, Any]) -> dict[str, Any]:
+    """``declared`` over :func:`~attn_ledger.modulecheck.check_built_module`'s defaults, in :data:`DECLARED` order."""
+    import inspect
+
+    from attn_ledger.modulecheck import check_built_module
+
+    unknown = sorted(set(declared) - set(DECLARED))
+    if unknown:
+        raise TypeError(f"assert_module_matches() got an unexpected keyword argument {unknown[0]!r}")
+    params = inspect.signature(check_built_module).parameters
+    return {k: declared.get(k, params[k].default) for k in DECLARED}
 
 
 def _factory_spec(factory: Callable[..., Any]) -> str:

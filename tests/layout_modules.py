@@ -2,18 +2,20 @@
 
 Every factory takes ``(embed_dim, num_heads)`` (the module protocol) and returns a module
 ``[B, T, E] -> [B, T, E]``; the bug is a keyword chosen by the test. Nothing here uses
-attn-ledger's own code: rotary, masks and splits are written out as the libraries they
-imitate write them.
+attn-ledger's own code (the opaque core is loaded from the fixtures as a user's file is):
+rotary, masks and splits are written out as the libraries they imitate write them.
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from attn_ledger.userload import load_object
 
 
 def _causal_allow(t: int, device=None) -> torch.Tensor:
@@ -315,45 +317,9 @@ class BiasedScores(nn.Module):
         return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, e))
 
 
-# --- a core that cannot be observed --------------------------------------------------------------
+# --- a core that cannot be observed: the fixtures' own, one custom op between q, k, v and the context ----
 
-@torch.library.custom_op("attn_ledger_tests::fused_attention", mutates_args=())
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention in one opaque call, as a compiled kernel would be."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-@fused_attention.register_fake
-def _(q, k, v):
-    return torch.empty_like(q)
-
-
-def _fused_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _fused_backward(ctx, grad):
-    q, k, v = ctx.saved_tensors
-    _, vjp = torch.func.vjp(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v)
-    return vjp(grad)
-
-
-fused_attention.register_autograd(_fused_backward, setup_context=_fused_setup)
-
-
-class OpaqueCore(nn.Module):
-    """Correct, but its core is a custom op: q, k, v go in and the context comes out, nothing between."""
-
-    def __init__(self, embed_dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.nh = num_heads
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
-        self.proj = nn.Linear(embed_dim, embed_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, e = x.shape
-        q, k, v = (z.view(b, t, self.nh, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
-        return self.proj(fused_attention(q, k, v).transpose(1, 2).reshape(b, t, e))
+OpaqueCore = load_object(f"{Path(__file__).resolve().parents[1] / 'fixtures' / 'modules' / 'attention_modules.py'}:OpaqueCore")
 
 
 def factory(cls, **options):

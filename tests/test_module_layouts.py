@@ -175,6 +175,6 @@ def test_unobservable_core_says_black_box_coverage():
     assert report.coverage.scope == "black-box"
     assert set(report.coverage.missing) == {"head_split", "kv_pairing", "head_merge", "mask_relation",
                                             "effective_scale", "rotary_positions", "score_design", "attention_core"}
-    assert "fused_attention" in report.coverage.reason
+    assert "causal_attention" in report.coverage.reason
     assert {check(report, n).status for n in report.coverage.missing} == {"skipped"}
     assert report.details["layout"] is None and report.details["observed"] is None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,27 +12,16 @@ from attn_ledger.commands.common import Format, Progress, execute
 from attn_ledger.commands.options import INT
 
 
-class Device(str, Enum):
-    """Where the cases run."""
-
-    cpu = "cpu"
-    cuda = "cuda"
-    mps = "mps"
-    auto = "auto"
+Device = opt.choices("Device", "cpu", "cuda", "mps", "auto")  # where the cases run
 
 
 DECLARE = "Declaration"
 
 
-class EmptyRows(str, Enum):
-    """What a query with every key blocked must return."""
-
-    zeros = "zeros"
-    nan = "nan"
-    any = "any"
+EmptyRows = opt.choices("EmptyRows", "zeros", "nan", "any")  # what a query with every key blocked must return
 
 
-def check(
+def check(  # long by its options (typer reads them from the signature); the body parses them and calls the library
     target: Annotated[
         Optional[str],
         typer.Argument(help="The attention function, 'path/to/file.py:NAME' or 'package.module:NAME' (kernel protocol)."),

@@ -11,12 +11,18 @@ command that allocates from user sizes runs before it starts.
 from __future__ import annotations
 
 import re
+from enum import Enum
 from typing import Any
 
 from attn_ledger.limits import MAX_INT_DIGITS as MAX_DIGITS  # torch-free, like everything --help imports
 
 INT = "<int>"  # metavar of the integer options, as the help shows click's own integers
 _INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def choices(name: str, *values: str) -> Any:
+    """A ``str`` enum of ``values``, each member named as its value: the choices of one option."""
+    return Enum(name, {v: v for v in values}, type=str)
 
 
 def integer(text: str | None, option: str, lo: int | None = None, hi: int | None = None) -> int | None:

@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute
 
 
-class Expect(str, Enum):
-    """The relation a mask file should encode."""
-
-    causal = "causal"
-    padding = "padding"
-
-
-class PaddingSide(str, Enum):
-    """Where padding sits in each row of a [B, Tk] padding mask."""
-
-    right = "right"
-    left = "left"
+Expect = opt.choices("Expect", "causal", "padding")  # the relation a mask file should encode
+PaddingSide = opt.choices("PaddingSide", "right", "left")  # where padding sits in each row of a [B, Tk] mask
 
 
 def polarity(

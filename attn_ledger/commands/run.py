@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,16 +14,8 @@ from attn_ledger.config import Fault as FaultName
 from attn_ledger.limits import MAX_POSITION
 
 
-class DType(str, Enum):
-    float32 = "float32"
-    float64 = "float64"
-    float16 = "float16"
-    bfloat16 = "bfloat16"
-
-
-class InputKind(str, Enum):
-    random = "random"
-    arange = "arange"
+DType = opt.choices("DType", "float32", "float64", "float16", "bfloat16")
+InputKind = opt.choices("InputKind", "random", "arange")
 
 
 # config key -> the option that sets it, so a message about a key names what the user typed
@@ -37,22 +28,14 @@ OPTION_NAMES = {"batch_size": "--batch-size", "seq_len": "--seq-len", "query_len
                 "scale": "--scale", "temperature": "--temperature", "rope": "--rope"}
 
 
-class EmptyRows(str, Enum):
-    error = "error"
-    zeros = "zeros"
-
-
-class Show(str, Enum):
-    """A heatmap drawn after the table."""
-
-    weights = "weights"
-    mask = "mask"
+EmptyRows = opt.choices("EmptyRows", "error", "zeros")
+Show = opt.choices("Show", "weights", "mask")  # a heatmap drawn after the table
 
 
 PICTURE_KEEP = 64  # --show/--html keep whole grids up to this Tq and Tk, the largest the HTML page draws cell by cell
 
 
-def run(
+def run(  # long by its options (typer reads them from the signature); the body parses them and calls the library
     config: Annotated[Optional[Path], typer.Argument(help="TOML or JSON config; omitted: the embedded default (B=2, T=5, E=12, Nh=3, causal).", show_default=False)] = None,
     tensors: Annotated[Optional[Path], typer.Option("--tensors", help="Saved q, k, v (.pt, .safetensors, .npz), with optional allow_mask, key_valid, scores, weights, out.")] = None,
     fault: Annotated[Optional[FaultName], typer.Option("--fault", help="Inject one deliberate failure into the built-in pipeline.")] = None,

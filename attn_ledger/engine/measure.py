@@ -49,25 +49,32 @@ class Where:
 
 
 @dataclass(frozen=True)
-class Count:
-    """``n`` violations of one kind (``name``) in the tensor ``of`` at ``stage``; ``where``: the first."""
+class Measured:
+    """A number (``name``) measured over the tensor ``of`` at ``stage``; ``where``: the place it points at."""
 
     stage: str
     name: str
-    n: int
+    amount: float
     of: str = "pipeline"
     where: Where | None = None
 
 
-@dataclass(frozen=True)
-class Peak:
-    """The largest ``value`` of a quantity (``name``) over the tensor ``of`` at ``stage``; ``where``: its place."""
+class Count(Measured):
+    """``n`` violations of one kind (``name``) in the tensor ``of`` at ``stage``; ``where``: the first.
+    Counts add up over blocks."""
 
-    stage: str
-    name: str
-    value: float
-    of: str = "pipeline"
-    where: Where | None = None
+    @property
+    def n(self) -> int:
+        return int(self.amount)
+
+
+class Peak(Measured):
+    """The largest ``value`` of a quantity (``name``) over the tensor ``of`` at ``stage``; ``where``: its place.
+    Peaks keep the largest over blocks (NaN wins)."""
+
+    @property
+    def value(self) -> float:
+        return self.amount
 
 
 @dataclass(frozen=True)

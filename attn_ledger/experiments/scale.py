@@ -203,21 +203,11 @@ def _check_size(name: str, value: int) -> None:
         raise field_error(name, value, f"an integer between 2 and {MAX_T}")
 
 
-def measure_sweep(
-    dh: Sequence[int] = DEFAULT_DH,
-    queries: int = DEFAULT_QUERIES,
-    keys: int = DEFAULT_KEYS,
-    seed: int = 0,
-    progress: Callable[[int, int], None] | None = None,
-) -> tuple[ScaleStats, ...]:
-    """Raw and scaled score statistics for each Dh on unit-variance random q, k (sorted by Dh)."""
+def _measure(dhs: tuple[int, ...], queries: int, keys: int, seed: int,
+             progress: Callable[[int, int], None] | None) -> tuple[ScaleStats, ...]:
+    """Raw and scaled score statistics for each Dh on unit-variance random q, k."""
     import torch
 
-    _check_size("--queries", queries)
-    _check_size("--keys", keys)
-    dhs = tuple(sorted(dh))
-    if not dhs:
-        raise field_error("--dh", "", "at least one Dh")
     gen = generator(int(seed))
     stats = []
     for i, d in enumerate(dhs):
@@ -236,8 +226,13 @@ def sweep(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> Report:
-    """Measure each Dh on unit-variance random q, k and judge the relationship."""
-    return sweep_report(measure_sweep(dh, queries, keys, seed, progress), queries, keys, int(seed))
+    """Measure each Dh (sorted) on unit-variance random q, k and judge the relationship."""
+    _check_size("--queries", queries)
+    _check_size("--keys", keys)
+    dhs = tuple(sorted(dh))
+    if not dhs:
+        raise field_error("--dh", "", "at least one Dh")
+    return sweep_report(_measure(dhs, queries, keys, seed, progress), queries, keys, int(seed))
 
 
 def _to_heads(t: "torch.Tensor", name: str, path: str) -> "torch.Tensor":

@@ -156,7 +156,7 @@ def _field_columns(report: Report) -> list[str]:
     return keys
 
 
-def layout(report: Report, width: int = 100) -> list[Line]:
+def layout(report: Report, width: int = 100) -> list[Line]:  # long: sizing the columns and laying out the rows share a dozen widths
     """Every line of the table view, as styled segments.
 
     Side by side (name, status, shape, fields, then the checks column) while the checks
