@@ -41,65 +41,48 @@ class FromEmbeddings(nn.Module):
 
 # --- transformers ------------------------------------------------------------------------------
 
-def llama(impl: str, **extra: Any) -> Callable[[int, int], nn.Module]:
-    """Llama: rotary (half-split), grouped-query (Nkv = Nh / 2), separate projections."""
+def layer(model: str, impl: str, *, model_args: dict[str, Any] | None = None,
+          **config: Any) -> Callable[[int, int], nn.Module]:
+    """``factory(e, nh)`` for a one-layer ``transformers.<model>Model`` built from its ``<model>Config``: the sizes
+    under the config's own names (grouped kv heads, Nkv = Nh / 2, where the model has them), then ``config``."""
     def make(e: int, nh: int) -> nn.Module:
         import transformers
 
-        cfg = transformers.LlamaConfig(hidden_size=e, intermediate_size=2 * e, num_hidden_layers=1,
-                                       num_attention_heads=nh, num_key_value_heads=nh // 2, vocab_size=16,
-                                       max_position_embeddings=64, attn_implementation=impl, **extra)
-        return FromEmbeddings(transformers.LlamaModel(cfg))
+        if model == "GPT2":
+            sizes: dict[str, Any] = {"n_embd": e, "n_layer": 1, "n_head": nh, "vocab_size": 16, "n_positions": 64}
+        else:
+            sizes = {"hidden_size": e, "intermediate_size": 2 * e, "num_hidden_layers": 1, "num_attention_heads": nh,
+                     "vocab_size": 16, "max_position_embeddings": 64}
+        if model in ("Llama", "Mistral"):
+            sizes["num_key_value_heads"] = nh // 2
+        cfg = getattr(transformers, f"{model}Config")(**sizes, attn_implementation=impl, **config)
+        return FromEmbeddings(getattr(transformers, f"{model}Model")(cfg, **(model_args or {})))
     return make
+
+
+def llama(impl: str, **extra: Any) -> Callable[[int, int], nn.Module]:
+    """Llama: rotary (half-split), grouped-query (Nkv = Nh / 2), separate projections."""
+    return layer("Llama", impl, **extra)
 
 
 def mistral(impl: str, window: int) -> Callable[[int, int], nn.Module]:
     """Mistral: Llama's attention with a sliding window of ``window`` keys."""
-    def make(e: int, nh: int) -> nn.Module:
-        import transformers
-
-        cfg = transformers.MistralConfig(hidden_size=e, intermediate_size=2 * e, num_hidden_layers=1,
-                                         num_attention_heads=nh, num_key_value_heads=nh // 2, vocab_size=16,
-                                         max_position_embeddings=64, sliding_window=window,
-                                         attn_implementation=impl)
-        return FromEmbeddings(transformers.MistralModel(cfg))
-    return make
+    return layer("Mistral", impl, sliding_window=window)
 
 
 def gpt2(impl: str, **extra: Any) -> Callable[[int, int], nn.Module]:
     """GPT-2: a fused ``Conv1D`` projection (``c_attn``), learned absolute positions."""
-    def make(e: int, nh: int) -> nn.Module:
-        import transformers
-
-        cfg = transformers.GPT2Config(n_embd=e, n_layer=1, n_head=nh, vocab_size=16, n_positions=64,
-                                      bos_token_id=None, eos_token_id=None, attn_implementation=impl, **extra)
-        return FromEmbeddings(transformers.GPT2Model(cfg))
-    return make
+    return layer("GPT2", impl, bos_token_id=None, eos_token_id=None, **extra)
 
 
 def gpt_neox(impl: str) -> Callable[[int, int], nn.Module]:
     """GPT-NeoX: a fused per-head interleaved projection, rotary on half of each head."""
-    def make(e: int, nh: int) -> nn.Module:
-        import transformers
-
-        cfg = transformers.GPTNeoXConfig(hidden_size=e, intermediate_size=2 * e, num_hidden_layers=1,
-                                         num_attention_heads=nh, vocab_size=16, max_position_embeddings=64,
-                                         rotary_pct=0.5, bos_token_id=None, eos_token_id=None,
-                                         attn_implementation=impl)
-        return FromEmbeddings(transformers.GPTNeoXModel(cfg))
-    return make
+    return layer("GPTNeoX", impl, rotary_pct=0.5, bos_token_id=None, eos_token_id=None)
 
 
 def bert(impl: str) -> Callable[[int, int], nn.Module]:
     """BERT: bidirectional, ``query``/``key``/``value`` projections, learned absolute positions."""
-    def make(e: int, nh: int) -> nn.Module:
-        import transformers
-
-        cfg = transformers.BertConfig(hidden_size=e, intermediate_size=2 * e, num_hidden_layers=1,
-                                      num_attention_heads=nh, vocab_size=16, max_position_embeddings=64,
-                                      attn_implementation=impl)
-        return FromEmbeddings(transformers.BertModel(cfg, add_pooling_layer=False))
-    return make
+    return layer("Bert", impl, model_args={"add_pooling_layer": False})
 
 
 def llama_decode(e: int, nh: int) -> nn.Module:
