@@ -481,14 +481,19 @@ def _matmul_core(obs: _Observer, mix: tuple) -> tuple[Core | None, str]:
     if sidx not in obs.scores:
         return None, "the weights of a matmul core could not be traced to its scores"
     s_index, a, bt, op = obs.scores[sidx]
+    # Each call broadcasts on its own: the scores may be taken on [B*Nh, T, Dh] and viewed as
+    # [B, Nh, Tq, Tk] before the weights meet v (transformers' GPT-NeoX eager path, 4.x).
     try:
-        a, bt, w, v = _broadcast(a, bt, w, v)
+        a, bt = _broadcast(a, bt)
+        w, v = _broadcast(w, v)
     except RuntimeError:
         return None, "the core's operands do not broadcast together"
     parts = [_heads(a, obs.b), _heads(bt.transpose(-2, -1), obs.b), _heads(v, obs.b), _heads(out, obs.b),
              _heads(w, obs.b)]
     if any(p is None for p in parts):
         return None, f"the core's tensors {tuple(a.shape)} cannot be read as [B, H, T, D] with B = {obs.b}"
+    if len({p.shape[1] for p in parts}) != 1:
+        return None, f"the scores {tuple(a.shape)} and the weights {tuple(w.shape)} have other head counts"
     q, k, vv, ctx, ww = parts
     desc = f"{op} q @ k^T, then weights @ v"
     return Core("matmul", q, k, vv, ctx, ww, sidx, desc, None, s_index), ""

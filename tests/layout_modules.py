@@ -25,13 +25,17 @@ def _causal_allow(t: int, device=None) -> torch.Tensor:
 # --- separate projections under unusual names -------------------------------------------------
 
 class WqWkWv(nn.Module):
-    """wq/wk/wv/wo, hand-written causal core; ``scale`` picks the softmax scale."""
+    """wq/wk/wv/wo, hand-written causal core; ``scale`` picks the softmax scale.
+
+    ``flat_scores`` takes the scores with ``baddbmm`` on ``[B*Nh, T, Dh]`` and views them as
+    ``[B, Nh, T, T]`` before the weights meet v (transformers' GPT-NeoX eager path did so in 4.x).
+    """
 
     def __init__(self, embed_dim: int, num_heads: int, scale: str = "head", causal: bool = True,
-                 merge_no_transpose: bool = False, mask: str = "causal") -> None:
+                 merge_no_transpose: bool = False, mask: str = "causal", flat_scores: bool = False) -> None:
         super().__init__()
         self.nh, self.dh, self.scale, self.causal = num_heads, embed_dim // num_heads, scale, causal
-        self.merge_no_transpose, self.mask = merge_no_transpose, mask
+        self.merge_no_transpose, self.mask, self.flat_scores = merge_no_transpose, mask, flat_scores
         self.wq = nn.Linear(embed_dim, embed_dim, bias=False)
         self.wk = nn.Linear(embed_dim, embed_dim, bias=False)
         self.wv = nn.Linear(embed_dim, embed_dim, bias=False)
@@ -41,7 +45,12 @@ class WqWkWv(nn.Module):
         b, t, e = x.shape
         q, k, v = (w(x).view(b, t, self.nh, self.dh).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         factor = {"head": self.dh ** -0.5, "model": e ** -0.5, "none": 1.0, "times": self.dh ** 0.5}[self.scale]
-        scores = torch.matmul(q, k.transpose(2, 3)) * factor  # [B, Nh, T, T]
+        if self.flat_scores:
+            qf, kf = q.reshape(b * self.nh, t, self.dh), k.reshape(b * self.nh, t, self.dh)  # [B*Nh, T, Dh]
+            zeros = torch.zeros(b * self.nh, t, t, dtype=x.dtype)
+            scores = torch.baddbmm(zeros, qf, kf.transpose(1, 2), beta=1.0, alpha=factor).view(b, self.nh, t, t)
+        else:
+            scores = torch.matmul(q, k.transpose(2, 3)) * factor  # [B, Nh, T, T]
         if self.causal:
             allow = _causal_allow(t, x.device).tril(-1 if self.mask == "strict" else 0)
             scores = scores.masked_fill(~allow, float("-inf"))

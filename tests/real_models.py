@@ -112,7 +112,13 @@ def _step(module: FromEmbeddings, x_new: torch.Tensor, cache: Any, first: int) -
 
 
 def _cached(cache: Any) -> int:
-    return 0 if cache is None else cache.get_seq_length()
+    """Positions held by the cache the model returned: a ``Cache`` object, or (GPT-2 before
+    transformers 4.5x) a tuple of ``(k, v)`` per layer, k ``[B, Nh, Tk, Dh]``."""
+    if cache is None:
+        return 0
+    if hasattr(cache, "get_seq_length"):
+        return cache.get_seq_length()
+    return cache[0][0].shape[-2]
 
 
 def decode_transformers(module: FromEmbeddings, x_new: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:

@@ -29,6 +29,8 @@ def not_passing(report: Report) -> list:
 
 CORRECT = [
     ("wq-wk-wv-wo", L.factory(L.WqWkWv), {}, "separate q, k, v projections, heads [Nh=4, Dh=8]"),
+    ("baddbmm-flat-scores", L.factory(L.WqWkWv, flat_scores=True), {},
+     "separate q, k, v projections, heads [Nh=4, Dh=8]"),
     ("to_qkv-chunked", L.factory(L.ToQKV), {"causal": False}, "fused q, k, v projection, chunked [3, Nh, Dh]"),
     ("query_key_value-interleaved", L.factory(L.QueryKeyValue), {},
      "fused q, k, v projection, per-head interleaved [Nh, 3, Dh]"),
@@ -92,6 +94,14 @@ def test_scale_by_model_width_is_named_at_l4():
     assert math.isclose(first.check.value, E ** -0.5, rel_tol=1e-3)
     assert first.check.limit == pytest.approx(8 ** -0.5)
     assert check(report, "attention_core").data["explained_by"] == ["effective_scale"]
+
+
+def test_flat_scores_by_model_width_is_named_at_l4():
+    # scores on [B*Nh, T, Dh], weights on [B, Nh, T, T]: the core is still observed and judged
+    report = run(L.factory(L.WqWkWv, flat_scores=True, scale="model"))
+    first = report.first_finding
+    assert report.coverage is None and (first.row, first.level, first.name) == ("core", 4, "effective_scale")
+    assert first.check.data["named"] == ["1/sqrt(E)"]
 
 
 def test_fused_to_qkv_scaled_twice_is_named_at_l4():
