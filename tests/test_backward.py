@@ -98,6 +98,34 @@ def test_backward_fault_is_caught_where_the_table_says(fault, extra, row, level,
         assert led.row(name).status == "pass"
 
 
+def test_sdpa_gradients_stream_over_query_groups_and_still_see_a_wrong_k_bar(monkeypatch):
+    # a padded relation over more query rows than one SDPA group: SDPA autograd runs group by group
+    # (the mask never built for the whole grid), K-bar and V-bar summed over the groups
+    from attn_ledger.engine.backward import Backward
+
+    groups = []
+    by_group = Backward._sdpa_grads_by_group
+
+    def counted(self):
+        groups.append(len(self.plan.sdpa_groups))
+        return by_group(self)
+
+    monkeypatch.setattr(Backward, "_sdpa_grads_by_group", counted)
+    sizes = {"seq_len": 1100, "mask": "padding", "valid_lengths": [1100, 900], "grad": True, "embed_dim": 16,
+             "num_heads": 2}
+
+    def sdpa_checks(**extra):
+        report = run_ledger(load_config(None, {**sizes, **extra}), keep_going=True)
+        return {row.name: c for row in report.rows for c in row.checks
+                if c.name == "matches_sdpa" and row.name in ("grad_q", "grad_k", "grad_values")}
+
+    healthy = sdpa_checks()
+    assert groups and groups[0] >= 2
+    assert {name: c.status for name, c in healthy.items()} == dict.fromkeys(("grad_q", "grad_k", "grad_values"), "pass")
+    broken = sdpa_checks(fault="grad-k-no-scale")
+    assert broken["grad_k"].status == "fail" and broken["grad_q"].status == "pass"
+
+
 def test_detection_does_not_depend_on_the_fault_name():
     """The same broken function swapped in under no fault name is caught where the named fault is."""
     ops = replace(P.HEALTHY, softmax_backward=P.ops_for("softmax-backward-no-rowsum").softmax_backward)

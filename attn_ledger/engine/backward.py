@@ -273,13 +273,13 @@ class Backward:
         plan = self.plan
         if plan.b == 0 or not all(blk.layout.all_live for blk in plan.blocks):
             return  # no example, or queries with every key blocked: SDPA's rows there are not defined alike
-        whole_causal = plan.sdpa_whole_causal
-        mask = None if whole_causal else self.relation.block(0, plan.tq)  # [B|1, Nh|1, Tq, Tk]
         with torch.enable_grad():
-            q, k, v = (t.detach().clone().requires_grad_(True) for t in (self.q, self.k_exp, self.v_exp))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=whole_causal,
-                                                 scale=self.sdpa_scale)
-            gq, gk, gv = torch.autograd.grad(out, (q, k, v), self.go)
+            if plan.sdpa_whole_causal:  # exactly causal: one is_causal call on the whole input, as the forward
+                q, k, v = (t.detach().clone().requires_grad_(True) for t in (self.q, self.k_exp, self.v_exp))
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True, scale=self.sdpa_scale)
+                gq, gk, gv = torch.autograd.grad(out, (q, k, v), self.go)
+            else:
+                gq, gk, gv = self._sdpa_grads_by_group()
         from attn_ledger.pipeline import reduce_kv
 
         sq, sk, sv = self._unrotated(gq, reduce_kv(gk, self.n_kv), reduce_kv(gv, self.n_kv))
@@ -287,6 +287,27 @@ class Backward:
         yield _compare("grad_q", "sdpa", self.dq_post, gq, self.rtol, self.atol, grid=False)
         yield _compare("grad_k", "sdpa", self.dk_exp, gk, self.rtol, self.atol, keys=True)
         yield _compare("grad_values", "sdpa", self.dv_exp, gv, self.rtol, self.atol, keys=True)
+
+    def _sdpa_grads_by_group(self) -> tuple["Tensor", "Tensor", "Tensor"]:
+        """SDPA autograd over the forward's SDPA groups of query rows, each on the key range its mask
+        uses: Q-bar row by row, K-bar and V-bar summed over groups. The relation's mask is never built
+        for the whole ``[Tq, Tk]`` grid at once."""
+        import torch
+        import torch.nn.functional as F
+
+        gq, gk, gv = torch.zeros_like(self.q), torch.zeros_like(self.k_exp), torch.zeros_like(self.v_exp)
+        for g in self.plan.sdpa_groups:
+            allow = self.relation.block(g.q0, g.q1)  # [B|1, Nh|1, rows, Tk]
+            lo, hi = P.key_hull(allow, self.plan.tk)
+            q = self.q[:, :, g.q0:g.q1].detach().clone().requires_grad_(True)
+            k, v = (t[:, :, lo:hi].detach().clone().requires_grad_(True) for t in (self.k_exp, self.v_exp))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if allow is None else allow[..., lo:hi],
+                                                 dropout_p=0.0, scale=self.sdpa_scale)  # [B, Nh, rows, Dv]
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), self.go[:, :, g.q0:g.q1])
+            gq[:, :, g.q0:g.q1] = dq
+            gk[:, :, lo:hi] += dk
+            gv[:, :, lo:hi] += dv
+        return gq, gk, gv
 
 
 def _stage(name: str, fn: Callable[[], "Tensor"], want: tuple[int, ...]) -> Iterator[Measure]:
