@@ -759,9 +759,21 @@ def _probe(
 
 
 SHARPEN = (1.0, 8.0)
-"""Spreads of a fresh query, in units of the inputs' own: when a query of the inputs' spread moves
-nothing (near-uniform weights over thousands of keys average the values out below a half-precision
-floor), one eight times wider concentrates each row on a few keys, so its output must move."""
+"""Spreads of the fresh queries and keys a probe draws, in units of the inputs' own: when inputs of
+the inputs' spread move nothing (near-uniform weights over thousands of keys average the values out
+below a half-precision floor), ones eight times wider concentrate each row on a few keys, so the
+outputs that should move must move."""
+
+
+def _sharpened_probe(name: str, measure: str, s: _Setup, perturb: Callable[[float], tuple["Tensor", "Tensor", "Tensor"]],
+                     stay: "Tensor", move: "Tensor", perturbed: dict[str, Any]) -> Check:
+    """:func:`_probe` with the fresh q and k ``perturb(spread)`` draws at each spread of :data:`SHARPEN`
+    in turn, until the probe is conclusive (or the last spread leaves it inconclusive)."""
+    for sharpen in SHARPEN:
+        check = _probe(name, measure, s, perturb(s.qk_scale * sharpen), stay, move, {**perturbed, "sharpen": sharpen})
+        if check.status != "inconclusive":
+            break
+    return check
 
 
 def _isolation_checks(s: _Setup) -> list[Check]:
@@ -770,39 +782,46 @@ def _isolation_checks(s: _Setup) -> list[Check]:
     live = s.live
     checks = []
     if case.b >= 2:
-        q2, k2, v2 = q.clone(), k.clone(), v.clone()
-        q2[0], k2[0], v2[0] = s.fresh(q[0], s.qk_scale), s.fresh(k[0], s.qk_scale), s.fresh(v[0], 1.0)
+        def one_example(spread: float) -> tuple["Tensor", "Tensor", "Tensor"]:
+            q2, k2, v2 = q.clone(), k.clone(), v.clone()
+            q2[0], k2[0], v2[0] = s.fresh(q[0], spread), s.fresh(k[0], spread), s.fresh(v[0], 1.0)
+            return q2, k2, v2
+
         stay = live.new_zeros(live.shape)
         stay[1:] = True
-        checks.append(_probe("batch_isolation", "largest move of another example's output", s, (q2, k2, v2),
-                             stay, live & ~stay, {"example": 0, "inputs": "q, k, v"}))
+        checks.append(_sharpened_probe("batch_isolation", "largest move of another example's output", s, one_example,
+                                       stay, live & ~stay, {"example": 0, "inputs": "q, k, v"}))
     else:
         checks.append(_not_applicable("batch_isolation", "B = 1"))
     group = case.nh // case.nkv
     if case.nkv >= 2:
         g = case.nkv - 1
-        k2, v2 = k.clone(), v.clone()
-        k2[:, g], v2[:, g] = s.fresh(k[:, g], s.qk_scale), s.fresh(v[:, g], 1.0)
+
+        def one_kv_head(spread: float) -> tuple["Tensor", "Tensor", "Tensor"]:
+            k2, v2 = k.clone(), v.clone()
+            k2[:, g], v2[:, g] = s.fresh(k[:, g], spread), s.fresh(v[:, g], 1.0)
+            return q, k2, v2
+
         served = live.new_zeros(live.shape)
         served[:, g * group:(g + 1) * group] = True  # query heads h with h // (Nh // Nkv) == g
-        checks.append(_probe("kv_head_isolation", "largest move of a query head the kv head does not serve",
-                             s, (q, k2, v2), ~served, live & served,
-                             {"kv_head": g, "inputs": "k, v", "serves": list(range(g * group, (g + 1) * group))}))
+        checks.append(_sharpened_probe("kv_head_isolation", "largest move of a query head the kv head does not serve",
+                                       s, one_kv_head, ~served, live & served,
+                                       {"kv_head": g, "inputs": "k, v", "serves": list(range(g * group, (g + 1) * group))}))
     else:
         checks.append(_not_applicable("kv_head_isolation", "Nkv = 1"))
     if case.nh >= 2:
         h = case.nh - 1
+
+        def one_query_head(spread: float) -> tuple["Tensor", "Tensor", "Tensor"]:
+            q2 = q.clone()
+            q2[:, h] = s.fresh(q[:, h], spread)
+            return q2, k, v
+
         mine = live.new_zeros(live.shape)
         mine[:, h] = True
-        for sharpen in SHARPEN:
-            q2 = q.clone()
-            q2[:, h] = s.fresh(q[:, h], s.qk_scale * sharpen)
-            # a row with one allowed key returns that key's value whatever q is: it cannot move
-            check = _probe("q_head_isolation", "largest move of another query head's output", s, (q2, k, v),
-                           ~mine, live & mine & (s.counts >= 2), {"head": h, "inputs": "q", "sharpen": sharpen})
-            if check.status != "inconclusive":
-                break
-        checks.append(check)
+        # a row with one allowed key returns that key's value whatever q is: it cannot move
+        checks.append(_sharpened_probe("q_head_isolation", "largest move of another query head's output", s,
+                                       one_query_head, ~mine, live & mine & (s.counts >= 2), {"head": h, "inputs": "q"}))
     else:
         checks.append(_not_applicable("q_head_isolation", "Nh = 1"))
     return checks
