@@ -341,7 +341,7 @@ def worker() -> int:
                 raise SystemExit(f"healthy ledger diverged at {shape}")
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
         q, k, v = made[shape]
-        ratios = []
+        ratios, sdpa_s, ledger_s = [], [], []
         for _ in range(req["pairs"]):
             t0 = time.perf_counter()
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -349,7 +349,10 @@ def worker() -> int:
             ledger_on_qkv(q, k, v, mask="causal")
             t2 = time.perf_counter()
             ratios.append((t2 - t1) / (t1 - t0))
-        print(json.dumps({"ratio": statistics.median(ratios), "sdpa_s": t1 - t0}), flush=True)
+            sdpa_s.append(t1 - t0)
+            ledger_s.append(t2 - t1)
+        print(json.dumps({"ratio": statistics.median(ratios), "sdpa_s": statistics.median(sdpa_s),
+                          "ledger_s": statistics.median(ledger_s)}), flush=True)
     return 0
 
 
@@ -400,13 +403,16 @@ def compare_with(rev: str, rounds: int, max_slowdown: float) -> int:
           f"each side measures ledger / SDPA in its own process (paired calls, median per round), the two sides "
           f"alternate for {rounds} rounds; medians over rounds\n")
     print(f"| (B, Nh, T, Dh) | baseline {rev} ledger / SDPA | current ledger / SDPA | current / baseline "
-          f"| current within {TARGET:g}x |")
-    print("|---|---:|---:|---:|---|")
+          f"| current within {TARGET:g}x | baseline ledger, SDPA ms | current ledger, SDPA ms |")
+    print("|---|---:|---:|---:|---|---:|---:|")
     worst = 0.0
     for shape, (base, cur) in found.items():
-        b, c = statistics.median(base), statistics.median(cur)
+        b, c = (statistics.median(a["ratio"] for a in side) for side in (base, cur))
+        ms = ["{:.1f}, {:.1f}".format(*(1e3 * statistics.median(a[key] for a in side) for key in ("ledger_s", "sdpa_s")))
+              for side in (base, cur)]
         worst = max(worst, c / b)
-        print(f"| {_fmt_shape(shape)} | {b:.2f} | {c:.2f} | {c / b:.3f} | {'yes' if c <= TARGET else 'no'} |")
+        print(f"| {_fmt_shape(shape)} | {b:.2f} | {c:.2f} | {c / b:.3f} | {'yes' if c <= TARGET else 'no'} "
+              f"| {ms[0]} | {ms[1]} |")
     limit = 1.0 + max_slowdown
     if worst > limit:
         print(f"\nFAIL: a current median is {worst:.3f}x the baseline's, above the allowed {limit:.2f}x", file=sys.stderr)
@@ -415,15 +421,16 @@ def compare_with(rev: str, rounds: int, max_slowdown: float) -> int:
     return 0
 
 
-def _rounds(sides: list[_Side], shape: tuple[int, int, int, int], rounds: int) -> tuple[list[float], list[float]]:
-    """Per-round ratios of each side at ``shape``; short shapes take several pairs a round."""
+def _rounds(sides: list[_Side], shape: tuple[int, int, int, int], rounds: int) -> tuple[list[dict], list[dict]]:
+    """Per-round answers of each side at ``shape`` (``ratio``, and the median ``ledger_s`` and ``sdpa_s`` of
+    the round's pairs); short shapes take several pairs a round."""
     first = [side.ask(shape, 1) for side in sides]  # warm-up, and how long SDPA takes here
     pairs = 5 if first[0]["sdpa_s"] < 0.05 else 1
-    found: tuple[list[float], list[float]] = ([], [])
+    found: tuple[list[dict], list[dict]] = ([], [])
     for r in range(rounds):
         order = sides if r % 2 == 0 else sides[::-1]  # neither side always goes first
         for side in order:
-            found[sides.index(side)].append(side.ask(shape, pairs)["ratio"])
+            found[sides.index(side)].append(side.ask(shape, pairs))
     return found
 
 

@@ -97,8 +97,9 @@ def _allowed_pairs(relation: Relation, tq: int, tk: int) -> dict[str, int]:
     another one diverged); ``pairs``: Tq * Tk."""
     if not relation.parts:
         allowed = tq * tk
-    elif relation.top_left_causal:
-        allowed = sum(min(i + 1, tk) for i in range(tq))
+    elif relation.top_left_causal:  # query i sees min(i + 1, Tk) keys: a triangle, then full rows
+        full = min(tq, tk)
+        allowed = full * (full + 1) // 2 + (tq - full) * tk
     else:
         whole = relation.block(0, tq)  # [B|1, Nh|1, Tq, Tk]
         allowed = 0 if whole is None or whole.shape[0] == 0 else int(relations.view(relation, tq)[0].sum())

@@ -177,13 +177,13 @@ def excess(actual: "Tensor", expected: "Tensor", rtol: float, atol: float) -> tu
     if actual.device.type == "mps":  # no float64 there: compare on the CPU, as checks.excess_error does
         return C.excess_error(actual.cpu(), expected.cpu(), rtol, atol)
     e = expected.to(torch.float64)
-    d = actual.to(torch.float64, copy=True)
-    d.sub_(e).abs_()  # |actual - expected|
-    diff = float(d.amax())
+    d = torch.sub(actual.to(torch.float64), e).abs_()  # |actual - expected|, a new tensor
+    largest = d.amax()
+    d.sub_(e.abs(), alpha=rtol)  # |actual - expected| - rtol * |expected|
+    diff, worst = torch.stack((largest, d.amax())).tolist()  # one transfer for both
     if not math.isfinite(diff):
         return C.excess_error(actual, expected, rtol, atol)
-    d.sub_(e.abs_().mul_(rtol) if e is not expected else e.abs().mul_(rtol))
-    return diff, float(d.amax()) - atol
+    return diff, worst - atol
 
 
 def excess_index(actual: "Tensor", expected: "Tensor", rtol: float) -> tuple[int, ...] | None:
@@ -421,7 +421,7 @@ def range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, at
         wide = torch.float32 if c.device.type == "mps" else torch.float64  # float64, or float32 where the device has none
         cf = c.to(wide)
         vf = vb.to(wide)
-        tol = atol + rtol * float(vf.abs().amax())
+        extremes = (vf.abs().amax(),)
         allow = ai.expand(b, nh, rows, kw)[..., None]  # [B, Nh, rows, kw, 1]
         vv = vf[:, :, None, :, :]  # [B, Nh, 1, kw, Dv]
         lo = torch.where(allow, vv, torch.full_like(vv, math.inf)).amin(dim=-2)  # [B, Nh, rows, Dv]
@@ -436,8 +436,9 @@ def range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, at
         cf = c.to(wide)
         vlo, vhi = span if span is not None else (vb.amin(dim=-2, keepdim=True), vb.amax(dim=-2, keepdim=True))
         lo, hi = vlo.to(wide), vhi.to(wide)  # [B, Nh, 1, Dv]; min and max are exact in any dtype
-        tol = atol + rtol * max(float(hi.amax()), -float(lo.amin()))  # largest |value| lies at an extreme
-    below, above = float((lo - cf).amax()), float((cf - hi).amax())
+        extremes = (hi.amax(), lo.amin())  # the largest |value| lies at an extreme
+    *ext, below, above = torch.stack((*extremes, (lo - cf).amax(), (cf - hi).amax())).tolist()  # one transfer
+    tol = atol + rtol * max(map(abs, ext))
     value = math.nan if math.isnan(below) or math.isnan(above) else max(below, above) - tol
     if math.isnan(value) or value > 0:
         return value, worst_index(torch.maximum(lo - cf, cf - hi))
@@ -457,7 +458,6 @@ def sdpa_group(context: "Tensor", sdpa_ctx: "Tensor", blocks: list[tuple[int, in
 
     g0, g1 = blocks[0][0], blocks[-1][1]
     cg = context[:, :, g0:g1]  # [B, Nh, rows, Dv]
-    found: list[Count | Agreement] = [nonfinite("context", cg, of, g0, None)]
     sizes = {q1 - q0 for q0, q1 in blocks}
     if len(sizes) == 1 and cg.numel():
         r = sizes.pop()
@@ -465,14 +465,15 @@ def sdpa_group(context: "Tensor", sdpa_ctx: "Tensor", blocks: list[tuple[int, in
         sd = sdpa_ctx[:, :, g0:g1].to(wide)
         d = torch.sub(cg.to(wide), sd).abs_()  # [B, Nh, rows, Dv]
         diff = float(d.amax())
-        if math.isfinite(diff):
+        if math.isfinite(diff):  # then the context is finite too: a NaN or infinity in it makes some |diff| so
             b, nh, _, dv = sd.shape
-            e = sd.abs()  # [B, Nh, rows, Dv], changed in place below
+            e = sd.abs()  # [B, Nh, rows, Dv]
             per = (b, nh, len(blocks), r, dv)
             scale = e.view(per).amax(dim=(0, 1, 3, 4)).clamp_(min=1.0)  # [blocks]: max(1, max |SDPA|)
-            ex = float((d.sub_(e.mul_(rtol)).view(per).amax(dim=(0, 1, 3, 4)) - atol * scale).amax())  # over blocks
+            ex = float((d.sub_(e, alpha=rtol).view(per).amax(dim=(0, 1, 3, 4)) - atol * scale).amax())  # over blocks
             where = where_in(excess_index(cg, sdpa_ctx[:, :, g0:g1], rtol), g0, None) if ex > 0 else None
-            return found + [Agreement("context", of, "sdpa", diff, ex, where=where)]
+            return [Count("context", "nonfinite", 0, of), Agreement("context", of, "sdpa", diff, ex, where=where)]
+    found: list[Count | Agreement] = [nonfinite("context", cg, of, g0, None)]
     for q0, q1 in blocks:
         sd = sdpa_ctx[:, :, q0:q1]
         found.append(agreement("context", of, "sdpa", context[:, :, q0:q1], sd, rtol, atol * max(1.0, C.max_abs(sd)),

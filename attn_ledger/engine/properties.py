@@ -3,7 +3,7 @@
 The probe is the first examples, heads and positions of the tensors that entered the scores
 stage (after projections and rotary positions), with the intended relation on those positions,
 run through the pipeline's own stage functions (:func:`attn_ledger.pipeline.attend`). A query
-row the relation leaves without a key in the probe is declared empty there and not measured.
+row the relation leaves without a key in the probe is declared empty there: its weights must be zeros.
 
 One check per property:
 
@@ -22,6 +22,7 @@ One check per property:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -52,33 +53,24 @@ def probe_of(q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", relation: "Relation"
     return q[:b, :nh, :nq], k_exp[:b, :nh, :nk], v_exp[:b, :nh, :nk], allow
 
 
-def check_properties(ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", relation: "Relation", scale: float,
-                     *, grad: bool) -> list[Check]:
-    """Every boundary property on the probe, in the order of :data:`PROPERTIES`.
+def check_properties(ops: Any, probe: tuple, scale: float, *, grad: bool) -> list[Check]:
+    """Every boundary property on the probe (from :func:`probe_of`), in the order of :data:`PROPERTIES`.
 
     Args:
-        q: ``[B, Nh, Tq, Dh]``; k_exp, v_exp: ``[B, Nh, Tk, Dh]``, ``[B, Nh, Tk, Dv]``, as they entered the scores stage.
         grad: also the single token's zero query and key gradients.
     """
     import torch
 
-    probe = probe_of(q, k_exp, v_exp, relation)
-    lim = tolerance.row_sum(q.dtype)
-    rel = sum(tolerance.reference(q.dtype))
-    if q.shape[0] == 0:
+    dtype = probe[0].dtype
+    lim = tolerance.row_sum(dtype)
+    rel = sum(tolerance.reference(dtype))
+    if probe[0].shape[0] == 0:
         why = "B = 0: no example to probe"
         names = [n for n in PROPERTIES[:-1] if grad or n != "single_token_zero_grad"]
         levels = {"permutation_equivariant": 4, "batch_independent": 4}
         return [unjudged(levels.get(n, 3), n, "not_applicable", why) for n in names] + [_empty(ops, probe, scale)]
     with torch.inference_mode():  # the probes' many small operations spared autograd's bookkeeping
-        try:
-            base: "Tensor | Exception" = _run(ops, *probe, scale)["context"]  # [B', Nh', Tq', Dv]
-        except Exception as exc:
-            base = exc
-        found = [_single_token(ops, probe, scale, lim),
-                 _guarded("equal_keys_uniform", 3, lambda: _equal_keys(ops, probe, scale, lim)),
-                 _guarded("permutation_equivariant", 4, lambda: _permutation(ops, probe, scale, rel, base)),
-                 _guarded("batch_independent", 4, lambda: _batch(ops, probe, scale, rel, base)),
+        found = [_single_token(ops, probe, scale, lim), *_side_by_side(ops, probe, scale, lim, rel),
                  _empty(ops, probe, scale)]
     if grad:  # autograd, so outside inference mode
         q, k, v, _ = probe
@@ -91,7 +83,7 @@ def properties_row(rows: "Rows", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: 
                    scale: float, grad: bool) -> None:
     """The ``properties`` row: every property on the probe, and the probe's size as a field."""
     probe = probe_of(q, k_exp, v_exp, relation)
-    rows.stage("properties", None, check_properties(ops, q, k_exp, v_exp, relation, scale, grad=grad))
+    rows.stage("properties", None, check_properties(ops, probe, scale, grad=grad))
     rows.fields["properties"] = {"probe": [int(probe[0].shape[0]), int(probe[0].shape[1]), int(probe[0].shape[2]),
                                            int(probe[1].shape[2])]}
     rows.row_notes["properties"] = ("probe [B', Nh', Tq', Tk']: the first examples, heads and positions as they "
@@ -117,22 +109,16 @@ def _run(ops: Any, q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None"
     return attend(ops, q, k, v, allow, scale, True)  # probe rows without a key are declared empty
 
 
-def _live(allow: "Tensor | None", shape: tuple[int, ...]) -> "Tensor":
-    """``[B, Nh, Tq, 1]``: the probe's query rows that have an allowed key."""
+def _single_token(ops: Any, probe: tuple, scale: float, lim: float) -> Check:
     import torch
 
-    if allow is None:
-        return torch.ones(*shape[:3], 1, dtype=torch.bool)
-    return allow.any(dim=-1, keepdim=True).expand(*shape[:3], 1).cpu()
-
-
-def _single_token(ops: Any, probe: tuple, scale: float, lim: float) -> Check:
     q, k, v, _ = probe
     q1, k1, v1 = q[:, :, :1], k[:, :, :1], v[:, :, :1]  # [B', Nh', 1, *]
     try:
         st = _run(ops, q1, k1, v1, None, scale)
-        w_err = float((st["weights"] - 1).abs().amax())
-        c_err = float((st["context"] - v1).abs().amax()) / max(1.0, float(v1.abs().amax()))
+        w_err, c_err, size = torch.stack(((st["weights"] - 1).abs().amax(), (st["context"] - v1).abs().amax(),
+                                          v1.abs().amax())).tolist()  # one transfer for the three
+        c_err /= max(1.0, size)
     except Exception as exc:
         return _raised("single_token", 3, exc)
     return bounded(3, "single_token", "max of |weight - 1| and |context - value| / max(1, |value|), one key",
@@ -160,57 +146,107 @@ def _zero_grad(ops: Any, q1: "Tensor", k1: "Tensor", v1: "Tensor", scale: float,
                    "(autograd of the forward)", value, lim)
 
 
-def _equal_keys(ops: Any, probe: tuple, scale: float, lim: float) -> Check:
-    """Every key the first one: each live row uniform over its allowed keys."""
+def _side_by_side(ops: Any, probe: tuple, scale: float, lim: float, rel: float) -> list[Check]:
+    """``equal_keys_uniform``, ``permutation_equivariant`` and ``batch_independent`` from two runs of the stages.
+
+    Heads are independent in every score-grid stage, so the probe, the probe with every key equal
+    to the first, and the probe with its tokens reversed run as one batch of 3 x Nh' heads; each
+    example alone runs as one single-example batch with the examples side by side as heads. The
+    probes cost the number of small operations, not their size, so fewer calls is what makes the
+    row cheap. A stage that mixed heads breaks these properties too, as it should.
+    """
     import torch
 
-    q, k, v, allow = probe
-    same = k[:, :, :1].expand(k.shape).contiguous()  # [B', Nh', nk, Dh]
-    w = _run(ops, q, same, v, allow, scale)["weights"]  # [B', Nh', nq, nk]
-    ok = torch.ones_like(w, dtype=torch.bool) if allow is None else allow.expand(w.shape)
-    n = ok.sum(dim=-1, keepdim=True).clamp(min=1)  # [B', Nh', nq, 1]
-    uniform = torch.where(ok, 1.0 / n.to(w.dtype), torch.zeros((), dtype=w.dtype))  # [B', Nh', nq, nk]
-    live = _live(allow, tuple(w.shape)).to(w.device)
-    err = torch.where(live, (w - uniform).abs(), torch.zeros((), dtype=w.dtype))
+    q, k, v, allow = probe  # [B', Nh', nq, Dh], [B', Nh', nk, Dh], [B', Nh', nk, Dv], [B'|1, Nh'|1, nq, nk] or None
+    b, nh, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    a = None if allow is None else allow.expand(allow.shape[0], nh, nq, nk)  # [B'|1, Nh', nq, nk]
+    names = (("equal_keys_uniform", 3), ("permutation_equivariant", 4))
+    try:
+        heads, rows, keys, values, grid = _side_by_side_index(nh, nq, nk, str(q.device))
+        # one gather each: [B', 3 Nh', n, D], the three probes one after another along the heads
+        st = _run(ops, q[:, heads, rows], k[:, heads, keys], v[:, heads, values], None if a is None else a[grid], scale)
+        w, ctx = st["weights"], st["context"]  # [B', 3 Nh', nq, nk], [B', 3 Nh', nq, Dv]
+        _expect_shape(w, [b, 3 * nh, nq, nk], "weights")
+        _expect_shape(ctx, [b, 3 * nh, nq, v.shape[-1]], "context")
+    except Exception as exc:
+        found = [_raised(n, level, exc) for n, level in names]
+        return found + [_guarded("batch_independent", 4, lambda: _batch(ops, probe, scale, a, rel, exc))]
+    base = ctx[:, :nh]  # [B', Nh', nq, Dv]
+    found = [_equal_keys(w[:, nh:2 * nh], a, lim, nk),
+             _agree("permutation_equivariant", "tokens reversed", ctx[:, 2 * nh:], base.flip(2), rel,
+                    {"queries": nq, "keys": nk, "joint": nq == nk})]
+    return found + [_guarded("batch_independent", 4, lambda: _batch(ops, probe, scale, a, rel, base))]
+
+
+@functools.lru_cache(maxsize=16)
+def _side_by_side_index(nh: int, nq: int, nk: int, device: str) -> tuple:
+    """Gather indices for the three side-by-side probes: heads ``[3 Nh', 1]``, the positions of queries, keys
+    and values ``[3 Nh', n]``, and the relation's index ``(:, heads, rows, keys)`` for ``[B'|1, Nh', nq, nk]``.
+
+    Heads ``j Nh' + h`` hold head h of probe j: the probe itself (j = 0), every key the first one
+    (j = 1: the keys' positions all 0, the values' as they are), and queries, keys and values reversed
+    (j = 2). The relation is gathered with the query rows and the values' key positions.
+    """
+    import torch
+
+    def three(n: int, second: "Tensor | None" = None) -> "Tensor":
+        ahead = torch.arange(n)
+        parts = (ahead, ahead if second is None else second, ahead.flip(0))
+        return torch.cat([p.expand(nh, n) for p in parts]).to(device)  # [3 Nh', n]
+
+    heads = torch.arange(3 * nh).remainder(nh)[:, None].to(device)  # [3 Nh', 1]
+    rows, values = three(nq), three(nk)
+    grid = (slice(None), heads[..., None], rows[..., None], values[:, None])  # -> [B'|1, 3 Nh', nq, nk]
+    return heads, rows, three(nk, torch.zeros(nk, dtype=torch.long)), values, grid
+
+
+def _expect_shape(t: "Tensor", want: list[int], what: str) -> None:
+    if list(t.shape) != want:
+        raise ValueError(f"{what} of the side-by-side probes: shape {list(t.shape)}, expected {want}")
+
+
+def _equal_keys(w: "Tensor", allow: "Tensor | None", lim: float, nk: int) -> Check:
+    """Every key equal to the first (``w``: those weights, [B', Nh', nq, nk]): each row uniform over its allowed keys
+    (zeros on a row the probe leaves without a key, which it declares empty)."""
+
+    if allow is None:
+        err = (w - 1.0 / max(nk, 1)).abs()
+    else:
+        # [B'|1, Nh', nq, nk]: 1/n on a row's n allowed keys, 0 elsewhere, and 0 on a row without a key (declared empty)
+        uniform = allow.to(w.dtype) / allow.sum(dim=-1, keepdim=True).clamp(min=1)
+        err = (w - uniform).abs()
     return bounded(3, "equal_keys_uniform", "max |weight - 1/allowed keys|, every key equal to the first",
-                   float(err.amax()) if err.numel() else 0.0, lim, data={"keys": int(k.shape[2])})
+                   float(err.amax()) if err.numel() else 0.0, lim, data={"keys": nk})
 
 
-def _permutation(ops: Any, probe: tuple, scale: float, rel: float, base: "Tensor | Exception") -> Check:
-    """Queries and keys reversed with the relation: the context rows reversed."""
-    import torch
+def _batch(ops: Any, probe: tuple, scale: float, allow: "Tensor | None", rel: float, whole: "Tensor | Exception") -> Check:
+    """Each example alone against its rows of the batch (``whole``: the probe's context, [B', Nh', nq, Dv]).
 
-    if isinstance(base, Exception):
-        raise base
-    q, k, v, allow = probe
-    pq, pk = torch.arange(q.shape[2] - 1, -1, -1), torch.arange(k.shape[2] - 1, -1, -1)
-    moved_allow = None if allow is None else allow[:, :, pq][..., pk]
-    moved = _run(ops, q[:, :, pq], k[:, :, pk], v[:, :, pk], moved_allow, scale)["context"]
-    return _agree("permutation_equivariant", "tokens reversed", moved, base[:, :, pq], rel,
-                  {"queries": int(q.shape[2]), "keys": int(k.shape[2]), "joint": q.shape[2] == k.shape[2]})
-
-
-def _batch(ops: Any, probe: tuple, scale: float, rel: float, whole: "Tensor | Exception") -> Check:
-    """Each example alone against its rows of the batch (``whole``: the probe's context, [B', Nh', nq, Dv])."""
-    import torch
-
-    q, k, v, allow = probe
-    if q.shape[0] < 2:
+    The examples run as one batch of one example, side by side as heads (``allow``: [B'|1, Nh', nq, nk]).
+    """
+    q, k, v, _ = probe
+    b, nh, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if b < 2:
         return unjudged(4, "batch_independent", "not_applicable", "one example (B = 1)")
     if isinstance(whole, Exception):
         raise whole
-    alone = torch.cat([_run(ops, q[b:b + 1], k[b:b + 1], v[b:b + 1],
-                            None if allow is None else allow[b:b + 1] if allow.shape[0] > 1 else allow, scale)["context"]
-                       for b in range(q.shape[0])])
-    return _agree("batch_independent", "each example alone", alone, whole, rel, {"examples": int(q.shape[0])})
+    one = None if allow is None else allow.expand(b, nh, nq, nk).reshape(1, b * nh, nq, nk)
+    alone = _run(ops, q.reshape(1, b * nh, nq, -1), k.reshape(1, b * nh, nk, -1), v.reshape(1, b * nh, nk, -1), one,
+                 scale)["context"]
+    return _agree("batch_independent", "each example alone", alone.reshape(b, nh, nq, -1), whole, rel,
+                  {"examples": b})
 
 
 def _agree(name: str, what: str, got: "Tensor", want: "Tensor", rel: float, data: dict[str, Any]) -> Check:
+    import torch
+
     if tuple(got.shape) != tuple(want.shape):
         return Check(4, name, "fail", reason=f"{what}: shape {list(got.shape)}, expected {list(want.shape)}",
                      data={**data, "got": list(got.shape), "expected": list(want.shape)})
-    size = max(1.0, float(want.abs().amax()) if want.numel() else 0.0)
-    diff = float((got - want).abs().amax()) / size if want.numel() else 0.0
+    diff = 0.0
+    if want.numel():
+        size, diff = torch.stack((want.abs().amax(), (got - want).abs().amax())).tolist()  # one transfer for both
+        diff /= max(1.0, size)
     return bounded(4, name, f"max |context diff| / max(1, |context|), {what}", diff, rel, data=data)
 
 
