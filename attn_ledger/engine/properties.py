@@ -22,7 +22,6 @@ One check per property:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -162,9 +161,10 @@ def _side_by_side(ops: Any, probe: tuple, scale: float, lim: float, rel: float) 
     a = None if allow is None else allow.expand(allow.shape[0], nh, nq, nk)  # [B'|1, Nh', nq, nk]
     names = (("equal_keys_uniform", 3), ("permutation_equivariant", 4))
     try:
-        heads, rows, keys, values, grid = _side_by_side_index(nh, nq, nk, str(q.device))
-        # one gather each: [B', 3 Nh', n, D], the three probes one after another along the heads
-        st = _run(ops, q[:, heads, rows], k[:, heads, keys], v[:, heads, values], None if a is None else a[grid], scale)
+        # [B', 3 Nh', n, D]: the three probes one after another along the heads (a flip and a cat are cheaper
+        # than a gather on tensors this small)
+        st = _run(ops, torch.cat((q, q, q.flip(2)), 1), torch.cat((k, k[:, :, :1].expand(k.shape), k.flip(2)), 1),
+                  torch.cat((v, v, v.flip(2)), 1), None if a is None else torch.cat((a, a, a.flip((2, 3))), 1), scale)
         w, ctx = st["weights"], st["context"]  # [B', 3 Nh', nq, nk], [B', 3 Nh', nq, Dv]
         _expect_shape(w, [b, 3 * nh, nq, nk], "weights")
         _expect_shape(ctx, [b, 3 * nh, nq, v.shape[-1]], "context")
@@ -176,28 +176,6 @@ def _side_by_side(ops: Any, probe: tuple, scale: float, lim: float, rel: float) 
              _agree("permutation_equivariant", "tokens reversed", ctx[:, 2 * nh:], base.flip(2), rel,
                     {"queries": nq, "keys": nk, "joint": nq == nk})]
     return found + [_guarded("batch_independent", 4, lambda: _batch(ops, probe, scale, a, rel, base))]
-
-
-@functools.lru_cache(maxsize=16)
-def _side_by_side_index(nh: int, nq: int, nk: int, device: str) -> tuple:
-    """Gather indices for the three side-by-side probes: heads ``[3 Nh', 1]``, the positions of queries, keys
-    and values ``[3 Nh', n]``, and the relation's index ``(:, heads, rows, keys)`` for ``[B'|1, Nh', nq, nk]``.
-
-    Heads ``j Nh' + h`` hold head h of probe j: the probe itself (j = 0), every key the first one
-    (j = 1: the keys' positions all 0, the values' as they are), and queries, keys and values reversed
-    (j = 2). The relation is gathered with the query rows and the values' key positions.
-    """
-    import torch
-
-    def three(n: int, second: "Tensor | None" = None) -> "Tensor":
-        ahead = torch.arange(n)
-        parts = (ahead, ahead if second is None else second, ahead.flip(0))
-        return torch.cat([p.expand(nh, n) for p in parts]).to(device)  # [3 Nh', n]
-
-    heads = torch.arange(3 * nh).remainder(nh)[:, None].to(device)  # [3 Nh', 1]
-    rows, values = three(nq), three(nk)
-    grid = (slice(None), heads[..., None], rows[..., None], values[:, None])  # -> [B'|1, 3 Nh', nq, nk]
-    return heads, rows, three(nk, torch.zeros(nk, dtype=torch.long)), values, grid
 
 
 def _expect_shape(t: "Tensor", want: list[int], what: str) -> None:
