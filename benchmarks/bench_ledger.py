@@ -25,12 +25,16 @@ ledger alone beside them; it prints the ratio and the peak resident memory of th
 against the forward ledger's, and exits 1 if it is twice that or more.
 
 ``--baseline REV`` compares the ledger at a git revision with the one in this tree instead:
-``git archive REV`` is unpacked into a temporary directory, and two worker processes are
-started, one with that directory first on PYTHONPATH and one with this tree's. Each measures
-its own ledger / SDPA ratio in its own process (paired calls, as above). The parent asks them
-in turn, round after round, so a slow spell of the machine falls on both; per shape it prints
-the median ratio of each side, current / baseline, and the 3.0x target, and exits 1 if any
-current median is more than ``--max-slowdown`` (5%) above the baseline's.
+``git archive REV`` is unpacked into a temporary directory, and ``--workers`` (3) worker
+processes are started for each side, with that directory or this tree first on PYTHONPATH.
+Each measures its own ledger / SDPA ratio in its own process (paired calls, as above). The
+parent asks every worker in turn, round after round, so a slow spell of the machine falls on
+both sides. Several processes per side, because one process runs a few percent faster or slower
+than another of the same code (where its buffers land in memory): two processes of one revision
+differ by up to about 3% at (1, 8, 512, 64) here. Per shape it prints the median ratio of each
+side over all its workers' rounds, current / baseline, the 3.0x target, each worker's own median
+and each side's median milliseconds, and exits 1 if any current median is more than
+``--max-slowdown`` (5%) above the baseline's.
 
 Prints Markdown tables ready for docs/performance.md, with the machine they came from.
 
@@ -386,33 +390,40 @@ class _Side:
         self.proc.wait()
 
 
-def compare_with(rev: str, rounds: int, max_slowdown: float) -> int:
+def compare_with(rev: str, rounds: int, max_slowdown: float, workers: int = 3) -> int:
     """This tree's ledger against ``rev``'s, alternating round by round; 1 if any shape got slower than allowed."""
     with tempfile.TemporaryDirectory() as tmp:
         base_dir = Path(tmp)
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(base_dir)], input=archive, check=True)
-        sides = [_Side(f"baseline {rev}", base_dir), _Side("current", ROOT)]
+        sides = [[_Side(f"baseline {rev}", base_dir) for _ in range(workers)],
+                 [_Side("current", ROOT) for _ in range(workers)]]
         try:
             found = {shape: _rounds(sides, shape, rounds) for shape in RATIO_SHAPES}
         finally:
-            for side in sides:
+            for side in sides[0] + sides[1]:
                 side.close()
-    threads = "/".join(str(side.threads) for side in sides)
+    threads = "/".join(str(side[0].threads) for side in sides)
     print(f"Machine: {machine('cpu')}; torch threads in the workers (baseline/current) {threads}; causal float32; "
-          f"each side measures ledger / SDPA in its own process (paired calls, median per round), the two sides "
-          f"alternate for {rounds} rounds; medians over rounds\n")
+          f"{workers} worker processes per side, each measuring ledger / SDPA in its own process (paired calls, "
+          f"median per round); all workers of both sides take turns for {rounds} rounds; medians over every "
+          f"worker's rounds\n")
     print(f"| (B, Nh, T, Dh) | baseline {rev} ledger / SDPA | current ledger / SDPA | current / baseline "
           f"| current within {TARGET:g}x | baseline ledger, SDPA ms | current ledger, SDPA ms |")
     print("|---|---:|---:|---:|---|---:|---:|")
     worst = 0.0
+    per_worker = []
     for shape, (base, cur) in found.items():
-        b, c = (statistics.median(a["ratio"] for a in side) for side in (base, cur))
-        ms = ["{:.1f}, {:.1f}".format(*(1e3 * statistics.median(a[key] for a in side) for key in ("ledger_s", "sdpa_s")))
-              for side in (base, cur)]
+        b, c = (statistics.median(a["ratio"] for w in side for a in w) for side in (base, cur))
+        ms = ["{:.1f}, {:.1f}".format(*(1e3 * statistics.median(a[key] for w in side for a in w)
+                                        for key in ("ledger_s", "sdpa_s"))) for side in (base, cur)]
         worst = max(worst, c / b)
         print(f"| {_fmt_shape(shape)} | {b:.2f} | {c:.2f} | {c / b:.3f} | {'yes' if c <= TARGET else 'no'} "
               f"| {ms[0]} | {ms[1]} |")
+        per_worker.append(f"{_fmt_shape(shape)}: baseline " + " / ".join(
+            f"{statistics.median(a['ratio'] for a in w):.2f}" for w in base) + "; current " + " / ".join(
+            f"{statistics.median(a['ratio'] for a in w):.2f}" for w in cur))
+    print("\nEach worker's median ledger / SDPA:\n\n" + "\n".join(f"- {line}" for line in per_worker))
     limit = 1.0 + max_slowdown
     if worst > limit:
         print(f"\nFAIL: a current median is {worst:.3f}x the baseline's, above the allowed {limit:.2f}x", file=sys.stderr)
@@ -421,16 +432,16 @@ def compare_with(rev: str, rounds: int, max_slowdown: float) -> int:
     return 0
 
 
-def _rounds(sides: list[_Side], shape: tuple[int, int, int, int], rounds: int) -> tuple[list[dict], list[dict]]:
-    """Per-round answers of each side at ``shape`` (``ratio``, and the median ``ledger_s`` and ``sdpa_s`` of
-    the round's pairs); short shapes take several pairs a round."""
-    first = [side.ask(shape, 1) for side in sides]  # warm-up, and how long SDPA takes here
+def _rounds(sides: list[list[_Side]], shape: tuple[int, int, int, int], rounds: int) -> tuple[list, list]:
+    """Per-round answers of every worker of each side at ``shape`` (``ratio``, and the median ``ledger_s`` and
+    ``sdpa_s`` of the round's pairs), as ``[worker][round]``; short shapes take several pairs a round."""
+    first = [w.ask(shape, 1) for side in sides for w in side]  # warm-up, and how long SDPA takes here
     pairs = 5 if first[0]["sdpa_s"] < 0.05 else 1
-    found: tuple[list[dict], list[dict]] = ([], [])
+    found: tuple[list, list] = tuple([[] for _ in side] for side in sides)
+    turn = [(s, i) for i in range(len(sides[0])) for s in range(len(sides))]  # baseline 0, current 0, baseline 1, ...
     for r in range(rounds):
-        order = sides if r % 2 == 0 else sides[::-1]  # neither side always goes first
-        for side in order:
-            found[sides.index(side)].append(side.ask(shape, pairs))
+        for s, i in (turn if r % 2 == 0 else turn[::-1]):  # neither side always goes first
+            found[s][i].append(sides[s][i].ask(shape, pairs))
     return found
 
 
@@ -450,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:  # long only by its option list 
     ap.add_argument("--cli", action="store_true", help=f"also run the CLI at {CLI_SHAPE} in a subprocess")
     ap.add_argument("--baseline", metavar="REV", help="compare this tree's ledger with the one at git revision REV")
     ap.add_argument("--rounds", type=int, default=21, help="alternating rounds per shape with --baseline")
+    ap.add_argument("--workers", type=int, default=3, help="worker processes per side with --baseline")
     ap.add_argument("--max-slowdown", type=float, default=0.05,
                     help="with --baseline: exit 1 if a current median ratio exceeds the baseline's by more than this")
     ap.add_argument("--grad", action="store_true",
@@ -458,8 +470,11 @@ def main(argv: list[str] | None = None) -> int:  # long only by its option list 
     args = ap.parse_args(argv)
     if args.worker:
         return worker()
+    if args.workers < 1:
+        print(f"error: --workers: got {args.workers}, expected at least 1", file=sys.stderr)
+        return 2
     if args.baseline:
-        return compare_with(args.baseline, args.rounds, args.max_slowdown)
+        return compare_with(args.baseline, args.rounds, args.max_slowdown, args.workers)
     if args.grad:
         from attn_ledger.alloc import retain_freed_memory
 

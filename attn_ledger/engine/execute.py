@@ -139,14 +139,14 @@ class Execution:
         plan, (q_ref, k_ref, v_ref) = self.plan, self.ref
         ref_dtype = reference_dtype(self.q.device)
         empty = "zeros" if self.empty_zero else "nan"
+        self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype),
+                             plan.reference_spans)
         if plan.sdpa_whole_causal:
             # the intended relation is exactly causal: SDPA gets it as is_causal on the whole input, once
             self.sdpa_context = F.scaled_dot_product_attention(self.q, self.k_exp, self.v_exp, dropout_p=0.0,
                                                                is_causal=True, scale=self.ref_scale)
         else:  # filled group by group
             self.sdpa_context = torch.empty(plan.b, plan.nh, plan.tq, self.dv, dtype=self.dtype, device=self.q.device)
-        self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype),
-                             plan.reference_spans)
         self.chunks = M.value_chunks(self.v_exp) if plan.value_chunks else None
 
     def _block(self, blk: P.Block) -> Iterator[Measure]:

@@ -178,12 +178,11 @@ def excess(actual: "Tensor", expected: "Tensor", rtol: float, atol: float) -> tu
         return C.excess_error(actual.cpu(), expected.cpu(), rtol, atol)
     e = expected.to(torch.float64)
     d = torch.sub(actual.to(torch.float64), e).abs_()  # |actual - expected|, a new tensor
-    largest = d.amax()
-    d.sub_(e.abs(), alpha=rtol)  # |actual - expected| - rtol * |expected|
-    diff, worst = torch.stack((largest, d.amax())).tolist()  # one transfer for both
+    diff = float(d.amax())
     if not math.isfinite(diff):
         return C.excess_error(actual, expected, rtol, atol)
-    return diff, worst - atol
+    d.sub_(e.abs(), alpha=rtol)  # |actual - expected| - rtol * |expected|
+    return diff, float(d.amax()) - atol
 
 
 def excess_index(actual: "Tensor", expected: "Tensor", rtol: float) -> tuple[int, ...] | None:
@@ -437,8 +436,8 @@ def range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, at
         vlo, vhi = span if span is not None else (vb.amin(dim=-2, keepdim=True), vb.amax(dim=-2, keepdim=True))
         lo, hi = vlo.to(wide), vhi.to(wide)  # [B, Nh, 1, Dv]; min and max are exact in any dtype
         extremes = (hi.amax(), lo.amin())  # the largest |value| lies at an extreme
-    *ext, below, above = torch.stack((*extremes, (lo - cf).amax(), (cf - hi).amax())).tolist()  # one transfer
-    tol = atol + rtol * max(map(abs, ext))
+    below, above = float((lo - cf).amax()), float((cf - hi).amax())
+    tol = atol + rtol * max(abs(float(x)) for x in extremes)
     value = math.nan if math.isnan(below) or math.isnan(above) else max(below, above) - tol
     if math.isnan(value) or value > 0:
         return value, worst_index(torch.maximum(lo - cf, cf - hi))
