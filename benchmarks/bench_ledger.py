@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 RATIO_SHAPES = [(1, 8, 512, 64), (1, 32, 2048, 128), (1, 8, 4096, 128)]
 GRAD_SHAPE = (1, 8, 4096, 128)
@@ -332,6 +333,18 @@ def worker() -> int:
         retain_freed_memory()
     except ImportError:  # a revision from before the allocator setting
         pass
+    spent = [0.0]  # seconds in the properties row during the current call, where the revision has that row
+    if hasattr(attn_ledger.ledger, "properties_row"):
+        row = attn_ledger.ledger.properties_row
+
+        def timed_row(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return row(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        attn_ledger.ledger.properties_row = timed_row
     print(json.dumps({"module": attn_ledger.ledger.__file__, "threads": torch.get_num_threads()}), flush=True)
     made: dict[tuple[int, ...], tuple] = {}
     for line in sys.stdin:
@@ -345,18 +358,21 @@ def worker() -> int:
                 raise SystemExit(f"healthy ledger diverged at {shape}")
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
         q, k, v = made[shape]
-        ratios, sdpa_s, ledger_s = [], [], []
+        ratios, sdpa_s, ledger_s, props_s = [], [], [], []
         for _ in range(req["pairs"]):
             t0 = time.perf_counter()
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
             t1 = time.perf_counter()
+            spent[0] = 0.0
             ledger_on_qkv(q, k, v, mask="causal")
             t2 = time.perf_counter()
             ratios.append((t2 - t1) / (t1 - t0))
             sdpa_s.append(t1 - t0)
             ledger_s.append(t2 - t1)
+            props_s.append(spent[0])
         print(json.dumps({"ratio": statistics.median(ratios), "sdpa_s": statistics.median(sdpa_s),
-                          "ledger_s": statistics.median(ledger_s)}), flush=True)
+                          "ledger_s": statistics.median(ledger_s), "properties_s": statistics.median(props_s)}),
+              flush=True)
     return 0
 
 
@@ -420,10 +436,14 @@ def compare_with(rev: str, rounds: int, max_slowdown: float, workers: int = 3) -
         worst = max(worst, c / b)
         print(f"| {_fmt_shape(shape)} | {b:.2f} | {c:.2f} | {c / b:.3f} | {'yes' if c <= TARGET else 'no'} "
               f"| {ms[0]} | {ms[1]} |")
+        props = 1e3 * statistics.median(a.get("properties_s", 0.0) for w in cur for a in w)
+        per_worker.append(f"{_fmt_shape(shape)}: the current ledger's properties row {props:.2f} ms "
+                          "(timed inside the call; the baseline has no such row)")
         per_worker.append(f"{_fmt_shape(shape)}: baseline " + " / ".join(
             f"{statistics.median(a['ratio'] for a in w):.2f}" for w in base) + "; current " + " / ".join(
             f"{statistics.median(a['ratio'] for a in w):.2f}" for w in cur))
-    print("\nEach worker's median ledger / SDPA:\n\n" + "\n".join(f"- {line}" for line in per_worker))
+    print("\nEach worker's median ledger / SDPA, and the properties row's time:\n\n"
+          + "\n".join(f"- {line}" for line in per_worker))
     limit = 1.0 + max_slowdown
     if worst > limit:
         print(f"\nFAIL: a current median is {worst:.3f}x the baseline's, above the allowed {limit:.2f}x", file=sys.stderr)
