@@ -34,7 +34,10 @@ than another of the same code (where its buffers land in memory): two processes 
 differ by up to about 3% at (1, 8, 512, 64) here. Per shape it prints the median ratio of each
 side over all its workers' rounds, current / baseline, the 3.0x target, each worker's own median
 and each side's median milliseconds, and exits 1 if any current median is more than
-``--max-slowdown`` (5%) above the baseline's.
+``--max-slowdown`` (5%) above the baseline's. A third set of workers runs this tree's ledger with
+its ``properties`` row left out (a row revisions before it do not have), in the same turns, so the
+same run shows what that row costs; the current ledger's row is also timed inside each call. The
+verdict is always on the whole current ledger.
 
 Prints Markdown tables ready for docs/performance.md, with the machine they came from.
 
@@ -64,6 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+SKIP_PROPERTIES = "ATTN_LEDGER_BENCH_SKIP_PROPERTIES"  # set in the attribution side's workers of --baseline
 RATIO_SHAPES = [(1, 8, 512, 64), (1, 32, 2048, 128), (1, 8, 4096, 128)]
 GRAD_SHAPE = (1, 8, 4096, 128)
 GRAD_MEMORY_LIMIT = 2.0  # the --grad ledger's peak resident memory stays under this many times the forward ledger's
@@ -336,6 +340,10 @@ def worker() -> int:
     spent = [0.0]  # seconds in the properties row during the current call, where the revision has that row
     if hasattr(attn_ledger.ledger, "properties_row"):
         row = attn_ledger.ledger.properties_row
+        if os.environ.get(SKIP_PROPERTIES):  # the attribution side: the same ledger without that one row
+
+            def row(*args: Any, **kwargs: Any) -> None:
+                return None
 
         def timed_row(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
@@ -379,8 +387,9 @@ def worker() -> int:
 class _Side:
     """A worker process running the ledger found first on ``path``."""
 
-    def __init__(self, name: str, path: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    def __init__(self, name: str, path: Path, extra_env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(extra_env or {}),
+               "PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         self.name = name
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=str(path))
@@ -413,29 +422,32 @@ def compare_with(rev: str, rounds: int, max_slowdown: float, workers: int = 3) -
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(base_dir)], input=archive, check=True)
         sides = [[_Side(f"baseline {rev}", base_dir) for _ in range(workers)],
-                 [_Side("current", ROOT) for _ in range(workers)]]
+                 [_Side("current", ROOT) for _ in range(workers)],
+                 [_Side("current without the properties row", ROOT, {SKIP_PROPERTIES: "1"}) for _ in range(workers)]]
         try:
             found = {shape: _rounds(sides, shape, rounds) for shape in RATIO_SHAPES}
         finally:
-            for side in sides[0] + sides[1]:
-                side.close()
-    threads = "/".join(str(side[0].threads) for side in sides)
+            for side in sides:
+                for w in side:
+                    w.close()
+    threads = "/".join(str(side[0].threads) for side in sides[:2])
     print(f"Machine: {machine('cpu')}; torch threads in the workers (baseline/current) {threads}; causal float32; "
           f"{workers} worker processes per side, each measuring ledger / SDPA in its own process (paired calls, "
           f"median per round); all workers of both sides take turns for {rounds} rounds; medians over every "
           f"worker's rounds\n")
     print(f"| (B, Nh, T, Dh) | baseline {rev} ledger / SDPA | current ledger / SDPA | current / baseline "
-          f"| current within {TARGET:g}x | baseline ledger, SDPA ms | current ledger, SDPA ms |")
-    print("|---|---:|---:|---:|---|---:|---:|")
+          f"| current within {TARGET:g}x | baseline ledger, SDPA ms | current ledger, SDPA ms "
+          f"| current without the properties row / baseline |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|")
     worst = 0.0
     per_worker = []
-    for shape, (base, cur) in found.items():
-        b, c = (statistics.median(a["ratio"] for w in side for a in w) for side in (base, cur))
+    for shape, (base, cur, bare) in found.items():
+        b, c, n = (statistics.median(a["ratio"] for w in side for a in w) for side in (base, cur, bare))
         ms = ["{:.1f}, {:.1f}".format(*(1e3 * statistics.median(a[key] for w in side for a in w)
                                         for key in ("ledger_s", "sdpa_s"))) for side in (base, cur)]
         worst = max(worst, c / b)
         print(f"| {_fmt_shape(shape)} | {b:.2f} | {c:.2f} | {c / b:.3f} | {'yes' if c <= TARGET else 'no'} "
-              f"| {ms[0]} | {ms[1]} |")
+              f"| {ms[0]} | {ms[1]} | {n / b:.3f} |")
         props = 1e3 * statistics.median(a.get("properties_s", 0.0) for w in cur for a in w)
         per_worker.append(f"{_fmt_shape(shape)}: the current ledger's properties row {props:.2f} ms "
                           "(timed inside the call; the baseline has no such row)")
@@ -452,13 +464,13 @@ def compare_with(rev: str, rounds: int, max_slowdown: float, workers: int = 3) -
     return 0
 
 
-def _rounds(sides: list[list[_Side]], shape: tuple[int, int, int, int], rounds: int) -> tuple[list, list]:
+def _rounds(sides: list[list[_Side]], shape: tuple[int, int, int, int], rounds: int) -> tuple[list, ...]:
     """Per-round answers of every worker of each side at ``shape`` (``ratio``, and the median ``ledger_s`` and
     ``sdpa_s`` of the round's pairs), as ``[worker][round]``; short shapes take several pairs a round."""
     first = [w.ask(shape, 1) for side in sides for w in side]  # warm-up, and how long SDPA takes here
     pairs = 5 if first[0]["sdpa_s"] < 0.05 else 1
-    found: tuple[list, list] = tuple([[] for _ in side] for side in sides)
-    turn = [(s, i) for i in range(len(sides[0])) for s in range(len(sides))]  # baseline 0, current 0, baseline 1, ...
+    found: tuple[list, ...] = tuple([[] for _ in side] for side in sides)
+    turn = [(s, i) for i in range(len(sides[0])) for s in range(len(sides))]  # worker 0 of each side, then worker 1, ...
     for r in range(rounds):
         for s, i in (turn if r % 2 == 0 else turn[::-1]):  # neither side always goes first
             found[s][i].append(sides[s][i].ask(shape, pairs))
