@@ -183,7 +183,6 @@ def _expect_shape(t: "Tensor", want: list[int], what: str) -> None:
 def _equal_keys(w: "Tensor", allow: "Tensor | None", lim: float, nk: int) -> Check:
     """Every key equal to the first (``w``: those weights, [B', Nh', nq, nk]): each row uniform over its allowed keys
     (zeros on a row the probe leaves without a key, which it declares empty)."""
-
     if allow is None:
         err = (w - 1.0 / max(nk, 1)).abs()
     else:
