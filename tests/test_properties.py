@@ -80,6 +80,17 @@ def test_the_values_of_each_property():
     assert row.check("single_token").data["weight_err"] > 0.1
 
 
+def test_equal_keys_holds_a_probe_row_without_a_key_to_zeros():
+    """Such a row is declared empty in the probe, so any weight in it is off the uniform target."""
+    from attn_ledger.engine.properties import _equal_keys
+
+    allow = torch.tensor([[True, True], [False, False]])[None, None]  # [1, 1, 2, 2]: query 1 has no key
+    held = _equal_keys(torch.tensor([[0.5, 0.5], [0.0, 0.0]])[None, None], allow, 1e-6, 2)
+    assert (held.status, held.value) == ("pass", 0.0)
+    leaked = _equal_keys(torch.tensor([[0.5, 0.5], [0.5, 0.5]])[None, None], allow, 1e-6, 2)
+    assert (leaked.status, leaked.value) == ("fail", 0.5)
+
+
 def test_batch_independence_needs_two_examples():
     c = ledger(batch_size=1).check("properties", "batch_independent")
     assert c.status == "not_applicable"
