@@ -255,6 +255,10 @@ def _decode_text(decode: dict[str, Any]) -> str:
 
 def _case_row(result: CaseResult) -> Row:
     """One case as a report row: its checks, its size, and where index inputs tell it, the source of a wrong row."""
+    stopped = _stopped_by(result)
+    if stopped is not None:
+        return Row(result.case.id, "not_reached", result.checks, fields={"elements": result.case.size},
+                   note=stopped.reason)
     first = result.first_failure
     note = _decode_text(first.data["index_decode"]) if first is not None and "index_decode" in first.data else ""
     return Row(result.case.id, row_status(result.checks), result.checks, fields={"elements": result.case.size},
@@ -311,8 +315,16 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
             what = f"warn{'s' if g['cases'] == 1 else ''} at L{g['level']} {g['check']}"
         notes.append(f"{_cases(g['cases'])} {what} (warning; smallest {g['smallest_case']})"
                      + ("; --strict-precision makes it a failure" if g["check"] == "precision" else ""))
+    unreached = [r for r in results if _stopped_by(r) is not None]
+    if unreached:
+        notes.append(f"{len(unreached)} of {_cases(len(results))} not reached: "
+                     f"{_stopped_by(unreached[0]).reason.removeprefix('not reached: ')}")  # type: ignore[union-attr]
     if small is None:
-        notes.append("the case passes" if len(results) == 1 else f"all {len(results)} cases pass")
+        ran = len(results) - len(unreached)
+        if unreached:
+            notes.append(f"the {_cases(ran)} run pass" if ran != 1 else "the 1 case run passes")
+        else:
+            notes.append("the case passes" if len(results) == 1 else f"all {len(results)} cases pass")
         return notes, None
     cli, python = reproduction(small.case, target, options=o, declaration=d)
     command, _, rest = cli.partition(" --case ")
@@ -337,6 +349,9 @@ def kernel_report(
     The first finding is the smallest failing case's first failing check; ``details`` holds the
     counts, each distinct failure (and warning) once with its count and smallest case, the cases
     skipped and why, and the reproduction of the smallest failing case, which the notes repeat.
+    Where the run stopped early (:func:`not_reached_case`), ``details["stopped"]`` says why, and
+    with no failing case the first finding is the first case not reached: a check that did not
+    finish never passes.
     """
     o = options or Options()
     o = Options(empty_rows=empty_rows or o.empty_rows, seed=o.seed if seed is None else seed, backward=o.backward,
@@ -348,6 +363,7 @@ def kernel_report(
     small = smallest_failing(results)
     failures, warnings = _groups(ordered, "fail"), _groups(ordered, "warn")
     notes, repro = _report_notes(results, failing, small, failures, warnings, plan, target, o, d)
+    stopped = [(r.case.id, c) for r in results if (c := _stopped_by(r)) is not None]  # in the order run
     levels = [r.first_failure.level for r in failing]  # type: ignore[union-attr]
     details = {
         "target": target, "protocol": "kernel", "tier": tier, "empty_rows": o.empty_rows, "seed": o.seed,
@@ -357,12 +373,15 @@ def kernel_report(
         "cases_skipped": plan.skipped_total, "skipped_by_declaration": dict(plan.skipped),
         "first_level": min(levels) if levels else None, "failures": failures, "warnings": warnings,
         "skipped": list(plan.notes), "reproduce": repro,
+        "cases_not_reached": len(stopped), "stopped": {"reason": stopped[0][1].reason, **stopped[0][1].data} if stopped else None,
     }
+    first = Finding(small.case.id, small.first_failure) if small is not None else (  # type: ignore[arg-type]
+        Finding(*stopped[0]) if stopped else None)
     return Report(
         command="check",
         title=f"check {target} (kernel protocol, {tier or 'named'} cases, empty rows: {o.empty_rows})",
         rows=tuple(_case_row(r) for r in ordered),
-        first_finding=None if small is None else Finding(small.case.id, small.first_failure),  # type: ignore[arg-type]
+        first_finding=first,
         notes=tuple(notes),
         details=details,
         unit="row",
@@ -451,6 +470,23 @@ def failed_call(case: Case, reason: str, data: dict[str, Any]) -> CaseResult:
     called = Check(1, "call", "fail", reason=reason, data=data)
     rest = [unjudged(level, name, "not_reached", "the call did not return a result") for level, name in CHECK_ORDER[1:]]
     return CaseResult(case, (called, *rest))
+
+
+def not_reached_case(case: Case, reason: str, data: dict[str, Any]) -> CaseResult:
+    """A case the check never ran, having stopped early: every check ``not_reached``, the L1 call with why.
+
+    Args:
+        reason: why the run stopped (``not reached: 3 cases in a row timed out (--max-timeouts 3)``).
+        data: the same as values (``{"stopped_by": "max_timeouts", "max_timeouts": 3}``).
+    """
+    called = Check(1, "call", "not_reached", reason=reason, data=data)
+    return CaseResult(case, (called, *(unjudged(level, name, "not_reached", reason) for level, name in CHECK_ORDER[1:])))
+
+
+def _stopped_by(result: CaseResult) -> Check | None:
+    """The call check of a case that was never run (:func:`not_reached_case`), else None."""
+    call = next((c for c in result.checks if c.name == "call"), None)
+    return call if call is not None and call.status == "not_reached" and "stopped_by" in call.data else None
 
 
 def _raised(level: int, name: str, exc: BaseException, where: str, data: dict[str, Any] | None = None) -> Check:

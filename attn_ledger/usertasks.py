@@ -10,6 +10,9 @@ A :class:`Task` is four plain functions:
 * ``stopped(args, unit, reason, data)`` is the result of a unit whose call into user code never
   came back (an exit, a crash, the time limit): an L1 ``call`` finding with that reason and data.
 * ``finish(args, plan, results)`` assembles the report.
+* ``not_reached(args, unit, reason, data)`` is the result of a unit never run because the run
+  stopped early (:class:`attn_ledger.worker.Limits`), and ``timed_out(result)`` says whether a
+  unit's result is a timed-out call (what the in-process path counts towards ``--max-timeouts``).
 
 ``args`` and units are plain data (str, int, float, bool, None, lists, dicts), so they cross a
 process boundary as they are; results cross as the dataclasses listed in :data:`RESULT_TYPES`
@@ -35,6 +38,7 @@ from attn_ledger.kernelcheck import (
     check_case,
     failed_call,
     kernel_report,
+    not_reached_case,
     parse_case,
     plan_cases,
 )
@@ -55,6 +59,8 @@ class Task:
     run: Callable[[Any, dict[str, Any], Any, Progress], Any]
     stopped: Callable[[dict[str, Any], Any, str, dict[str, Any]], Any]
     finish: Callable[[dict[str, Any], dict[str, Any], list[Any]], Any]
+    not_reached: Callable[[dict[str, Any], Any, str, dict[str, Any]], Any]
+    timed_out: Callable[[Any], bool]
 
 
 # --- check FILE:NAME: one unit per case -----------------------------------------------------------
@@ -87,6 +93,14 @@ def _kernel_stopped(args: dict[str, Any], unit: str, reason: str, data: dict[str
     return failed_call(parse_case(unit), reason, data)
 
 
+def _kernel_not_reached(args: dict[str, Any], unit: str, reason: str, data: dict[str, Any]) -> CaseResult:
+    return not_reached_case(parse_case(unit), reason, data)
+
+
+def _kernel_timed_out(result: CaseResult) -> bool:
+    return any(c.failed and "timeout_s" in c.data for c in result.checks)
+
+
 def _kernel_finish(args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Report:
     cases = tuple(parse_case(u) for u in plan["units"])
     return kernel_report(results, target=args["target"], options=_kernel_options(args),
@@ -109,6 +123,10 @@ def _module_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 def _only(args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Any:
     return results[0]
+
+
+def _never(result: Any) -> bool:
+    return False  # one unit: nothing remains to stop after it
 
 
 def _module_check_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -144,10 +162,13 @@ def _intervene_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[
     return stopped_intervention(f"module {args['spec']}", shape, args["num_heads"], reason, data, args["cuts"] or ())
 
 
+# A module's one unit not reached (--max-time spent on the import and the factory) is stopped before its call.
 TASKS: dict[str, Task] = {
-    "kernel_check": Task(_kernel_setup, _kernel_run, _kernel_stopped, _kernel_finish),
-    "module_check": Task(_module_check_setup, _module_check_run, _module_check_stopped, _only),
-    "intervene_module": Task(_module_setup, _intervene_run, _intervene_stopped, _only),
+    "kernel_check": Task(_kernel_setup, _kernel_run, _kernel_stopped, _kernel_finish, _kernel_not_reached,
+                         _kernel_timed_out),
+    "module_check": Task(_module_check_setup, _module_check_run, _module_check_stopped, _only,
+                         _module_check_stopped, _never),
+    "intervene_module": Task(_module_setup, _intervene_run, _intervene_stopped, _only, _intervene_stopped, _never),
 }
 
 RESULT_TYPES: tuple[type, ...] = (Check, Row, Finding, Coverage, Report, Case, CaseResult)

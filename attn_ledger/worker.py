@@ -16,6 +16,9 @@ Design, and why:
   status, signal) the parent knows which call was in flight and in which unit of work (a case),
   records that unit's L1 ``call`` finding, starts a fresh worker and goes on with the rest.
   A death while importing or building the user's object is bad setup: exit 2, one line.
+* **A hung kernel ends the run quickly** (:class:`Limits`), as pytest's ``--maxfail`` does:
+  after ``max_timeouts`` timed-out units in a row, or once ``max_time`` seconds have passed,
+  the remaining units are not reached (the task's ``not_reached`` result, with the reason).
 * **Nothing from the worker is unpickled.** The worker answers in JSON; results are rebuilt
   only into the dataclasses in :data:`attn_ledger.usertasks.RESULT_TYPES`. Requests travel the
   other way pickled, which is safe: the worker trusts its parent.
@@ -52,6 +55,12 @@ from attn_ledger.errors import AttnLedgerError, SetupError, field_error
 TIMEOUT_S = 60.0
 """Default limit, in seconds, on each call into user code run in a worker."""
 
+MAX_TIMEOUT_S = 86_400.0
+"""The longest ``--timeout`` (and ``--max-time``) taken: one day."""
+
+MAX_TIMEOUTS = 3
+"""Default number of timed-out units in a row after which the remaining units are not reached."""
+
 _PRELOAD = ["torch", "attn_ledger.usertasks", "attn_ledger.reference", "attn_ledger.pipeline", "attn_ledger.model"]
 _OUTPUT_TAIL_BYTES = 64 << 10  # of each worker's captured output, the part shown
 
@@ -69,14 +78,61 @@ class Outcome:
 
 
 def check_timeout(timeout: float | None, field: str = "--timeout") -> None:
-    """Raises InputError naming ``field`` unless ``timeout`` is None or a finite number of seconds > 0."""
-    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout > 0
+    """Raises InputError naming ``field`` unless ``timeout`` is None or a number of seconds in (0, 86400]."""
+    ok = (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
+          and 0 < timeout <= MAX_TIMEOUT_S)
     if timeout is not None and not ok:
-        raise field_error(field, timeout, "a number of seconds > 0")
+        raise field_error(field, timeout, f"a number of seconds > 0 and at most {MAX_TIMEOUT_S:,.0f} (one day)")
+
+
+@dataclass
+class Limits:
+    """When a run of units stops early: the rest are then not reached.
+
+    Attributes:
+        max_timeouts: timed-out units in a row after which the run stops (None: never). A unit
+            that comes back with a result resets the count; a crash or an exit neither counts
+            (each costs about half a second) nor resets it.
+        max_time: seconds the whole run may take (None: no bound). In a worker, a unit still
+            running at expiry is stopped; in-process, expiry is seen between units only.
+    """
+
+    max_timeouts: int | None = MAX_TIMEOUTS
+    max_time: float | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    timeouts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_timeouts is not None and (isinstance(self.max_timeouts, bool) or not isinstance(self.max_timeouts, int)
+                                              or self.max_timeouts < 1):
+            raise field_error("--max-timeouts", self.max_timeouts, "a whole number >= 1")
+        check_timeout(self.max_time, "--max-time")
+
+    @property
+    def end(self) -> float:
+        """The monotonic time at which ``max_time`` runs out (infinity without one)."""
+        return math.inf if self.max_time is None else self.started + self.max_time
+
+    def record(self, timed_out: bool, completed: bool) -> None:
+        """Count a unit that ended: a timeout adds one, a unit that came back with a result resets the count."""
+        if timed_out:
+            self.timeouts += 1
+        elif completed:
+            self.timeouts = 0
+
+    def stop(self) -> tuple[str, dict[str, Any]] | None:
+        """Why the remaining units are not reached, as words and as values; None while they run."""
+        if self.max_timeouts is not None and self.timeouts >= self.max_timeouts:
+            return (f"not reached: {self.timeouts} cases in a row timed out (--max-timeouts {self.max_timeouts})",
+                    {"stopped_by": "max_timeouts", "max_timeouts": self.max_timeouts})
+        if time.monotonic() >= self.end:
+            return (f"not reached: the check ran out of time (--max-time {self.max_time:g} s)",
+                    {"stopped_by": "max_time", "max_time_s": self.max_time})
+        return None
 
 
 def run_user_task(name: str, args: dict[str, Any], *, in_process: bool = False, timeout: float | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> Outcome:
+                  progress: Callable[[int, int], None] | None = None, limits: Limits | None = None) -> Outcome:
     """Run task ``name`` of :data:`attn_ledger.usertasks.TASKS` in a worker, or here with ``in_process``.
 
     Args:
@@ -87,6 +143,7 @@ def run_user_task(name: str, args: dict[str, Any], *, in_process: bool = False, 
         timeout: seconds per call into user code; None means :data:`TIMEOUT_S` in a worker and no
             limit in-process.
         progress: ``callback(done, total)``.
+        limits: when the run stops early (default :class:`Limits`: after 3 timeouts in a row).
 
     Raises:
         AttnLedgerError: bad input or setup (the user's object cannot be imported or built).
@@ -95,6 +152,7 @@ def run_user_task(name: str, args: dict[str, Any], *, in_process: bool = False, 
     from attn_ledger.usertasks import TASKS
 
     check_timeout(timeout)
+    limits = limits or Limits()
     task = TASKS[name]
     if in_process:
         import torch  # noqa: F401 - before the user's import, which should not spend its time limit loading torch
@@ -102,36 +160,49 @@ def run_user_task(name: str, args: dict[str, Any], *, in_process: bool = False, 
         from attn_ledger.guard import in_process as in_process_policy
 
         with in_process_policy(timeout, stdout_to_stderr=True):
-            return Outcome(_run_here(task, args, progress))
+            return Outcome(_run_here(task, args, progress, limits))
     with tempfile.TemporaryDirectory(prefix="attn-ledger-") as tmp, _Supervisor(Path(tmp), timeout or TIMEOUT_S) as sup:
-        report = _run_supervised(sup, name, task, args, progress)
+        report = _run_supervised(sup, name, task, args, progress, limits)
         return Outcome(report, sup.output())
 
 
-def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], None] | None) -> Any:
+def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], None] | None, limits: Limits) -> Any:
     state, plan = task.setup(args)
     units = plan["units"]
     results = []
     for i, unit in enumerate(units):
-        results.append(task.run(state, args, unit, progress if len(units) == 1 else None))
+        stop = limits.stop()
+        if stop is not None:
+            results.append(task.not_reached(args, unit, *stop))
+        else:
+            results.append(task.run(state, args, unit, progress if len(units) == 1 else None))
+            limits.record(task.timed_out(results[-1]), completed=not task.timed_out(results[-1]))
         if progress is not None and len(units) > 1:
             progress(i + 1, len(units))
     return task.finish(args, plan, results)
 
 
 def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, Any],
-                    progress: Callable[[int, int], None] | None) -> Any:
+                    progress: Callable[[int, int], None] | None, limits: Limits) -> Any:
+    sup.end, sup.max_time = limits.end, limits.max_time
     plan = sup.setup(name, args)
     units = plan["units"]
     results = []
     for i, unit in enumerate(units):
-        if not sup.alive:
-            sup.setup(name, args)  # a fresh worker imports (and builds) the user's object again
-        try:
-            results.append(sup.run(unit, progress if len(units) == 1 else None))
-        except _Stopped as stop:
-            more = "; the worker was restarted for the remaining cases" if i + 1 < len(units) else ""
-            results.append(task.stopped(args, unit, stop.detail + more, stop.data))
+        stop = limits.stop()
+        if stop is not None:
+            results.append(task.not_reached(args, unit, *stop))
+        else:
+            try:
+                if not sup.alive:
+                    sup.setup(name, args)  # a fresh worker imports (and builds) the user's object again
+                results.append(sup.run(unit, progress if len(units) == 1 else None))
+                limits.record(task.timed_out(results[-1]), completed=True)
+            except _Stopped as stop_:
+                limits.record("timeout_s" in stop_.data, completed=False)
+                more = "; the worker was restarted for the remaining cases" if i + 1 < len(units) else ""
+                more = "" if limits.stop() is not None or "max_time_s" in stop_.data else more
+                results.append(task.stopped(args, unit, stop_.detail + more, stop_.data))
         if progress is not None and len(units) > 1:
             progress(i + 1, len(units))
     return task.finish(args, plan, results)
@@ -184,6 +255,7 @@ class _Supervisor:
         self.captures: list[Path] = []
         self.call: str | None = None  # the user call in flight
         self.deadline = math.inf
+        self.end, self.max_time = math.inf, None  # when the whole run's --max-time runs out, whatever is in flight
         self.killed = False
 
     def __enter__(self) -> "_Supervisor":
@@ -207,13 +279,20 @@ class _Supervisor:
         self.conn, self.call, self.killed = parent_end, None, False
 
     def setup(self, name: str, args: dict[str, Any]) -> dict[str, Any]:
-        """Start a fresh worker and load the user's object in it; a death here is a SetupError."""
+        """Start a fresh worker and load the user's object in it; a death here is a SetupError.
+
+        Raises:
+            _Stopped: ``--max-time`` ran out while a restarted worker loaded the object (the unit is stopped).
+        """
+        restart = bool(self.captures)
         self.stop()
         self._start()
         self.conn.send(("setup", name, args))
         try:
             return self._await("plan", None)
         except _Stopped as stop:
+            if restart and "max_time_s" in stop.data:
+                raise
             raise SetupError(f"{args['field']}: {stop.detail}") from None
 
     def run(self, unit: Any, progress: Callable[[int, int], None] | None) -> Any:
@@ -222,11 +301,13 @@ class _Supervisor:
 
     def _await(self, expected: str, progress: Callable[[int, int], None] | None) -> Any:
         while True:
-            left = None if self.call is None else max(0.0, self.deadline - time.monotonic())
-            ready = wait([self.conn, self.proc.sentinel], left)
+            until = min(self.end, math.inf if self.call is None else self.deadline)
+            ready = wait([self.conn, self.proc.sentinel], None if until == math.inf else max(0.0, until - time.monotonic()))
             if not ready:
                 what = self.call
                 self._kill()
+                if until == self.end:
+                    raise self._out_of_time(what)
                 raise _Stopped(f"{what} timed out after {self.timeout:g} s", {"call": what, "timeout_s": self.timeout})
             if self.conn not in ready:
                 raise self._death()
@@ -249,6 +330,12 @@ class _Supervisor:
                 raise (cls if isinstance(cls, type) and issubclass(cls, AttnLedgerError) else AttnLedgerError)(message["message"])
             else:
                 raise WorkerError(f"the worker failed:\n{message.get('trace', message)}")
+
+    def _out_of_time(self, what: str | None) -> _Stopped:
+        """The stop of the unit in flight when the run's ``--max-time`` ran out (the worker is killed)."""
+        where = what if what else "the worker, between calls into your code,"
+        return _Stopped(f"{where} was stopped: the check ran out of time (--max-time {self.max_time:g} s)",
+                        {"call": what, "max_time_s": self.max_time})
 
     def _death(self) -> _Stopped:
         """The worker is gone: reap it and say which call it died in, and how."""

@@ -85,8 +85,11 @@ def test_kernel_that_never_returns_a_result_is_an_l1_call_finding(name, cause, f
 
 
 def test_after_a_hang_the_worker_restarts_and_the_remaining_cases_run():
+    # One hang is below --max-timeouts (default 3), so the run goes on; tests/test_stop_early.py
+    # has the runs that stop.
     res = check_kernel("hangs_when_causal", ONE, CAUSAL, SMALL)
     assert res.exit_code == 1, res.output
+    assert json.loads(res.stdout)["details"]["cases_not_reached"] == 0
     one, causal, small = first_failures(res)
     assert one is None  # the result from before the hang is kept
     assert small is None  # SMALL ran in a fresh worker after CAUSAL's hang
@@ -289,7 +292,7 @@ def test_intervene_in_process_exit_is_the_same_finding():
 
 def test_intervene_timeout_needs_a_module():
     res = runner.invoke(app, ["intervene", "--timeout", "2"])
-    assert res.exit_code == 2 and one_error_line(res).startswith("error: --timeout/--in-process: apply only with --module")
+    assert res.exit_code == 2 and one_error_line(res).startswith("error: --timeout/--max-time/--in-process: apply only with --module")
 
 
 # --- the pieces: the guard, the relay of errors, results as plain data ----------------------------

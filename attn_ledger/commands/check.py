@@ -77,6 +77,18 @@ def check(  # long by its options (typer reads them from the signature); the bod
             "is named in the report as an L1 call finding (exit 2 at import or factory time). "
             "Default 60; with --in-process, none unless given.")),
     ] = None,
+    max_timeouts: Annotated[
+        Optional[str],
+        typer.Option("--max-timeouts", metavar=INT, help=(
+            "Stop after this many cases in a row time out (a case that returns resets the count; a crash "
+            "does not count): the rest are not reached, named in the report. Default 3.")),
+    ] = None,
+    max_time: Annotated[
+        Optional[float],
+        typer.Option("--max-time", metavar="SECONDS", help=(
+            "Bound on the whole check, at most 86400. At expiry the case running is stopped, the rest are not "
+            "reached, the report says why, and the exit status is 1. Default: no bound.")),
+    ] = None,
     in_process: Annotated[
         bool,
         typer.Option("--in-process", help=(
@@ -123,7 +135,7 @@ def check(  # long by its options (typer reads them from the signature); the bod
     def build():
         from attn_ledger.errors import InputError
         from attn_ledger.userload import parse_spec
-        from attn_ledger.worker import run_user_task, show_output
+        from attn_ledger.worker import Limits, run_user_task, show_output
 
         if decode is not None and module is None:
             raise InputError(f"--decode: got {decode!r} without --module; a decode path is checked with its module")
@@ -132,9 +144,11 @@ def check(  # long by its options (typer reads them from the signature); the bod
         if (target is None) == (module is None):
             raise InputError("target: expected exactly one of a function 'file.py:NAME' or --module 'file.py:FACTORY'")
         seed_value = opt.seed(seed) or 0
+        limits = Limits(max_time=max_time, **({} if max_timeouts is None else
+                                              {"max_timeouts": opt.integer(max_timeouts, "--max-timeouts", 1, 1 << 20)}))
         if module is not None:
             opt.refuse_given({"--case": case or None, "--empty-rows": empty_rows.value if empty_rows else None,
-                              **kernel_options}, "with --module (it applies to a kernel-protocol function)")
+                              "--max-timeouts": max_timeouts, **kernel_options}, "with --module (it applies to a kernel-protocol function)")
             e, nh = opt.integer(embed_dim, "--embed-dim", 1), opt.integer(heads, "--heads", 1)
             if e is None or nh is None:
                 raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={e}, heads={nh}")
@@ -163,7 +177,7 @@ def check(  # long by its options (typer reads them from the signature); the bod
             name, label = "kernel_check", "checking cases"
             args = _kernel_args(target, case, full, declared, seed_value, device.value if device else "cpu")
         with Progress(label) as bar:
-            outcome = run_user_task(name, args, in_process=in_process, timeout=timeout, progress=bar)
+            outcome = run_user_task(name, args, in_process=in_process, timeout=timeout, progress=bar, limits=limits)
         show_output(outcome.output)
         return outcome.report
 

@@ -29,6 +29,7 @@ def intervene(
     at: Annotated[Optional[str], typer.Option("--at", metavar=INT, help="Test one cut i (0..T-2) instead of all of them.")] = None,
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Also run the two leaking controls on the built-in pipeline.")] = True,
     timeout: Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS", help="With --module: limit on each call into your code (import, factory, each forward). A call past it is named in the report as an L1 call finding (exit 2 at import or factory time). Default 60; with --in-process, none unless given.")] = None,
+    max_time: Annotated[Optional[float], typer.Option("--max-time", metavar="SECONDS", help="With --module: bound on the whole run, at most 86400; at expiry the forward in flight is stopped, an L1 call finding (exit 1). Default: no bound.")] = None,
     in_process: Annotated[bool, typer.Option("--in-process", help="With --module: run your code in this process, for debugging; sys.exit in it is still a finding, but a hang or a crash is not caught.")] = False,
     output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
@@ -53,20 +54,22 @@ def intervene(
         cut = opt.integer(at, "--at", 0, MAX_POSITION)
         budget = opt.memory(max_memory)
         if module is None:
-            if timeout is not None or in_process:
-                raise InputError("--timeout/--in-process: apply only with --module (the built-in pipeline runs no code of yours)")
+            if timeout is not None or max_time is not None or in_process:
+                raise InputError("--timeout/--max-time/--in-process: apply only with --module "
+                                 "(the built-in pipeline runs no code of yours)")
             with Progress("intervening") as bar:
                 return run_intervene(config, overrides=overrides, at=cut, with_controls=controls, progress=bar,
                                      max_memory=budget, option_names=OPTION_NAMES)
         from attn_ledger.userload import parse_spec
-        from attn_ledger.worker import run_user_task, show_output
+        from attn_ledger.worker import Limits, run_user_task, show_output
 
+        limits = Limits(max_time=max_time)
         cfg, cuts = plan_intervene(config, module_spec=module, overrides=overrides, at=cut, max_memory=budget,
                                    option_names=OPTION_NAMES)
         parse_spec(module, "--module")
         with Progress("intervening") as bar:
             outcome = run_user_task("intervene_module", module_task_args(cfg, module, cuts, controls),
-                                    in_process=in_process, timeout=timeout, progress=bar)
+                                    in_process=in_process, timeout=timeout, progress=bar, limits=limits)
         show_output(outcome.output)
         return outcome.report
 
