@@ -396,22 +396,31 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config: {name} nests too deeply to parse, expected at most {MAX_CONFIG_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {name} holds a {type(data).__name__}, expected a table of keys")
-    _check_ints(data, name)
+    _check_parsed(data, name)
     return data
 
 
-def _check_ints(data: dict[str, Any], name: str) -> None:
-    """TOML has no integer hook: a parsed integer longer than MAX_INT_DIGITS is refused here."""
-    stack: list[Any] = [data]
+def _check_parsed(data: dict[str, Any], name: str) -> None:
+    """What the text scan cannot see, refused in the parsed values (without recursing into them).
+
+    Nesting: TOML's dotted keys and table headers (``[a.b.c]``) nest tables without a bracket
+    per level, so the depth is measured again here, whatever the syntax. Integers: TOML has no
+    integer hook, so one longer than MAX_INT_DIGITS is refused here.
+    """
+    stack: list[tuple[Any, int]] = [(data, 0)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         values = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
         for v in values:
             if isinstance(v, int) and abs(v) >= 10**MAX_INT_DIGITS:
                 raise ConfigError(f"config: {name} holds an integer of {len(str(abs(v)))} digits, "
                                   f"expected at most {MAX_INT_DIGITS} digits")
             if isinstance(v, (dict, list)):
-                stack.append(v)
+                if depth + 1 > MAX_CONFIG_DEPTH:
+                    raise ConfigError(f"config: {name} nests lists or tables (dotted keys and table headers "
+                                      f"included) more than {MAX_CONFIG_DEPTH} deep, "
+                                      f"expected at most {MAX_CONFIG_DEPTH} levels")
+                stack.append((v, depth + 1))
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,

@@ -110,6 +110,29 @@ def test_config_nested_10000_deep_is_refused(tmp_path, suffix, text):
     assert "nests" in one_line_exit_2(invoke("run", str(cfg)))
 
 
+DOTTED = ".".join(["a"] * 1000)
+
+
+@pytest.mark.parametrize("text", [f"[{DOTTED}]\nx = 1\n", f"{DOTTED} = 1\n", f"[[{DOTTED}]]\nx = 1\n",
+                                  "[a.b.c.d.e.f.g.h]\nx = [1]\n"],
+                         ids=["table-header", "dotted-key", "array-of-tables", "nine-levels"])
+def test_toml_nested_by_dotted_keys_and_headers_is_refused(tmp_path, text):
+    # No bracket per level, so the text scan cannot see it: the parsed tables are measured too.
+    cfg = tmp_path / "deep.toml"
+    cfg.write_text(text)
+    assert one_line_exit_2(invoke("run", str(cfg))) == (
+        f"error: config: {str(cfg)!r} nests lists or tables (dotted keys and table headers included) more than 8 deep, "
+        "expected at most 8 levels")
+
+
+def test_toml_headers_eight_deep_are_read(tmp_path):
+    from attn_ledger.config import read_config_file
+
+    path = tmp_path / "ok.toml"
+    path.write_text("[a.b.c.d.e.f.g]\nx = [1]\n")  # 8 levels, the bound: read
+    assert read_config_file(path)["a"]["b"]["c"]["d"]["e"]["f"]["g"] == {"x": [1]}
+
+
 def test_nesting_depth_skips_strings_and_comments():
     assert nesting_depth('{"mask": "[[[[[[[[[[[[["}') == 1
     assert nesting_depth("a = 1 # [[[[[[[[[[[[[[[\nb = [[1]]") == 2
