@@ -40,7 +40,7 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-from attn_ledger.errors import InputError
+from attn_ledger.errors import InputError, shown
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +53,7 @@ TIERS = ("default", "full")
 
 LIMITS = {"B": 64, "Nh": 128, "Nkv": 128, "Tq": 4096, "Tk": 4096, "Dh": 512, "Dv": 512}
 MAX_CASE_BYTES = 1 << 30  # a case (inputs, outputs, probes and the streamed reference) fits in about 1 GiB
+MAX_ID_DIGITS = 8  # of each number in a case id: every limit above fits in 4; Python refuses int() past 4300
 
 _LARGE = 12.0  # q and k scale for "large" inputs: score std about 144, so |s| > 100 occurs
 # exp(x) overflows past log(largest finite value): 11.09 in float16, 88.72 in bfloat16/float32, 709.78 in float64
@@ -194,6 +195,7 @@ def parse_case(case_id: str) -> Case:
             f"dtypes {', '.join(DTYPES)}; optional -sSCALE)"
         )
     g = m.groupdict()
+    _check_digits(case_id, g)
     case = Case(*(int(g[key]) for key in ("b", "nh", "nkv", "tq", "tk", "dh", "dv")),
                 mask=g["mask"], inputs=g["inputs"], dtype=g["dtype"],
                 scale=None if g["scale"] is None else float(g["scale"]))
@@ -201,9 +203,30 @@ def parse_case(case_id: str) -> Case:
     return case
 
 
+_AXIS_GROUPS = {"b": "B", "nh": "Nh", "nkv": "Nkv", "tq": "Tq", "tk": "Tk", "dh": "Dh", "dv": "Dv"}
+
+
+def _check_digits(case_id: str, groups: Mapping[str, str | None]) -> None:
+    """Refuse a number in the id longer than MAX_ID_DIGITS before converting it, naming its field."""
+    numbers = {axis: groups[key] for key, axis in _AXIS_GROUPS.items()}
+    lpad, gap = _LPAD_RE.match(groups["mask"] or ""), _GAP_RE.match(groups["mask"] or "")
+    if lpad:
+        numbers["left padding N (lpadN)"] = lpad.group(1)
+    if gap:
+        numbers["blocked run start S (gapSxL)"], numbers["blocked run length L (gapSxL)"] = gap.group(1), gap.group(2)
+    if groups["scale"] is not None:
+        numbers["scale (-sSCALE)"] = groups["scale"]
+    for field, text in numbers.items():
+        digits = sum(ch.isdigit() for ch in text or "")
+        most = 2 * MAX_ID_DIGITS if field.startswith("scale") else MAX_ID_DIGITS  # mantissa and exponent
+        if digits > most:
+            raise InputError(f"case {shown(case_id)}: {field} got {shown(text, 20)} of {digits} digits, "
+                             f"expected at most {most} digits")
+
+
 def validate(case: Case, case_id: str | None = None) -> None:
     """Refuse a case that cannot be built or would not fit (see :data:`LIMITS`, :data:`MAX_CASE_BYTES`)."""
-    name = case_id or case.id
+    name = case_id or case.id  # bounded: each number in it has at most MAX_ID_DIGITS digits
     if case.scale is not None and not 0 < case.scale <= 16:
         raise InputError(f"case {name!r}: scale={case.scale:g}, expected a value in (0, 16]")
     sizes = {"B": case.b, "Nh": case.nh, "Nkv": case.nkv, "Tq": case.tq, "Tk": case.tk, "Dh": case.dh, "Dv": case.dv}

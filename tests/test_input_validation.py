@@ -297,3 +297,47 @@ def test_sweep_scale_on_a_batch_0_file_runs(tmp_path):
     assert r.exit_code == 0, r.output
     details = json.loads(r.stdout)["details"]
     assert (details["saturated_rows"], details["total_rows"]) == (0, 0)
+
+
+# --- check: case ids and time limits, bounded before any conversion ------------------------
+
+GOOD_KERNEL = str(pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hostile" / "kernels.py") + ":good"
+LONG = "1" * 10_000
+
+
+@pytest.mark.parametrize("case_id, field, digits", [
+    (f"b1-h1kv1-tq{LONG}tk1-dh4dv4-none-rand-f32", "Tq", 10_000),
+    (f"b{LONG}-h1kv1-tq1tk1-dh4dv4-none-rand-f32", "B", 10_000),
+    (f"b1-h1kv1-tq1tk9-dh4dv4-lpad{LONG}-rand-f32", "left padding N (lpadN)", 10_000),
+    (f"b1-h1kv1-tq1tk9-dh4dv4-gap1x{LONG}-causal-rand-f32", "blocked run length L (gapSxL)", 10_000),
+    (f"b1-h1kv1-tq1tk1-dh4dv4-none-rand-f32-s1{LONG}", "scale (-sSCALE)", 10_001),
+    ("b1-h1kv1-tq123456789tk1-dh4dv4-none-rand-f32", "Tq", 9),
+], ids=["tq", "b", "lpad", "gap", "scale", "nine-digits"])
+def test_a_case_id_with_a_long_number_is_one_line_naming_the_field(case_id, field, digits):
+    err = one_line_exit_2(invoke("check", GOOD_KERNEL, "--case", case_id))
+    most = 16 if field.startswith("scale") else 8
+    assert f": {field} got '" in err and err.endswith(f"of {digits} digits, expected at most {most} digits")
+    assert len(err) < 300  # the id and the number are cut
+
+
+def test_a_case_id_with_short_numbers_still_gets_the_range_message():
+    err = one_line_exit_2(invoke("check", GOOD_KERNEL, "--case", "b1-h1kv1-tq99999999tk1-dh4dv4-none-rand-f32"))
+    assert err == "error: case 'b1-h1kv1-tq99999999tk1-dh4dv4-none-rand-f32': Tq=99999999, expected between 1 and 4096"
+
+
+@pytest.mark.parametrize("value", ["1e10", "86401", "1e308"])
+def test_timeout_is_at_most_a_day(value):
+    err = one_line_exit_2(invoke("check", GOOD_KERNEL, "--case", "b1-h1kv1-tq1tk1-dh4dv4-none-rand-f32",
+                                 "--timeout", value))
+    assert err == (f"error: --timeout: got {float(value)!r}, expected a number of seconds > 0 and at most 86,400 "
+                   "(one day)")
+
+
+def test_a_timeout_of_a_day_is_taken():
+    from attn_ledger.worker import check_timeout
+
+    check_timeout(86_400)  # no error: the bound itself is allowed
+    from attn_ledger.errors import InputError
+
+    with pytest.raises(InputError, match="at most 86,400"):
+        check_timeout(86_400.5)
