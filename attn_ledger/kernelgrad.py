@@ -53,11 +53,15 @@ class GradRun:
 def warm_autograd() -> None:
     """Run one tiny backward pass: torch imports about 2 s of modules on the first one with a given output
     gradient (as every kernel's backward here has), which must not be charged to the user's first backward
-    against its time limit."""
+    against its time limit.
+
+    Under ``enable_grad``: the user's import may have left grad mode off (``torch.set_grad_enabled(False)``).
+    """
     import torch
 
-    x = torch.ones(2, requires_grad=True)
-    torch.autograd.grad(x * x, x, torch.ones(2))  # a non-scalar output with its gradient given, as below
+    with torch.enable_grad():
+        x = torch.ones(2, requires_grad=True)
+        torch.autograd.grad(x * x, x, torch.ones(2))  # a non-scalar output with its gradient given, as below
 
 
 def run_backward(call: Callable[..., "Tensor"], guard: Callable[[str], ContextManager[Any]],

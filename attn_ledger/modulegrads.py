@@ -257,8 +257,9 @@ def gradcheck_check(module: "nn.Module", embed_dim: int, seed: int) -> Check:
     data = {**counts, "outputs": _OUTPUT_DIRECTIONS, "B": 1, "T": 3, **rule, "lower_precision_inside": inside}
     measure = "torch.autograd.gradcheck (float64, B=1, T=3)"
     try:
-        ok = torch.autograd.gradcheck(fn, inputs, eps=rule["eps"], atol=rule["atol"], rtol=rule["rtol"],
-                                      raise_exception=False)
+        with torch.enable_grad():  # the user's import may have left grad mode off
+            ok = torch.autograd.gradcheck(fn, inputs, eps=rule["eps"], atol=rule["atol"], rtol=rule["rtol"],
+                                          raise_exception=False)
     except UserCodeError:
         raise
     except Exception as exc:  # the user's backward may raise anything
@@ -266,7 +267,8 @@ def gradcheck_check(module: "nn.Module", embed_dim: int, seed: int) -> Check:
                      data={**data, "exception": type(exc).__name__})
     if ok:
         return Check(3, "gradcheck", "pass", measure, data=data)
-    worst, where = _discrepancy(fn, inputs, rule)
+    with torch.enable_grad():
+        worst, where = _discrepancy(fn, inputs, rule)
     return Check(3, "gradcheck", "fail", "max |analytic - numeric| / (atol + rtol |numeric|)", worst, 1.0, "<=",
                  location={"coordinate": where["coordinate"], "of": where["of"]},
                  reason="the backward disagrees with finite differences of the forward", data={**data, **where})

@@ -403,3 +403,57 @@ def test_check_module_decode_that_never_returns_is_an_l1_call_finding(decode, ca
     (called,) = data["rows"][0]["checks"]
     assert (data["first_finding"]["check"], called["reason"], called["data"]) == ("call", f"{call} {cause}",
                                                                                  {"call": call, **facts})
+
+
+# --- global state the user's import leaves: the tool's own grad work runs under enable_grad ------------------
+
+
+GRAD_OFF = "import torch\ntorch.set_grad_enabled(False)\n"
+
+
+def _importing(tmp_path: Path, path: Path, names: tuple[str, ...], grad_off: bool) -> Path:
+    src = tmp_path / f"{'off' if grad_off else 'on'}_{path.stem}.py"
+    src.write_text((GRAD_OFF if grad_off else "") +
+                   f"import importlib.util\nspec = importlib.util.spec_from_file_location('u', {str(path)!r})\n"
+                   "u = importlib.util.module_from_spec(spec); spec.loader.exec_module(u)\n" +
+                   "".join(f"{n} = u.{n}\n" for n in names))
+    return src
+
+
+@pytest.mark.parametrize("extra", [(), ("--in-process",)], ids=["worker", "in-process"])
+def test_a_kernel_file_that_disables_grad_at_import_is_checked_normally(tmp_path, extra):
+    reports = []
+    for grad_off in (True, False):
+        src = _importing(tmp_path, KERNELS, ("good",), grad_off)
+        res = runner.invoke(app, ["check", f"{src}:good", "--case", ONE, "--case", SMALL, "--case", CAUSAL,
+                                  "--format", "json", *extra])
+        assert res.exit_code == 0, res.output
+        reports.append(json.loads(res.stdout))
+    off, on = reports
+    assert off["rows"] == on["rows"]  # every check, the backward ones included, as without the import's switch
+    grads = [c for r in off["rows"] for c in r["checks"] if c["name"] in ("grad_call", "grad_q", "grad_k", "grad_v")]
+    assert len(grads) == 12 and {c["status"] for c in grads} == {"pass"}
+
+
+def test_a_module_file_that_disables_grad_at_import_is_checked_normally(tmp_path):
+    modules = ROOT / "fixtures" / "modules" / "attention_modules.py"
+    reports = []
+    for grad_off in (True, False):
+        src = _importing(tmp_path, modules, ("sdpa_causal",), grad_off)
+        res = runner.invoke(app, ["check", "--module", f"{src}:sdpa_causal", "--embed-dim", "12", "--heads", "2",
+                                  "--format", "json"])
+        assert res.exit_code == 0, res.output
+        reports.append(json.loads(res.stdout))
+    off, on = reports
+    assert off["rows"] == on["rows"]
+    gradcheck = next(c for r in off["rows"] for c in r["checks"] if c["name"] == "gradcheck")
+    assert gradcheck["status"] == "pass"
+
+
+def test_warm_autograd_runs_with_grad_mode_off():
+    import torch
+
+    from attn_ledger.kernelgrad import warm_autograd
+
+    with torch.no_grad():
+        warm_autograd()  # raised RuntimeError (no grad_fn) before
