@@ -79,7 +79,7 @@ from attn_ledger.kernelref import (  # noqa: F401  (FACTOR re-exported)
     row_diff,
     tolerance,
 )
-from attn_ledger.kernelspec import Declaration, check_signature
+from attn_ledger.kernelspec import ADAPTERS, Declaration, check_signature, missing_from_error
 from attn_ledger.report import Check, Finding, Report, Row, bounded, counted, find_check, row_status, unjudged
 from attn_ledger.seeding import generator
 
@@ -1084,8 +1084,24 @@ def check_capabilities(fn: Callable[..., Any], plan: Plan, declaration: Declarat
             _Kernel(fn, {n: kw[n] for n in names}, "the argument probe")(q, k, v)
         except UserCodeError as exc:  # an exit or a hang before any case: the target cannot be checked
             raise SetupError(f"target: {target}: {exc.what} {exc}") from None
+        except TypeError as exc:
+            if missing_from_error(exc, names) is None and _raised_by_the_call(exc):
+                given = ", ".join(["q, k, v", *(f"{n}=" for n in names)])
+                raise SetupError(f"target: {target} cannot take the kernel protocol's arguments ({given}): "
+                                 f"the first call raised TypeError: {_first_line(exc)}; "
+                                 f"wrap it in an adapter ({ADAPTERS})") from None
+            raise
 
     return check_signature(fn, declaration, target, probe)
+
+
+def _raised_by_the_call(exc: BaseException) -> bool:
+    """True when ``exc`` rose from the call itself (argument binding, or a builtin refusing its arguments),
+    not from inside the user's Python code: the innermost frame of its traceback is :class:`_Kernel`'s call."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code is _Kernel.__call__.__code__
 
 
 def check_kernel(

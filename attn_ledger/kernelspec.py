@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from attn_ledger.errors import ConfigError, InputError, SetupError
+from attn_ledger.errors import AttnLedgerError, ConfigError, InputError, SetupError
 from attn_ledger.kernelcases import DTYPES, Case
 
 MASK_KINDS = ("none", "causal", "mask")
@@ -274,6 +274,8 @@ def check_signature(fn: Callable[..., Any], decl: Declaration, target: str,
         try:
             probe(names)
             missing = None
+        except AttnLedgerError:  # the probe's own verdict (an exit, a hang, arguments refused): bad setup
+            raise
         except Exception as exc:  # the user's code: only a complaint about an argument means the same
             missing = missing_from_error(exc, names)
     if missing:

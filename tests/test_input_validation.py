@@ -341,3 +341,70 @@ def test_a_timeout_of_a_day_is_taken():
 
     with pytest.raises(InputError, match="at most 86,400"):
         check_timeout(86_400.5)
+
+
+# --- check: a target that cannot take the protocol's arguments is bad setup ----------------
+
+TARGETS = '''
+import functools
+import sys
+
+import torch
+
+builtin = torch.matmul
+partial = functools.partial(torch.matmul)
+
+
+def raises_type_error(q, k, v, **kw):
+    return q + "x"  # the user's own TypeError, from inside the call: a finding
+
+
+def calls_a_builtin_wrongly(q, k, v, **kw):
+    return torch.matmul(q, k, v)  # also from inside the user's code: a finding
+
+
+class _NoSignature:
+    @property
+    def __signature__(self):
+        raise ValueError("no signature")  # as a builtin has none: the arguments are probed by a call
+
+
+class _Exits(_NoSignature):
+    def __call__(self, q, k, v, **kw):
+        sys.exit(3)
+
+
+exits = _Exits()
+'''
+ONE_CASE = "b1-h1kv1-tq1tk1-dh4dv4-none-rand-f32"
+
+
+@pytest.fixture
+def targets(tmp_path):
+    src = tmp_path / "targets.py"
+    src.write_text(TARGETS)
+    return src
+
+
+@pytest.mark.parametrize("name", ["builtin", "partial"])
+def test_a_builtin_that_cannot_take_the_protocols_arguments_is_exit_2(targets, name):
+    err = one_line_exit_2(invoke("check", f"{targets}:{name}", "--case", ONE_CASE))
+    assert err == (f"error: target: {targets}:{name} cannot take the kernel protocol's arguments "
+                   "(q, k, v, allow_mask=, is_causal=, scale=): the first call raised TypeError: matmul() takes 2 "
+                   "positional arguments but 3 were given; wrap it in an adapter (see 'Adapters' in docs/check.md)")
+
+
+def test_a_target_that_exits_on_the_argument_probe_is_exit_2(targets):
+    err = one_line_exit_2(invoke("check", f"{targets}:exits", "--case", ONE_CASE, "--timeout", "30"))
+    assert err == f"error: target: {targets}:exits: the argument probe raised SystemExit(3)"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("raises_type_error", "raised TypeError: unsupported operand type(s) for +: 'Tensor' and 'str'"),
+    ("calls_a_builtin_wrongly", "raised TypeError: matmul() takes 2 positional arguments but 3 were given"),
+])
+def test_a_type_error_from_inside_the_users_code_stays_a_finding(targets, name, message):
+    r = invoke("check", f"{targets}:{name}", "--case", ONE_CASE, "--format", "json")
+    assert r.exit_code == 1, r.output
+    first = json.loads(r.stdout)["first_finding"]
+    assert (first["level"], first["check"]) == (1, "call") and first["message"].endswith(message)
