@@ -319,12 +319,8 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
     if unreached:
         notes.append(f"{len(unreached)} of {_cases(len(results))} not reached: "
                      f"{_stopped_by(unreached[0]).reason.removeprefix('not reached: ')}")  # type: ignore[union-attr]
-    if small is None:
-        ran = len(results) - len(unreached)
-        if unreached:
-            notes.append(f"the {_cases(ran)} run pass" if ran != 1 else "the 1 case run passes")
-        else:
-            notes.append("the case passes" if len(results) == 1 else f"all {len(results)} cases pass")
+    if small is None:  # a run cut short has a failing case where it was cut
+        notes.append("the case passes" if len(results) == 1 else f"all {len(results)} cases pass")
         return notes, None
     cli, python = reproduction(small.case, target, options=o, declaration=d)
     command, _, rest = cli.partition(" --case ")
@@ -349,9 +345,7 @@ def kernel_report(
     The first finding is the smallest failing case's first failing check; ``details`` holds the
     counts, each distinct failure (and warning) once with its count and smallest case, the cases
     skipped and why, and the reproduction of the smallest failing case, which the notes repeat.
-    Where the run stopped early (:func:`not_reached_case`), ``details["stopped"]`` says why, and
-    with no failing case the first finding is the first case not reached: a check that did not
-    finish never passes.
+    Where the run stopped early (:func:`not_reached_case`), ``details["stopped"]`` says why.
     """
     o = options or Options()
     o = Options(empty_rows=empty_rows or o.empty_rows, seed=o.seed if seed is None else seed, backward=o.backward,
@@ -375,13 +369,11 @@ def kernel_report(
         "skipped": list(plan.notes), "reproduce": repro,
         "cases_not_reached": len(stopped), "stopped": {"reason": stopped[0][1].reason, **stopped[0][1].data} if stopped else None,
     }
-    first = Finding(small.case.id, small.first_failure) if small is not None else (  # type: ignore[arg-type]
-        Finding(*stopped[0]) if stopped else None)
     return Report(
         command="check",
         title=f"check {target} (kernel protocol, {tier or 'named'} cases, empty rows: {o.empty_rows})",
         rows=tuple(_case_row(r) for r in ordered),
-        first_finding=first,
+        first_finding=None if small is None else Finding(small.case.id, small.first_failure),  # type: ignore[arg-type]
         notes=tuple(notes),
         details=details,
         unit="row",

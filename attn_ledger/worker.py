@@ -101,6 +101,7 @@ class Limits:
     max_time: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
     timeouts: int = 0
+    cut: bool = False  # a unit was stopped (or not started) when max_time ran out: the rest are not reached
 
     def __post_init__(self) -> None:
         if self.max_timeouts is not None and (isinstance(self.max_timeouts, bool) or not isinstance(self.max_timeouts, int)
@@ -166,6 +167,16 @@ def run_user_task(name: str, args: dict[str, Any], *, in_process: bool = False, 
         return Outcome(report, sup.output())
 
 
+def _past_the_stop(task: Any, args: dict[str, Any], unit: Any, limits: Limits, stop: tuple[str, dict[str, Any]]) -> Any:
+    """The result of a unit the run does not start: not reached, except the first after ``max_time`` ran out
+    between units, which is where the run was cut (an L1 ``call`` failure), so that a run cut short never passes."""
+    if stop[1]["stopped_by"] == "max_time" and not limits.cut:
+        limits.cut = True
+        return task.stopped(args, unit, f"not run: the check ran out of time (--max-time {limits.max_time:g} s)",
+                            {"call": None, "max_time_s": limits.max_time})
+    return task.not_reached(args, unit, *stop)
+
+
 def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], None] | None, limits: Limits) -> Any:
     state, plan = task.setup(args)
     units = plan["units"]
@@ -173,7 +184,7 @@ def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], No
     for i, unit in enumerate(units):
         stop = limits.stop()
         if stop is not None:
-            results.append(task.not_reached(args, unit, *stop))
+            results.append(_past_the_stop(task, args, unit, limits, stop))
         else:
             results.append(task.run(state, args, unit, progress if len(units) == 1 else None))
             limits.record(task.timed_out(results[-1]), completed=not task.timed_out(results[-1]))
@@ -185,13 +196,17 @@ def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], No
 def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, Any],
                     progress: Callable[[int, int], None] | None, limits: Limits) -> Any:
     sup.end, sup.max_time = limits.end, limits.max_time
-    plan = sup.setup(name, args)
+    try:
+        plan = sup.setup(name, args)
+    except _Stopped as stop:  # --max-time ran out before the first case: there are no cases to report on
+        raise field_error("--max-time", limits.max_time, f"a bound that leaves time for the cases: it ran out while "
+                          f"{stop.data['call'] or 'the worker started'}", SetupError) from None
     units = plan["units"]
     results = []
     for i, unit in enumerate(units):
         stop = limits.stop()
         if stop is not None:
-            results.append(task.not_reached(args, unit, *stop))
+            results.append(_past_the_stop(task, args, unit, limits, stop))
         else:
             try:
                 if not sup.alive:
@@ -200,8 +215,9 @@ def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, An
                 limits.record(task.timed_out(results[-1]), completed=True)
             except _Stopped as stop_:
                 limits.record("timeout_s" in stop_.data, completed=False)
+                limits.cut = limits.cut or "max_time_s" in stop_.data
                 more = "; the worker was restarted for the remaining cases" if i + 1 < len(units) else ""
-                more = "" if limits.stop() is not None or "max_time_s" in stop_.data else more
+                more = "" if limits.stop() is not None else more
                 results.append(task.stopped(args, unit, stop_.detail + more, stop_.data))
         if progress is not None and len(units) > 1:
             progress(i + 1, len(units))
@@ -282,16 +298,15 @@ class _Supervisor:
         """Start a fresh worker and load the user's object in it; a death here is a SetupError.
 
         Raises:
-            _Stopped: ``--max-time`` ran out while a restarted worker loaded the object (the unit is stopped).
+            _Stopped: ``--max-time`` ran out while the worker loaded the object (the caller says what that stops).
         """
-        restart = bool(self.captures)
         self.stop()
         self._start()
         self.conn.send(("setup", name, args))
         try:
             return self._await("plan", None)
         except _Stopped as stop:
-            if restart and "max_time_s" in stop.data:
+            if "max_time_s" in stop.data:
                 raise
             raise SetupError(f"{args['field']}: {stop.detail}") from None
 
