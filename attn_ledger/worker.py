@@ -124,7 +124,8 @@ class Limits:
     def stop(self) -> tuple[str, dict[str, Any]] | None:
         """Why the remaining units are not reached, as words and as values; None while they run."""
         if self.max_timeouts is not None and self.timeouts >= self.max_timeouts:
-            return (f"not reached: {self.timeouts} cases in a row timed out (--max-timeouts {self.max_timeouts})",
+            cases = "1 case" if self.timeouts == 1 else f"{self.timeouts} cases in a row"
+            return (f"not reached: {cases} timed out (--max-timeouts {self.max_timeouts})",
                     {"stopped_by": "max_timeouts", "max_timeouts": self.max_timeouts})
         if time.monotonic() >= self.end:
             return (f"not reached: the check ran out of time (--max-time {self.max_time:g} s)",

@@ -106,7 +106,7 @@ def test_max_timeouts_one_stops_at_the_first_hang():
     assert call_check(by_id[CAUSAL])["data"] == {"call": "attention(q, k, v, is_causal=True)", "timeout_s": 1.0}
     assert not call_check(by_id[CAUSAL])["reason"].endswith("the remaining cases")  # nothing was restarted for them
     assert by_id[SMALL]["status"] == "not_reached"
-    assert call_check(by_id[SMALL])["reason"] == "not reached: 1 cases in a row timed out (--max-timeouts 1)"
+    assert call_check(by_id[SMALL])["reason"] == "not reached: 1 case timed out (--max-timeouts 1)"
 
 
 def test_a_case_that_returns_resets_the_count():
