@@ -32,7 +32,7 @@ TABLE = "tool.attn-ledger.check"
 ADAPTERS = "see 'Adapters' in docs/check.md"
 
 # Keys of [tool.attn-ledger.check] besides the declaration itself.
-RUN_KEYS = ("empty_rows", "strict_precision")
+RUN_KEYS = ("empty_rows", "strict_precision", "strict_coverage")
 
 
 @dataclass(frozen=True)
@@ -208,8 +208,9 @@ def split_table(table: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     """The table's declaration keys and its run keys (:data:`RUN_KEYS`), apart."""
     decl = {k: v for k, v in table.items() if k not in RUN_KEYS}
     run = {k: v for k, v in table.items() if k in RUN_KEYS}
-    if "strict_precision" in run:
-        _bool(run["strict_precision"], f"[{TABLE}] strict_precision")
+    for key in ("strict_precision", "strict_coverage"):
+        if key in run:
+            _bool(run[key], f"[{TABLE}] {key}")
     if "empty_rows" in run and run["empty_rows"] not in ("zeros", "nan", "any"):
         raise InputError(f"[{TABLE}] empty_rows: got {run['empty_rows']!r}, expected one of zeros, nan, any")
     return decl, run
