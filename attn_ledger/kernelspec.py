@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from attn_ledger.errors import ConfigError, InputError, SetupError
+from attn_ledger.errors import ConfigError, InputError, SetupError, did_you_mean
 from attn_ledger.kernelcases import DTYPES, Case
 
 MASK_KINDS = ("none", "causal", "mask")
@@ -172,7 +172,8 @@ def declaration(values: Mapping[str, Any], base: Declaration | None = None, sour
             continue
         field = f"{source}{key}"
         if key not in _PARSERS:
-            raise InputError(f"{field}: unknown key, expected one of {', '.join([*_PARSERS, *RUN_KEYS])}")
+            raise InputError(f"{field}: unknown key, expected one of {', '.join([*_PARSERS, *RUN_KEYS])}"
+                             + did_you_mean(key, [*_PARSERS, *RUN_KEYS]))
         changes[key] = _PARSERS[key](value, field)
     return replace(base or Declaration(), **changes)
 
