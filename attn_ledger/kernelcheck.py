@@ -238,7 +238,9 @@ EVIDENCE = "evidence"
 
 def with_evidence(result: CaseResult, strict: bool = False) -> CaseResult:
     """``result``, with an L4 ``evidence`` check where no check failed and none past L1 judged it:
-    ``inconclusive``, or ``fail`` when ``strict`` (``--strict-coverage``). Other cases come back as they are."""
+    ``inconclusive``, or ``fail`` when ``strict`` (``--strict-coverage``). Other cases come back as
+    they are. :func:`kernel_report` adds it as it assembles the report, so a worker's case results
+    come back without it and the tool's own process judges it."""
     if not result.inconclusive or any(c.name == EVIDENCE for c in result.checks):
         return result
     unjudged_past_l1 = sorted({c.status for c in result.checks if c.level > 1})
@@ -344,8 +346,8 @@ class Plan:
 
 
 def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], small: CaseResult | None,
-                  failures: list[dict[str, Any]], warnings: list[dict[str, Any]], plan: Plan, target: str,
-                  o: Options, d: Declaration) -> tuple[list[str], dict[str, str] | None]:
+                  failures: list[dict[str, Any]], warnings: list[dict[str, Any]], inconclusive: Sequence[CaseResult],
+                  plan: Plan, target: str, o: Options, d: Declaration) -> tuple[list[str], dict[str, str] | None]:
     """The lines under the table (skips, warnings, each distinct failure, the reproduction), and the
     reproduction of the smallest failing case as data."""
     notes = list(plan.notes)
@@ -359,19 +361,17 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
             what = f"warn{'s' if g['cases'] == 1 else ''} at L{g['level']} {g['check']}"
         notes.append(f"{_cases(g['cases'])} {what} (warning; smallest {g['smallest_case']})"
                      + ("; --strict-precision makes it a failure" if g["check"] == "precision" else ""))
-    unshown = [r for r in results if r.inconclusive]
-    if unshown:
-        first = min(unshown, key=lambda r: (r.case.size, r.case.id))
-        it = "it" if len(unshown) == 1 else "them"
-        notes.append(f"{_cases(len(unshown))} inconclusive: no check past L1 judged {it} (warning; smallest "
-                     f"{first.case.id}); --strict-coverage makes {it} a failure")
+    if inconclusive:  # smallest first
+        it = "it" if len(inconclusive) == 1 else "them"
+        notes.append(f"{_cases(len(inconclusive))} inconclusive: no check past L1 judged {it} (warning; smallest "
+                     f"{inconclusive[0].case.id}); --strict-coverage makes {it} a failure")
     if small is None:
-        passed = len(results) - len(unshown)
-        if not unshown:
+        passed = len(results) - len(inconclusive)
+        if not inconclusive:
             notes.append("the case passes" if len(results) == 1 else f"all {len(results)} cases pass")
         else:
             notes.append(f"{passed} of {_cases(len(results))} pass{'es' if passed == 1 else ''}; "
-                         f"{len(unshown)} inconclusive")
+                         f"{len(inconclusive)} inconclusive")
         return notes, None
     cli, python = reproduction(small.case, target, options=o, declaration=d)
     command, _, rest = cli.partition(" --case ")
@@ -408,8 +408,8 @@ def kernel_report(
     failing = [r for r in ordered if not r.passed]
     small = smallest_failing(results)
     failures, warnings = _groups(ordered, "fail"), _groups(ordered, "warn")
-    unshown = [r for r in ordered if r.inconclusive]  # smallest first
-    notes, repro = _report_notes(results, failing, small, failures, warnings, plan, target, o, d)
+    inconclusive = [r for r in ordered if r.inconclusive]
+    notes, repro = _report_notes(results, failing, small, failures, warnings, inconclusive, plan, target, o, d)
     levels = [r.first_failure.level for r in failing]  # type: ignore[union-attr]
     details = {
         "target": target, "protocol": "kernel", "tier": tier, "empty_rows": o.empty_rows, "seed": o.seed,
@@ -417,7 +417,8 @@ def kernel_report(
         "backward": o.backward and d.backward, "strict_precision": o.strict_precision, "declaration": d.to_json(),
         "strict_coverage": o.strict_coverage,
         "cases_total": len(results), "cases_failed": len(failing), "cases_warned": sum(r.warned for r in results),
-        "cases_inconclusive": len(unshown), "smallest_inconclusive": unshown[0].case.id if unshown else None,
+        "cases_inconclusive": len(inconclusive),
+        "smallest_inconclusive": inconclusive[0].case.id if inconclusive else None,
         "cases_skipped": plan.skipped_total, "skipped_by_declaration": dict(plan.skipped),
         "first_level": min(levels) if levels else None, "failures": failures, "warnings": warnings,
         "skipped": list(plan.notes), "reproduce": repro,
