@@ -116,3 +116,13 @@ def test_the_ci_page_installs_from_the_repository_not_an_index():
     assert installs and not any(re.fullmatch(r"pip install attn-ledger\b.*", ln) for ln in installs)
     assert 'pip install "attn-ledger @ git+$ATTN_LEDGER_GIT" pytest' in installs
     assert "pip install /path/to/attn-ledger" in page
+
+
+def test_a_module_page_names_its_failing_aspects(tmp_path):
+    page = tmp_path / "m.html"
+    module = f"{ROOT / 'fixtures' / 'modules' / 'attention_modules.py'}:not_causal"
+    result = runner.invoke(app, ["check", "--module", module, "--embed-dim", "12", "--heads", "2", "--in-process",
+                                 "--html", str(page)])
+    assert result.exit_code == 1, result.output
+    text = page.read_text()
+    assert re.search(r"<h2>Failing aspects? \(\d+\)</h2>", text) and "Failing cases" not in text
