@@ -126,3 +126,16 @@ def test_a_module_page_names_its_failing_aspects(tmp_path):
     assert result.exit_code == 1, result.output
     text = page.read_text()
     assert re.search(r"<h2>Failing aspects? \(\d+\)</h2>", text) and "Failing cases" not in text
+
+
+def test_a_declaration_key_close_to_a_known_one_is_named(tmp_path):
+    from attn_ledger.errors import InputError
+    from attn_ledger.kernelspec import from_sources
+
+    (tmp_path / "pyproject.toml").write_text("[tool.attn-ledger.check]\nstrict_covrage = true\n")
+    with pytest.raises(InputError, match=r"strict_covrage: unknown key, .*; did you mean 'strict_coverage'\?$"):
+        from_sources({}, tmp_path)
+    (tmp_path / "pyproject.toml").write_text("[tool.attn-ledger.check]\nwibble = true\n")
+    with pytest.raises(InputError) as info:
+        from_sources({}, tmp_path)
+    assert "did you mean" not in str(info.value)
