@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from attn_ledger.engine import relations as mask_relations
-from attn_ledger.errors import ConfigError, InputError, clip, shown, shown_path
+from attn_ledger.errors import ConfigError, InputError, clip, did_you_mean, shown, shown_path
 from attn_ledger.limits import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, MAX_INT_DIGITS, MAX_MASK_CHARS, MAX_MASK_PARTS, MAX_POSITION, SEED_MAX
 
 if TYPE_CHECKING:
@@ -260,7 +260,8 @@ def _describe(err: dict[str, Any], names: Mapping[str, str]) -> str:
     value = err.get("input")
     if kind == "extra_forbidden":
         known = ", ".join(RunConfig.model_fields)
-        return f"unknown config key {shown(key)} (value {shown(value)}), expected one of: {known}"
+        return (f"unknown config key {shown(key)} (value {shown(value)}), expected one of: {known}"
+                + did_you_mean(key, RunConfig.model_fields))
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, UnusedKey):
         return cause.named(names.get(cause.key, cause.key))
@@ -278,7 +279,18 @@ def _describe(err: dict[str, Any], names: Mapping[str, str]) -> str:
         expected = words.format(bound) if "{}" in words else f"{words} {bound}"
     else:
         expected = msg.removeprefix("Input should be ").removeprefix("input should be ") or "a valid value"
-    return f"{loc}: got {shown(value)}, expected {expected}"
+    return f"{loc}: got {shown(value)}, expected {expected}" + did_you_mean(value, _literal_choices(key))
+
+
+def _literal_choices(key: str) -> tuple[str, ...]:
+    """The values a ``Literal`` field of :class:`RunConfig` takes (``()`` for any other field)."""
+    from typing import get_args, get_origin
+
+    field = RunConfig.model_fields.get(key)
+    if field is None:
+        return ()
+    kinds = [field.annotation, *get_args(field.annotation)]
+    return tuple(v for t in kinds if get_origin(t) is Literal for v in get_args(t) if isinstance(v, str))
 
 
 def make_config(values: dict[str, Any], source: str = "config", names: Mapping[str, str] | None = None) -> RunConfig:

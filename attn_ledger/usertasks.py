@@ -66,7 +66,8 @@ class Task:
 # --- check FILE:NAME: one unit per case -----------------------------------------------------------
 
 def _kernel_options(args: dict[str, Any]) -> Options:
-    return Options(args["empty_rows"], args["seed"], args["backward"], args["strict_precision"], args["device"])
+    return Options(args["empty_rows"], args["seed"], args["backward"], args["strict_precision"], args["device"],
+                   args.get("strict_coverage", False))
 
 
 def _kernel_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -180,6 +180,7 @@ CHECK_OPTIONS = {"--embed-dim": ["--embed-dim", "12"], "--heads": ["--heads", "3
                  "--seq-len": ["--seq-len", "5"],
                  "--full": ["--full"], "--backward": ["--backward"], "--no-backward": ["--no-backward"],
                  "--strict-precision": ["--strict-precision"], "--lenient-precision": ["--lenient-precision"],
+                 "--strict-coverage": ["--strict-coverage"], "--lenient-coverage": ["--lenient-coverage"],
                  "--device": ["--device", "cpu"], "--dtypes": ["--dtypes", "float32"],
                  "--masks": ["--masks", "none,causal,mask"], "--gqa": ["--gqa"], "--no-gqa": ["--no-gqa"],
                  "--distinct-dv": ["--distinct-dv"], "--no-distinct-dv": ["--no-distinct-dv"],
@@ -187,9 +188,10 @@ CHECK_OPTIONS = {"--embed-dim": ["--embed-dim", "12"], "--heads": ["--heads", "3
 CHECK_EVERY = {"--seed", "--timeout", "--in-process", "--format", "--output", "--timings", "--html"}
 # the kernel protocol's own options; of each pair of opposites, the walk gives one together with the rest
 KERNEL_ONLY = {"--case", "--empty-rows", "--full", "--backward", "--no-backward", "--strict-precision",
-               "--lenient-precision", "--device", "--dtypes", "--masks", "--gqa", "--no-gqa", "--distinct-dv",
+               "--lenient-precision", "--strict-coverage", "--lenient-coverage", "--device", "--dtypes", "--masks",
+               "--gqa", "--no-gqa", "--distinct-dv",
                "--no-distinct-dv", "--max-tq", "--max-tk", "--head-dims"}
-OPPOSITES = {"--no-backward", "--lenient-precision", "--no-gqa", "--no-distinct-dv"}
+OPPOSITES = {"--no-backward", "--lenient-precision", "--lenient-coverage", "--no-gqa", "--no-distinct-dv"}
 
 
 @pytest.mark.parametrize("mode,base,uses", [

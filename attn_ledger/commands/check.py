@@ -61,6 +61,9 @@ def check(  # long by its options (typer reads them from the signature); the bod
     strict_precision: Annotated[
         Optional[bool], typer.Option("--strict-precision/--lenient-precision", help="A float64 case at float32 precision fails. Default: lenient (a warning).")
     ] = None,
+    strict_coverage: Annotated[
+        Optional[bool], typer.Option("--strict-coverage/--lenient-coverage", help="A case that no check past L1 judged (all inconclusive, skipped or not applicable) fails. Default: lenient (counted inconclusive, a warning).")
+    ] = None,
     device: Annotated[Optional[Device], typer.Option("--device", help="Where the cases run; the reference is float64 where the device has it. Default: cpu.")] = None,
     dtypes: Annotated[Optional[str], typer.Option("--dtypes", help="Dtypes the kernel supports, e.g. float16,bfloat16.", rich_help_panel=DECLARE)] = None,
     masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal.", rich_help_panel=DECLARE)] = None,
@@ -109,9 +112,11 @@ def check(  # long by its options (typer reads them from the signature); the bod
     hangs, exits or crashes is that case's L1 call finding, and what it prints goes to stderr.
     What the kernel supports is declared by the options under "Declaration" or in
     [tool.attn-ledger.check] of ./pyproject.toml (options override); cases outside it are skipped
-    and counted. Exit 0 every case passes (precision warnings included), 1 a finding, 2 bad input
-    or setup (your file cannot be imported, the factory raises or exits, or the target cannot take
-    the protocol's arguments), 3 an internal error.
+    and counted. A case that no check past L1 judged is counted inconclusive, never passed. Exit 0
+    no case fails (precision warnings and inconclusive cases included; --strict-coverage makes an
+    inconclusive case fail), 1 a finding, 2 bad input or setup (your file cannot be imported, the
+    factory raises or exits, or the target cannot take the protocol's arguments), 3 an internal
+    error.
     """
     if list_cases:
         if target is not None or module is not None:
@@ -124,13 +129,15 @@ def check(  # long by its options (typer reads them from the signature); the bod
     # kernel-protocol options: None where not given (the pyproject table or the default then holds)
     kernel_options = {"--full": full or None, "--device": device.value if device else None,
                       "--backward/--no-backward": backward, "--strict-precision/--lenient-precision": strict_precision,
+                      "--strict-coverage/--lenient-coverage": strict_coverage,
                       "--dtypes": dtypes, "--masks": masks, "--gqa/--no-gqa": gqa,
                       "--distinct-dv/--no-distinct-dv": distinct_dv, "--max-tq": max_tq, "--max-tk": max_tk,
                       "--head-dims": head_dims}
     declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv,
                 "max_tq": max_tq, "max_tk": max_tk,
                 "head_dims": head_dims, "backward": backward,
-                "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision}
+                "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision,
+                "strict_coverage": strict_coverage}
 
     def build():
         from attn_ledger.errors import InputError
@@ -195,7 +202,8 @@ def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: d
     tier = "full" if full else "default"
     return {"target": target, "field": "target", "cases": [c.id for c in select_cases(case, tier)],
             "tier": None if case else tier, "empty_rows": run.get("empty_rows", "zeros"), "seed": seed,
-            "backward": decl.backward, "strict_precision": run.get("strict_precision", False), "device": device,
+            "backward": decl.backward, "strict_precision": run.get("strict_precision", False),
+            "strict_coverage": run.get("strict_coverage", False), "device": device,
             "declaration": decl.to_json()}
 
 
