@@ -13,7 +13,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -120,14 +119,14 @@ def noted_pids(path: Path) -> list[int]:
 
 @LINUX
 def test_a_setsid_grandchild_a_kernel_leaves_is_ended_before_the_report_is_renamed(tmp_path):
-    """The kernel daemonizes a child (setsid, then a second fork) that would overwrite the report a
-    few seconds after the run; after exit 0 it is gone, no process of the run remains, the report
-    stays as written and no temporary directory is left."""
+    """The kernel daemonizes a child (setsid, then a second fork) that would overwrite the report
+    30 s later; after exit 0 it is gone, no process of the run remains, the report is the tool's
+    and no temporary directory is left."""
     tmp, pids, report = tmp_path / "tmp", tmp_path / "pids", tmp_path / "report.json"
     tmp.mkdir()
     proc, environ = run_cli(["check", f"{KERNELS}:forks_setsid_child", "--case", ONE, "--format", "json",
                              "--output", str(report)], tmp, ATTN_LEDGER_TEST_PIDS=str(pids),
-                            ATTN_LEDGER_TEST_SLEEP="2", ATTN_LEDGER_TEST_CLOBBER=str(report))
+                            ATTN_LEDGER_TEST_SLEEP="30", ATTN_LEDGER_TEST_CLOBBER=str(report))
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
     daemon = noted_pids(pids)
@@ -135,9 +134,7 @@ def test_a_setsid_grandchild_a_kernel_leaves_is_ended_before_the_report_is_renam
     assert marked(environ) == []
     assert not Path(f"/proc/{daemon[0]}").exists()
     assert list(tmp.iterdir()) == []
-    written = report.read_text()
-    time.sleep(3)  # past the daemon's sleep: had it survived, it would have written over the report by now
-    assert report.read_text() == written and json.loads(written)["verdict"] == "pass"
+    assert json.loads(report.read_text())["verdict"] == "pass"
 
 
 @LINUX
