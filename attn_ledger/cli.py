@@ -107,6 +107,18 @@ class _Command(TyperCommand):
     def format_help(self, ctx: Any, formatter: Any) -> None:
         with _help_view(self.get_params(ctx), ctx):
             super().format_help(ctx, formatter)
+EXIT_TERMINATED = 128 + 15  # as a shell reports a process ended by SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind like Ctrl-C, so that workers end and temporary files go, then exit 143."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+    raise Terminated()
 
 
 class _OneLineErrors(TyperGroup):
@@ -134,6 +146,8 @@ class _OneLineErrors(TyperGroup):
             rv = getattr(exc, "exit_code", 2) if not isinstance(exc, cx.UsageError) else 2
         except Abort:
             rv = 130
+        except Terminated:
+            rv = EXIT_TERMINATED
         if standalone_mode:
             sys.exit(rv if isinstance(rv, int) else 0)
         return rv
@@ -204,4 +218,14 @@ app.command("faults", cls=_Command)(_faults.faults)
 
 
 def main() -> None:
-    app()
+    """The ``attn-ledger`` process: SIGTERM unwinds like Ctrl-C, and nothing it started outlives it."""
+    import signal
+
+    from attn_ledger import reaper
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        app()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup runs whole
+        reaper.end_all()

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shlex
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -262,7 +263,11 @@ def smallest_failing(results: Iterable[CaseResult]) -> CaseResult | None:
 def reproduction(case: Case, target: str, *, options: Options | None = None,
                  declaration: Declaration | None = None, empty_rows: str | None = None,
                  seed: int | None = None) -> tuple[str, tuple[str, ...]]:
-    """The CLI line and the Python lines that rerun one case of ``attn-ledger check TARGET``."""
+    """The CLI line and the Python lines that rerun one case of ``attn-ledger check TARGET``.
+
+    The CLI line is quoted for a shell (``shlex.quote``): pasted, it runs attn-ledger on that
+    target and nothing else, whatever the target's path holds (``$(...)``, spaces, a newline).
+    """
     o = options or Options()
     o = replace(o, empty_rows=empty_rows or o.empty_rows, seed=o.seed if seed is None else seed)
     d = declaration or Declaration()
@@ -281,7 +286,7 @@ def reproduction(case: Case, target: str, *, options: Options | None = None,
         opts += " --strict-coverage"
     if o.device != "cpu":
         opts += f" --device {o.device}"
-    cli = f"attn-ledger check {target} --case {case.id}{opts}"
+    cli = f"{_check_command(target)} --case {shlex.quote(case.id)}{opts}"
     name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
     extra = (f", seed={o.seed}" if o.seed else "") + (f", device={o.device!r}" if o.device != "cpu" else "")
     python = ["from attn_ledger.kernelcheck import case_inputs", f"q, k, v, kw = case_inputs({case.id!r}{extra})"]
@@ -290,6 +295,10 @@ def reproduction(case: Case, target: str, *, options: Options | None = None,
         python.append(f"kw = {{key: val for key, val in kw.items() if key not in {tuple(dropped)!r}}}")
     python.append(f"out = {name}(q, k, v, **kw)")
     return cli, tuple(python)
+
+
+def _check_command(target: str) -> str:
+    return f"attn-ledger check {shlex.quote(target)}"
 
 
 def _decode_text(decode: dict[str, Any]) -> str:
@@ -382,7 +391,8 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
                          f"{len(inconclusive)} inconclusive")
         return notes, None
     cli, python = reproduction(small.case, target, options=o, declaration=d)
-    command, _, rest = cli.partition(" --case ")
+    command = _check_command(target)
+    rest = cli[len(command) + len(" --case "):]  # the target may hold " --case " itself
     verb = "fails" if len(failing) == 1 else "fail"
     notes.append(f"{len(failing)} of {_cases(len(results))} {verb}; the first finding is the smallest failing case")
     for g in failures:

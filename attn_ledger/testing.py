@@ -32,6 +32,7 @@ for that).
 from __future__ import annotations
 
 import warnings
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -258,7 +259,7 @@ def _factory_spec(factory: Callable[..., Any]) -> str:
 
 
 def _module_reproduction(spec: str, embed_dim: int, num_heads: int, options: dict[str, Any]) -> dict[str, str]:
-    cli = [f"attn-ledger check --module {spec} --embed-dim {embed_dim} --heads {num_heads}"]
+    cli = [f"attn-ledger check --module {shlex.quote(spec)} --embed-dim {embed_dim} --heads {num_heads}"]
     if not options["causal"]:
         cli.append("--no-causal")
     if options["window"] is not None:

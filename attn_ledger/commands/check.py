@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from attn_ledger.commands import options as opt
-from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.common import Format, Progress, execute, spec_path
 from attn_ledger.commands.options import INT
 
 
@@ -188,7 +188,9 @@ def check(  # long by its options (typer reads them from the signature); the bod
         show_output(outcome.output)
         return outcome.report
 
-    execute(build, output_format, output, command="check", timings=timings, html=html)
+    inputs = {"target": spec_path(target), "--module": spec_path(module), "--decode": spec_path(decode),
+              "pyproject.toml": "pyproject.toml" if target is not None and Path("pyproject.toml").is_file() else None}
+    execute(build, output_format, output, command="check", timings=timings, html=html, inputs=inputs)
 
 
 def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: dict, seed: int,

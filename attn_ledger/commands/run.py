@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from attn_ledger.commands import options as opt
-from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.common import Format, Progress, check_clashes, execute
 from attn_ledger.commands.options import INT
 from attn_ledger.config import Fault as FaultName
 from attn_ledger.limits import MAX_POSITION
@@ -33,6 +33,11 @@ Show = opt.choices("Show", "weights", "mask")  # a heatmap drawn after the table
 
 
 PICTURE_KEEP = 64  # --show/--html keep whole grids up to this Tq and Tk, the largest the HTML page draws cell by cell
+
+
+def seed_file(grad_output: str | None) -> str | None:
+    """The tensor file a ``grad_output`` value names (None for ``ones``, ``identity`` or nothing)."""
+    return None if grad_output in (None, "ones", "identity") else grad_output
 
 
 def run(  # long by its options (typer reads them from the signature); the body parses them and calls the library
@@ -110,6 +115,7 @@ def run(  # long by its options (typer reads them from the signature); the body 
             "rope": rope,
         }
         cfg = load_config(config, overrides, OPTION_NAMES)
+        check_clashes({"output": output, "html": html}, {"grad_output": seed_file(cfg.grad_output)})
         if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
             cfg = cfg.model_copy(update={"keep_grids": True})  # the heatmaps draw every cell at this size
         opt.guard(estimate_run(cfg), budget, progress=progress)
@@ -145,4 +151,5 @@ def run(  # long by its options (typer reads them from the signature); the body 
                 keep_going=keep_going, progress=progress, backends=backends, source=str(tensors), scale=scale,
                 temperature=temperature, rope=rope, grad=grad, grad_output=grad_output, replay=replay)
 
-    execute(build, output_format, output, command="run", show=shown, html=html)
+    inputs = {"config": config, "--tensors": tensors, "--grad-output": seed_file(grad_output)}
+    execute(build, output_format, output, command="run", show=shown, html=html, inputs=inputs)
