@@ -100,3 +100,13 @@ def test_the_command_line_takes_softcap_for_a_module_only():
     assert doc["details"]["softcap"] == 50.0 and doc["first_finding"]["check"] == "score_design"
     kernel = runner.invoke(app, ["check", "fixtures/kernels/good.py:attention", "--softcap", "50"])
     assert kernel.exit_code == 2 and "--softcap" in kernel.output
+
+
+def test_the_pytest_helper_takes_the_cap_and_reproduces_it():
+    from attn_ledger.testing import assert_module_matches
+
+    assert_module_matches(CAPPED, E, NH, softcap=50, name="capped")
+    with pytest.raises(AssertionError) as info:
+        assert_module_matches(PLAIN, E, NH, softcap=50, name="plain")
+    text = str(info.value)
+    assert "score_design" in text and "--softcap 50" in text and "softcap=50" in text
