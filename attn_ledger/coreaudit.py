@@ -225,12 +225,13 @@ def _judge(obs: "Observation", core: "Core", probes: tuple, declared: Declared, 
     relation, applied = _relation_check(w0, declared)
     bias_fit, bias = recognise_bias(w0, dtype)
     fit0 = fit_scores(core.q, _paired(core.k, core.q.shape[1]), w, w0, bias, dtype, declared.softcap)
-    bent = _bent_probe(core, fit0, w0, bias, declared, bend, dtype)
+    reach = _reach(core, fit0, w0)
+    bent = _bent_probe(core, fit0, reach, w0, bias, declared, bend, dtype)
     fit = _read_cap(fit0, bent)
     factor = traced.factors["q"] * traced.factors["k"]
     scale = _scale_check(fit, factor, traced.relative_to, declared, core.q.shape[-1], embed_dim, dtype)
     rotary, positional = _rotary_check(core, traced)
-    design = _design_check(bias_fit, fit, declared, bent)
+    design = _design_check(bias_fit, fit, declared, bent, reach)
     summed = _row_sums(w, w0, dtype)
     attention = _core_check(core, declared, fit, bias_fit, bias, factor, summed, (relation, scale, design), applied,
                             dtype, bent)
@@ -477,21 +478,30 @@ class _Bent:
     logits: float
 
 
-def _bent_probe(core: "Core", fit0: ScoreFit, w0: "torch.Tensor", bias: "torch.Tensor", declared: Declared,
-                bend: Any, dtype: "torch.dtype") -> _Bent | None:
-    """Scale the core's q until its largest logit reaches the declared cap or :data:`BEND_LOGITS`,
-    and fit the scores of that forward. None where the user's draw already reaches it, where
-    nothing can be fitted, or where the probe forward did not reach the same core."""
+def _bend_target(declared: Declared) -> float:
+    """The largest logit the bending probe aims for: :data:`BEND_LOGITS`, or a declared cap below it."""
+    return min(declared.softcap, BEND_LOGITS) if declared.softcap is not None else BEND_LOGITS
+
+
+def _reach(core: "Core", fit0: ScoreFit, w0: "torch.Tensor") -> float:
+    """The largest |logit| of an allowed pair on the user's draw, by the line fitted to its scores (0 if none)."""
     import torch
 
     if fit0.form == "flat" or not fit0.scales or min(fit0.scales) <= 0:
-        return None
+        return 0.0
     k = _paired(core.k, core.q.shape[1]).to(torch.float64)
     qk = core.q.to(torch.float64) @ k.transpose(-2, -1)  # [B, Nh, Tq, Tk]
     allowed = w0 > 0
-    reach = float((qk * torch.tensor(fit0.scales, dtype=torch.float64)[None, :, None, None]).abs()[allowed].max()) \
-        if bool(allowed.any()) else 0.0
-    target = min(declared.softcap, BEND_LOGITS) if declared.softcap is not None else BEND_LOGITS
+    logits = (qk * torch.tensor(fit0.scales, dtype=torch.float64)[None, :, None, None]).abs()
+    return float(logits[allowed].max()) if bool(allowed.any()) else 0.0
+
+
+def _bent_probe(core: "Core", fit0: ScoreFit, reach: float, w0: "torch.Tensor", bias: "torch.Tensor",
+                declared: Declared, bend: Any, dtype: "torch.dtype") -> _Bent | None:
+    """Scale the core's q until its largest logit reaches :func:`_bend_target`, and fit the scores
+    of that forward. None where the user's draw already reaches it (``reach``), where nothing can
+    be fitted, or where the probe forward did not reach the same core."""
+    target = _bend_target(declared)
     if reach <= 0 or reach >= target:
         return None
     factor = target / reach
@@ -514,7 +524,7 @@ def _read_cap(fit0: ScoreFit, bent: _Bent | None) -> ScoreFit:
     return bent.fit
 
 
-def _design_check(bias: BiasFit, fit: ScoreFit, declared: Declared, bent: _Bent | None) -> Check:
+def _design_check(bias: BiasFit, fit: ScoreFit, declared: Declared, bent: _Bent | None, reach: float) -> Check:
     data: dict[str, Any] = {"bias": bias.kind, "bias_magnitude": bias.magnitude, "form": fit.form,
                             "declared_softcap": declared.softcap}
     if bent is not None:
@@ -531,7 +541,7 @@ def _design_check(bias: BiasFit, fit: ScoreFit, declared: Declared, bent: _Bent 
         parts.append("soft-capping")
         data["caps"] = list(fit.caps)
     data["design"] = " + ".join(parts) or "plain"
-    cap_check = _declared_cap(declared, fit, bent, data)
+    cap_check = _declared_cap(declared, fit, bent, reach, data)
     if cap_check is not None:
         return cap_check
     if bias.kind == "content":
@@ -544,8 +554,13 @@ def _design_check(bias: BiasFit, fit: ScoreFit, declared: Declared, bent: _Bent 
     return Check(4, "score_design", "pass", reason=f"design: {data['design']}", data=data)
 
 
-def _declared_cap(declared: Declared, fit: ScoreFit, bent: _Bent | None, data: dict[str, Any]) -> Check | None:
-    """score_design where a soft-cap is declared and the scores apply another one or none; None where it holds."""
+def _declared_cap(declared: Declared, fit: ScoreFit, bent: _Bent | None, reach: float,
+                  data: dict[str, Any]) -> Check | None:
+    """score_design where a soft-cap is declared and the scores apply another one or none; None where it holds.
+
+    Scores that stay linear fail only where they reached the bending target (on the probe, or
+    on the draw itself): below it a cap may bend them too little to see.
+    """
     cap = declared.softcap
     if cap is None:
         return None
@@ -557,14 +572,15 @@ def _declared_cap(declared: Declared, fit: ScoreFit, bent: _Bent | None, data: d
         return Check(4, "score_design", "fail", "fitted soft-cap", fit.caps[h], cap, "==", rtol=CAP_RTOL,
                      location={"head": h}, reason=f"the scores are capped at {fit.caps[h]:.3g}, not the declared "
                      f"--softcap {cap:g}", data=data)
-    lines = [f for f in (fit.form, bent.fit.form if bent is not None else None) if f is not None]
-    if "linear" in lines:
-        reach = bent.logits if bent is not None and bent.fit.form == "linear" else None
-        where = f" up to logits of {reach:.3g} (q scaled by {bent.factor:.3g})" if reach is not None else ""
+    if bent is not None and bent.fit.form == "linear":
         return Check(4, "score_design", "fail", reason=f"the declared --softcap {cap:g} is not applied: the scores "
-                     f"stay linear in q.k{where}", data=data)
+                     f"stay linear in q.k up to logits of {bent.logits:.3g} (q scaled by {bent.factor:.3g})", data=data)
+    if bent is None and fit.form == "linear" and reach >= _bend_target(declared):
+        return Check(4, "score_design", "fail", reason=f"the declared --softcap {cap:g} is not applied: the scores "
+                     f"stay linear in q.k up to logits of {reach:.3g}", data=data)
     return Check(4, "score_design", "inconclusive", data=data,
-                 reason=f"the declared --softcap {cap:g} could not be read: the scores fit neither a line nor a cap")
+                 reason=f"the declared --softcap {cap:g} could not be read: the scores fit neither a line nor a cap, "
+                 "or stay too small to show it")
 
 
 # --- the core against float64 attention -------------------------------------------------------

@@ -110,3 +110,14 @@ def test_the_pytest_helper_takes_the_cap_and_reproduces_it():
         assert_module_matches(PLAIN, E, NH, softcap=50, name="plain")
     text = str(info.value)
     assert "score_design" in text and "--softcap 50" in text and "softcap=50" in text
+
+
+def test_without_the_probe_small_linear_scores_leave_a_declared_cap_inconclusive(monkeypatch):
+    import attn_ledger.observe as observe
+
+    monkeypatch.setattr(observe, "probe_bent", lambda *args: None)  # the probe forward did not reach the core
+    report = check_module(CAPPED, E, NH, softcap=50)
+    design = check(report, "score_design")
+    # the draw alone is bent too little to read, so the cap it applies is neither confirmed nor refuted
+    assert design.status == "inconclusive" and "bent" not in design.data
+    assert "too small to show it" in design.reason
