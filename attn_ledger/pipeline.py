@@ -361,9 +361,11 @@ HEALTHY = Ops()
 _FAULTY = {name: replace(HEALTHY, **changes) for name, changes in _CHANGES.items()}
 
 
-def ops_for(fault: str | None, softcap: float | None = None) -> Ops:
-    """The healthy ops, or the ops with one named fault injected; with ``softcap``, its scores capped."""
-    return with_softcap(HEALTHY if fault is None else _FAULTY[str(fault)], softcap)
+def ops_for(fault: str | None) -> Ops:
+    """The healthy ops, or the ops with one named fault injected."""
+    if fault is None:
+        return HEALTHY
+    return _FAULTY[str(fault)]
 
 
 def with_softcap(ops: Ops, cap: float | None) -> Ops:
