@@ -239,7 +239,7 @@ def _module_reproduction(spec: str, embed_dim: int, num_heads: int, options: dic
         cli.append(f"--window {options['window']}")
     if options["scale"] is not None:
         cli.append(f"--scale {options['scale']!r}")
-    if options["softcap"] is not None:
+    if options.get("softcap") is not None:
         cli.append(f"--softcap {options['softcap']!r}")
     cli.append(f"--seed {options['seed']} --batch-size {options['batch_size']} --seq-len {options['seq_len']}")
     args = ", ".join(f"{k}={v!r}" for k, v in options.items() if k != "softcap" or v is not None)
