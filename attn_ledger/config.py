@@ -37,11 +37,13 @@ GRAD_FAULTS = ("softmax-backward-no-rowsum", "grad-k-no-scale", "grad-values-unt
 ROPE_FAULTS = ("rope-on-v", "rope-query-offset", "rope-q-only")
 PROPERTY_FAULTS = ("softmax-plus-one", "scores-key-bias", "context-rows-shifted", "values-batch-mix",
                    "softmax-global-max")
-ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS
+CAP_FAULTS = ("softcap-after-mask",)  # faults in the soft-cap (need softcap)
+ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS + CAP_FAULTS
 GRAD_OUTPUTS = ("ones", "identity")  # or a tensor file
 # what a fault needs to have its stage: the backward (grad) or rotary positions (rope)
 FAULT_NEEDS: dict[str, dict[str, Any]] = {**{f: {"grad": True} for f in GRAD_FAULTS},
-                                          **{f: {"rope": "half"} for f in ROPE_FAULTS}}
+                                          **{f: {"rope": "half"} for f in ROPE_FAULTS},
+                                          **{f: {"softcap": 50.0} for f in CAP_FAULTS}}
 
 MASK_RELATIONS = mask_relations.RELATIONS
 
@@ -69,6 +71,7 @@ class Fault(str, Enum):
     context_rows_shifted = "context-rows-shifted"
     values_batch_mix = "values-batch-mix"
     softmax_global_max = "softmax-global-max"
+    softcap_after_mask = "softcap-after-mask"
 
 
 # keys that only a relation of the mask uses
@@ -138,6 +141,8 @@ class RunConfig(BaseModel):
     replay: bool = Field(False, strict=True)
     scale: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="S (default 1/sqrt(Dh))")
     temperature: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="tau: the scale is S/tau")
+    softcap: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
+                                     description="C: the scaled scores become C*tanh(s/C) before the mask")
     rope: Optional[Any] = Field(None, description="rotary positions: PAIRING[,base=B][,dim=D], or a table")
 
     @model_validator(mode="after")
@@ -191,6 +196,12 @@ class RunConfig(BaseModel):
             raise ValueError(f"grad_output: got {self.grad_output!r}, expected it only with grad (--grad)")
         if self.fault in GRAD_FAULTS and not self.grad:
             raise ValueError(f"fault: got {self.fault!r}, a fault in a backward stage, expected it only with grad (--grad)")
+        if self.softcap is not None and self.grad:
+            raise ValueError(f"softcap: got {self.softcap:g} with grad (--grad), expected it without grad: the backward "
+                             "stages through a soft-cap are not built yet")
+        if self.fault in CAP_FAULTS and self.softcap is None:
+            raise ValueError(f"fault: got {self.fault!r}, a fault in the soft-cap, expected it only with softcap "
+                             "(--softcap)")
         if self.fault in ROPE_FAULTS and self.rope is None:
             raise ValueError(f"fault: got {self.fault!r}, a fault in rotary positions, expected it only with rope (--rope)")
         if self.rope is not None:

@@ -200,10 +200,10 @@ def assert_module_matches(
         factory: ``factory(embed_dim, num_heads) -> nn.Module`` mapping ``[B, T, E]`` to ``[B, T, E]``.
         embed_dim, num_heads: E and Nh, passed to the factory.
         batch_size, seq_len: the inputs (B >= 2, T >= 2).
-        declared: ``causal``, ``window``, ``scale``: what the module is meant to compute (causal or not,
-            a causal sliding window of ``window`` keys, its own softmax scale), and ``seed``; as
-            :func:`~attn_ledger.modulecheck.check_module` takes them, with its defaults (causal,
-            no window, 1/sqrt(Dh), seed 0).
+        declared: ``causal``, ``window``, ``scale``, ``softcap``: what the module is meant to compute
+            (causal or not, a causal sliding window of ``window`` keys, its own softmax scale, a soft-cap
+            on its scores), and ``seed``; as :func:`~attn_ledger.modulecheck.check_module` takes them,
+            with its defaults (causal, no window, 1/sqrt(Dh), no cap, seed 0).
         name: how to name the factory in the message and the command (default
             ``path/to/file.py:QUALNAME`` where the factory can be imported that way).
         timeout: seconds per call into the module (None: no limit); a call past it stops the
@@ -228,7 +228,7 @@ def assert_module_matches(
         raise AssertionError(module_diagnosis(report, reproduce=_module_reproduction(spec, embed_dim, num_heads, options)))
 
 
-DECLARED = ("causal", "window", "scale", "seed")  # what assert_module_matches passes on as check_module's keywords
+DECLARED = ("causal", "window", "scale", "softcap", "seed")  # what assert_module_matches passes on as check_module's keywords
 
 
 def _declaration(declared: dict[str, Any]) -> dict[str, Any]:
@@ -266,8 +266,10 @@ def _module_reproduction(spec: str, embed_dim: int, num_heads: int, options: dic
         cli.append(f"--window {options['window']}")
     if options["scale"] is not None:
         cli.append(f"--scale {options['scale']!r}")
+    if options.get("softcap") is not None:
+        cli.append(f"--softcap {options['softcap']!r}")
     cli.append(f"--seed {options['seed']} --batch-size {options['batch_size']} --seq-len {options['seq_len']}")
-    args = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    args = ", ".join(f"{k}={v!r}" for k, v in options.items() if k != "softcap" or v is not None)
     python = ("from attn_ledger.modulecheck import check_module\n"
               f"report = check_module(factory, {embed_dim}, {num_heads}, {args})\n"
               "print(report.first_finding)")

@@ -176,7 +176,8 @@ CHECK_OPTIONS = {"--embed-dim": ["--embed-dim", "12"], "--heads": ["--heads", "3
                  "--empty-rows": ["--empty-rows", "any"], "--seed": ["--seed", "1"], "--timeout": ["--timeout", "120"],
                  "--in-process": ["--in-process"], "--format": ["--format", "json"], "--output": ["--output", "{out}"],
                  "--timings": ["--timings"], "--html": ["--html", "{html}"], "--max-memory": ["--max-memory", "8G"],
-                 "--window": ["--window", "6"], "--scale": ["--scale", "0.5"], "--batch-size": ["--batch-size", "3"],
+                 "--window": ["--window", "6"], "--scale": ["--scale", "0.5"], "--softcap": ["--softcap", "50"],
+                 "--batch-size": ["--batch-size", "3"],
                  "--seq-len": ["--seq-len", "5"],
                  "--full": ["--full"], "--backward": ["--backward"], "--no-backward": ["--no-backward"],
                  "--strict-precision": ["--strict-precision"], "--lenient-precision": ["--lenient-precision"],
@@ -198,7 +199,7 @@ OPPOSITES = {"--no-backward", "--lenient-precision", "--lenient-coverage", "--no
     ("kernel", ["check", KERNEL], CHECK_EVERY | KERNEL_ONLY),
     ("module", ["check", "--module", MODULE],
      CHECK_EVERY | {"--embed-dim", "--heads", "--causal", "--no-causal", "--decode", "--max-memory", "--window",
-                    "--scale", "--batch-size", "--seq-len"}),
+                    "--scale", "--softcap", "--batch-size", "--seq-len"}),
 ])
 def test_check_every_option_against_the_mode(files, mode, base, uses):
     sizes = ["--embed-dim", "12", "--heads", "3"] if mode == "module" else []

@@ -45,6 +45,9 @@ def check(  # long by its options (typer reads them from the signature); the bod
     scale: Annotated[
         Optional[float], typer.Option("--scale", help="The module's own softmax scale, where it is not 1/sqrt(Dh) (--module).")
     ] = None,
+    softcap: Annotated[
+        Optional[float], typer.Option("--softcap", metavar="C", help="The module soft-caps its scaled scores, C * tanh(s / C), before the mask (--module; Gemma 2's attn_logit_softcapping).")
+    ] = None,
     batch_size: Annotated[Optional[str], typer.Option("--batch-size", metavar=INT, help="B, for --module, at least 2. Default: 2.")] = None,
     seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, help="T, for --module, at least 2. Default: 6.")] = None,
     case: Annotated[
@@ -166,7 +169,7 @@ def check(  # long by its options (typer reads them from the signature); the bod
             sizes = {"batch_size": BATCH_SIZE if b is None else b, "seq_len": SEQ_LEN if t is None else t}
             w = opt.integer(window, "--window", 1)
             is_causal = True if causal is None else causal
-            validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, **sizes)
+            validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, softcap=softcap, **sizes)
             opt.guard(estimate_module(e, nh, sizes["batch_size"], sizes["seq_len"], f"check --module E={e} Nh={nh}"),
                       opt.memory(max_memory))
             parse_spec(module, "--module")
@@ -174,10 +177,11 @@ def check(  # long by its options (typer reads them from the signature); the bod
                 parse_spec(decode, "--decode")
             name, args, label = "module_check", {"spec": module, "field": "--module", "embed_dim": e,
                                                  "num_heads": nh, "causal": is_causal, "window": w, "scale": scale,
+                                                 "softcap": softcap,
                                                  "seed": seed_value, "decode": decode, **sizes}, "checking module"
         else:
             opt.refuse_given({"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal,
-                              "--window": window, "--scale": scale, "--batch-size": batch_size, "--seq-len": seq_len,
+                              "--window": window, "--scale": scale, "--softcap": softcap, "--batch-size": batch_size, "--seq-len": seq_len,
                               "--max-memory": max_memory},
                              "for a kernel-protocol function (it applies to --module)")
             parse_spec(target, "target")
