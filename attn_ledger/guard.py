@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 from attn_ledger.errors import InputError
 
-__all__ = ["UserCodeError", "in_process", "outcome", "reporting_to", "user_call"]
+__all__ = ["CallStopped", "UserCodeError", "in_process", "outcome", "reporting_to", "user_call"]
 
 
 class UserCodeError(Exception):
@@ -63,6 +63,21 @@ class UserCodeError(Exception):
     def facts(self) -> dict[str, Any]:
         """``data`` with the call it is about, for a check's ``data``."""
         return {"call": self.what, **self.data}
+
+
+class CallStopped(BaseException):
+    """A call into user code in a worker never came back: the worker died or ran past the time limit.
+
+    Raised in the tool's own process by the worker's supervisor. A ``BaseException``, so that no
+    check's ``except Exception`` reads it as the user's exception: it goes up to the unit's loop,
+    which records the unit's L1 ``call`` finding. ``detail`` names the call in flight and the cause;
+    ``data`` says the same as values: ``{"call": ..., "timeout_s": 2.0}``, ``{"call": ..., "exit_status": 0}``,
+    ``{"call": ..., "signal": "SIGSEGV"}``.
+    """
+
+    def __init__(self, detail: str, data: dict[str, Any]) -> None:
+        super().__init__(detail)
+        self.detail, self.data = detail, data
 
 
 class _Timeout(BaseException):
