@@ -55,6 +55,9 @@ class Called:
 # --- global state -------------------------------------------------------------------------------
 
 
+_FOLLOW_FLAGS = {"torch.Storage"}  # rebound by torch.set_default_dtype: reported as the default dtype
+
+
 def snapshot() -> dict[str, Any]:
     """The global state a call could change: flags, and the identity of torch's public callables."""
     import torch
@@ -63,7 +66,7 @@ def snapshot() -> dict[str, Any]:
     ids = {}
     for prefix, space in (("torch.", torch), ("torch.nn.functional.", F)):
         for name, obj in list(vars(space).items()):
-            if not name.startswith("__") and callable(obj):
+            if not name.startswith("__") and callable(obj) and prefix + name not in _FOLLOW_FLAGS:
                 ids[prefix + name] = id(obj)
     for name in dir(torch.Tensor):  # inherited methods too: a patch shadows TensorBase's in Tensor's own dict
         obj = getattr(torch.Tensor, name, None)
@@ -109,7 +112,7 @@ def plain_output(out: Any) -> tuple["Tensor | None", dict[str, Any]]:
     facts: dict[str, Any] = {}
     cls = type(out)
     if cls is not torch.Tensor and cls is not torch.nn.Parameter:
-        facts["subclass"] = f"{cls.__module__}.{cls.__qualname__}"
+        facts["subclass"] = type_name(cls)
         out, problem = _materialised(out, cls)
         if problem is not None:
             return None, {**facts, "error": problem}
@@ -130,7 +133,7 @@ def _materialised(out: "Tensor", cls: type) -> tuple["Tensor | None", dict[str, 
     """A subclass instance as a plain tensor, or the problem that names why it cannot be one."""
     import torch
 
-    name = f"{cls.__module__}.{cls.__qualname__}"
+    name = type_name(cls)
     wrapper = getattr(cls, "__torch_dispatch__", None) is not getattr(torch.Tensor, "__torch_dispatch__", None)
     if wrapper:
         full = getattr(out, "full_tensor", None)  # DTensor: gather the shards
@@ -148,6 +151,12 @@ def _materialised(out: "Tensor", cls: type) -> tuple["Tensor | None", dict[str, 
         return None, _unreadable(name)
     with torch._C.DisableTorchFunctionSubclass():
         return torch._C.TensorBase.as_subclass(out, torch.Tensor), None
+
+
+def type_name(cls: type) -> str:
+    """``module.Name``; a class defined in the user's file (imported under a name of the tool's) is ``Name``."""
+    module = cls.__module__ or ""
+    return cls.__qualname__ if module.startswith("_attn_ledger_user_") or module == "__main__" else f"{module}.{cls.__qualname__}"
 
 
 def _unreadable(name: str) -> dict[str, Any]:
