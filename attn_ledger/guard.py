@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 from attn_ledger.errors import InputError
 
-__all__ = ["CallStopped", "UserCodeError", "in_process", "outcome", "reporting_to", "user_call"]
+__all__ = ["CallStopped", "UserCodeError", "in_process", "outcome", "rebuilt_exception", "reporting_to", "user_call"]
 
 
 class UserCodeError(Exception):
@@ -93,6 +93,28 @@ class _Policy:
 
 _policy = _Policy()
 _depth = 0  # nested user_call blocks (a forward inside a guarded backward) count as one call
+
+
+_REBUILT: dict[tuple[str, str], type] = {}
+
+
+def rebuilt_exception(error: dict[str, Any]) -> Exception:
+    """An exception the user's code raised (in the driver), rebuilt from its facts: same type name and
+    message, and a subclass of the builtin exception it derives from (a TypeError stays a TypeError)."""
+    import builtins
+
+    name = error["type"] if str(error.get("type", "")).isidentifier() else "Exception"
+    base = next((getattr(builtins, b) for b in error.get("bases", ())
+                 if isinstance(getattr(builtins, b, None), type) and issubclass(getattr(builtins, b), Exception)),
+                Exception)
+    cls = _REBUILT.get((name, base.__name__))
+    if cls is None:
+        cls = base if base.__name__ == name else type(name, (base,), {"__module__": "user_code"})
+        _REBUILT[(name, base.__name__)] = cls
+    try:
+        return cls(error.get("message", ""))
+    except Exception:  # a builtin that takes other arguments (UnicodeDecodeError)
+        return type(name, (Exception,), {"__module__": "user_code"})(error.get("message", ""))
 
 
 def outcome(exc: BaseException) -> str:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from attn_ledger.errors import InputError, SetupError
-from attn_ledger.guard import UserCodeError
+from attn_ledger.guard import UserCodeError, rebuilt_exception
 from attn_ledger.kernelcases import (  # noqa: F401  (re-exported: the public names of check's cases)
     DEFAULT_TIER,
     DTYPES,
@@ -488,28 +488,6 @@ def changed_inputs(after: dict[str, "Tensor"], sent: tuple["Tensor", "Tensor", "
         if not same:
             changed.append(name)
     return changed
-
-
-_REBUILT: dict[tuple[str, str], type] = {}
-
-
-def rebuilt_exception(error: dict[str, Any]) -> Exception:
-    """An exception the user's code raised (in the driver), rebuilt from its facts: same type name and
-    message, and a subclass of the builtin exception it derives from (a TypeError stays a TypeError)."""
-    import builtins
-
-    name = error["type"] if str(error.get("type", "")).isidentifier() else "Exception"
-    base = next((getattr(builtins, b) for b in error.get("bases", ())
-                 if isinstance(getattr(builtins, b, None), type) and issubclass(getattr(builtins, b), Exception)),
-                Exception)
-    cls = _REBUILT.get((name, base.__name__))
-    if cls is None:
-        cls = base if base.__name__ == name else type(name, (base,), {"__module__": "user_code"})
-        _REBUILT[(name, base.__name__)] = cls
-    try:
-        return cls(error.get("message", ""))
-    except Exception:  # a builtin that takes other arguments (UnicodeDecodeError)
-        return type(name, (Exception,), {"__module__": "user_code"})(error.get("message", ""))
 
 
 def returned_problem(out: Any) -> tuple[str, dict[str, Any]] | None:

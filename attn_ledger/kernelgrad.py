@@ -66,7 +66,7 @@ def grad_run(grad: dict[str, Any], tensors: dict[str, "Tensor"], inputs: tuple["
     """
     import torch
 
-    from attn_ledger.kernelcheck import rebuilt_exception
+    from attn_ledger.guard import rebuilt_exception
 
     if "raised" in grad:
         exc = rebuilt_exception(grad["raised"])

@@ -182,7 +182,7 @@ def test_state_changes_name_flags_and_replaced_callables_and_nothing_else():
 
 
 def test_a_rebuilt_exception_keeps_its_type_name_message_and_builtin_base():
-    from attn_ledger.kernelcheck import rebuilt_exception
+    from attn_ledger.guard import rebuilt_exception
 
     exc = rebuilt_exception({"type": "MyError", "bases": ["TypeError", "Exception"], "message": "bad 'scale'"})
     assert isinstance(exc, TypeError) and type(exc).__name__ == "MyError" and str(exc) == "bad 'scale'"
