@@ -248,7 +248,8 @@ def call_with_grad(fn: Callable[..., Any], q: "Tensor", k: "Tensor", v: "Tensor"
         return Called(_after(leaves, kw), {"error": _error_facts(exc)})
     except Exception as exc:
         return Called(_after(leaves, kw), {"grad": {"raised": _error_facts(exc)}})
-    grad = {"grad_fn": isinstance(out, torch.Tensor) and out.grad_fn is not None and out.requires_grad}
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass does not answer for its own graph
+        grad = {"grad_fn": isinstance(out, torch.Tensor) and out.grad_fn is not None and out.requires_grad}
     plain, facts = plain_output(out)
     if plain is None:
         return Called(_after(leaves, kw), facts)
