@@ -1,5 +1,9 @@
 """Black-box checks for a user's attention function under the kernel protocol.
 
+Everything here runs in the tool's own process: the user's function is called through a
+:class:`~attn_ledger.driver.KernelTarget` (in a worker for the CLI), which gives back raw
+tensors and call facts; every reference, bound and verdict is computed here from them.
+
 The kernel protocol::
 
     def attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None) -> Tensor
@@ -16,14 +20,16 @@ supports in :mod:`attn_ledger.kernelspec`; the streamed references in
 
 Only what is visible from outside is checked, at the levels of the ledger:
 
-* L1 ``call`` (the function returns on a legal case), ``shape``, ``dtype``, ``grad_call``;
+* L1 ``call`` (the function returns on a legal case), ``shape``, ``dtype``, ``inputs_unchanged``
+  (no call changes the tensors it is given), ``grad_call``;
 * L2 ``batch_isolation``, ``kv_head_isolation``, ``q_head_isolation``: perturb one batch
   element, one kv head or one query head's q; only the outputs that should move do;
 * L3 ``finite``, ``convex_range`` (each output row lies inside the per-coordinate range of
   the value rows it may mix), ``forbidden_keys`` (perturbing a forbidden key's k and v
   moves nothing), ``empty_rows`` (a query whose every key is blocked follows the stated
   contract: zeros, NaN or anything), ``grad_finite``, ``grad_blocked_keys``;
-* L4 ``reference`` (agreement with a float64 reference), ``precision`` (float64 cases: the
+* L4 ``reference`` (agreement with a float64 reference), ``reference_grad_mode`` (the output with
+  grad enabled, judged the same way), ``precision`` (float64 cases: the
   float64 level, a warning where the kernel reaches only the float32 level),
   ``causal_intervention`` (changing the future moves no past output, and does move a later
   one), ``grad_q``, ``grad_k``, ``grad_v``.

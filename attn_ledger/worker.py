@@ -8,16 +8,23 @@ Design, and why:
   torch import (about 2 s), as a spawned interpreter would; a worker restarted after a crash,
   and every worker after the first in one process (a test suite), costs a fork. Plain ``fork``
   of the tool's own process is not used: its torch threads may hold locks.
-* **The worker does the checking; the parent keeps the clock.** The worker imports the user's
-  object and runs the same check code as ``--in-process`` (:mod:`attn_ledger.usertasks`). Every
-  call into user code goes through :func:`attn_ledger.guard.user_call`, which in the worker
-  tells the parent "call starting: WHAT" and "call done". The parent alone enforces the
-  per-call time limit, so a hang inside C code is caught too, and when the worker dies (exit
-  status, signal) the parent knows which call was in flight and in which unit of work (a case),
-  records that unit's L1 ``call`` finding, starts a fresh worker and goes on with the rest.
-  A death while importing or building the user's object is bad setup: exit 2, one line.
-* **Nothing from the worker is unpickled.** The worker answers in JSON; results are rebuilt
-  only into the dataclasses in :data:`attn_ledger.usertasks.RESULT_TYPES`. Requests travel the
+* **For a kernel, the parent judges; the worker only calls.** ``check FILE:NAME`` is a
+  :class:`~attn_ledger.usertasks.ParentTask`: this process plans the cases, makes the inputs,
+  computes every reference and judges, and never imports the user's file. The worker imports it
+  and runs the fixed driver (:mod:`attn_ledger.driver`); each call of the user's function is one
+  round trip (:class:`RemoteKernel`): inputs out, raw tensors and call facts back, as safetensors
+  bytes. The module commands are still run whole in the worker (the same check code as
+  ``--in-process``, :mod:`attn_ledger.usertasks`).
+* **The parent keeps the clock.** Every call into user code goes through
+  :func:`attn_ledger.guard.user_call`, which in the worker tells the parent "call starting: WHAT"
+  and "call done". The parent alone enforces the per-call time limit, so a hang inside C code is
+  caught too, and when the worker dies (exit status, signal) the parent knows which call was in
+  flight and in which unit of work (a case), records that unit's L1 ``call`` finding, starts a
+  fresh worker and goes on with the rest. A death while importing or building the user's object
+  is bad setup: exit 2, one line.
+* **Nothing from the worker is unpickled.** The worker answers in JSON (and tensors as
+  safetensors bytes); results are rebuilt only into the dataclasses in
+  :data:`attn_ledger.usertasks.RESULT_TYPES`. Requests travel the
   other way pickled, which is safe: the worker trusts its parent.
 * **Output captured at the file-descriptor level.** The worker's fds 1 and 2 point at a file
   the parent owns, so ``print``, ``os.write(1, ...)`` and a C library's output all land there
