@@ -199,3 +199,16 @@ def test_a_kernel_that_disables_grad_at_import_is_checked_normally(tmp_path):
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert report["details"]["global_state"] == {"flags": {"grad_enabled": [True, False]}}
+
+
+def test_the_tools_process_never_imports_the_users_file():
+    import sys
+
+    import attn_ledger.kernelcheck as kernelcheck
+    import attn_ledger.kernelref as kernelref
+
+    before = (kernelcheck._check_case, kernelref.attention, set(sys.modules))
+    code, report = check("judge_patch_check_case", "--no-backward")
+    assert code == 1  # the patch ran in the worker, where nothing is judged
+    assert (kernelcheck._check_case, kernelref.attention) == before[:2]
+    assert not [m for m in set(sys.modules) - before[2] if m.startswith("_attn_ledger_user_") or "judge_" in m]
