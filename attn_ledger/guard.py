@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 from attn_ledger.errors import InputError
 
-__all__ = ["UserCodeError", "in_process", "outcome", "reporting_to", "user_call"]
+__all__ = ["CallStopped", "UserCodeError", "in_process", "outcome", "rebuilt_exception", "reporting_to", "user_call"]
 
 
 class UserCodeError(Exception):
@@ -65,6 +65,21 @@ class UserCodeError(Exception):
         return {"call": self.what, **self.data}
 
 
+class CallStopped(BaseException):
+    """A call into user code in a worker never came back: the worker died or ran past the time limit.
+
+    Raised in the tool's own process by the worker's supervisor. A ``BaseException``, so that no
+    check's ``except Exception`` reads it as the user's exception: it goes up to the unit's loop,
+    which records the unit's L1 ``call`` finding. ``detail`` names the call in flight and the cause;
+    ``data`` says the same as values: ``{"call": ..., "timeout_s": 2.0}``, ``{"call": ..., "exit_status": 0}``,
+    ``{"call": ..., "signal": "SIGSEGV"}``.
+    """
+
+    def __init__(self, detail: str, data: dict[str, Any]) -> None:
+        super().__init__(detail)
+        self.detail, self.data = detail, data
+
+
 class _Timeout(BaseException):
     """Raised by the in-process alarm; a BaseException so that the user's ``except Exception`` cannot swallow it."""
 
@@ -78,6 +93,28 @@ class _Policy:
 
 _policy = _Policy()
 _depth = 0  # nested user_call blocks (a forward inside a guarded backward) count as one call
+
+
+_REBUILT: dict[tuple[str, str], type] = {}
+
+
+def rebuilt_exception(error: dict[str, Any]) -> Exception:
+    """An exception the user's code raised (in the driver), rebuilt from its facts: same type name and
+    message, and a subclass of the builtin exception it derives from (a TypeError stays a TypeError)."""
+    import builtins
+
+    name = error["type"] if str(error.get("type", "")).isidentifier() else "Exception"
+    base = next((getattr(builtins, b) for b in error.get("bases", ())
+                 if isinstance(getattr(builtins, b, None), type) and issubclass(getattr(builtins, b), Exception)),
+                Exception)
+    cls = _REBUILT.get((name, base.__name__))
+    if cls is None:
+        cls = base if base.__name__ == name else type(name, (base,), {"__module__": "user_code"})
+        _REBUILT[(name, base.__name__)] = cls
+    try:
+        return cls(error.get("message", ""))
+    except Exception:  # a builtin that takes other arguments (UnicodeDecodeError)
+        return type(name, (Exception,), {"__module__": "user_code"})(error.get("message", ""))
 
 
 def outcome(exc: BaseException) -> str:

@@ -1,5 +1,9 @@
 """Black-box checks for a user's attention function under the kernel protocol.
 
+Everything here runs in the tool's own process: the user's function is called through a
+:class:`~attn_ledger.driver.KernelTarget` (in a worker for the CLI), which gives back raw
+tensors and call facts; every reference, bound and verdict is computed here from them.
+
 The kernel protocol::
 
     def attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None) -> Tensor
@@ -16,14 +20,16 @@ supports in :mod:`attn_ledger.kernelspec`; the streamed references in
 
 Only what is visible from outside is checked, at the levels of the ledger:
 
-* L1 ``call`` (the function returns on a legal case), ``shape``, ``dtype``, ``grad_call``;
+* L1 ``call`` (the function returns on a legal case), ``shape``, ``dtype``, ``inputs_unchanged``
+  (no call changes the tensors it is given), ``grad_call``;
 * L2 ``batch_isolation``, ``kv_head_isolation``, ``q_head_isolation``: perturb one batch
   element, one kv head or one query head's q; only the outputs that should move do;
 * L3 ``finite``, ``convex_range`` (each output row lies inside the per-coordinate range of
   the value rows it may mix), ``forbidden_keys`` (perturbing a forbidden key's k and v
   moves nothing), ``empty_rows`` (a query whose every key is blocked follows the stated
   contract: zeros, NaN or anything), ``grad_finite``, ``grad_blocked_keys``;
-* L4 ``reference`` (agreement with a float64 reference), ``precision`` (float64 cases: the
+* L4 ``reference`` (agreement with a float64 reference), ``reference_grad_mode`` (the output with
+  grad enabled, judged the same way), ``precision`` (float64 cases: the
   float64 level, a warning where the kernel reaches only the float32 level),
   ``causal_intervention`` (changing the future moves no past output, and does move a later
   one), ``grad_q``, ``grad_k``, ``grad_v``.
@@ -51,7 +57,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from attn_ledger.errors import InputError, SetupError
-from attn_ledger.guard import UserCodeError, user_call
+from attn_ledger.guard import UserCodeError, rebuilt_exception
 from attn_ledger.kernelcases import (  # noqa: F401  (re-exported: the public names of check's cases)
     DEFAULT_TIER,
     DTYPES,
@@ -69,7 +75,7 @@ from attn_ledger.kernelcases import (  # noqa: F401  (re-exported: the public na
     tier_cases,
     torch_dtype,
 )
-from attn_ledger.kernelgrad import GradJudging, backward_checks, not_run, run_backward
+from attn_ledger.kernelgrad import GradJudging, GradRun, backward_checks, grad_run, not_run
 from attn_ledger.kernelref import (  # noqa: F401  (FACTOR re-exported)
     FACTOR,
     first_row,
@@ -96,11 +102,11 @@ DEVICES = ("cpu", "cuda", "mps", "auto")
 PRECISION_WARNING = "computes at float32 precision in float64"
 
 CHECK_ORDER = (
-    (1, "call"), (1, "shape"), (1, "dtype"), (1, "grad_call"),
+    (1, "call"), (1, "shape"), (1, "dtype"), (1, "inputs_unchanged"), (1, "grad_call"),
     (2, "batch_isolation"), (2, "kv_head_isolation"), (2, "q_head_isolation"),
     (3, "finite"), (3, "convex_range"), (3, "forbidden_keys"), (3, "empty_rows"), (3, "grad_finite"),
     (3, "grad_blocked_keys"),
-    (4, "reference"), (4, "precision"), (4, "causal_intervention"), (4, "grad_q"), (4, "grad_k"), (4, "grad_v"),
+    (4, "reference"), (4, "reference_grad_mode"), (4, "precision"), (4, "causal_intervention"), (4, "grad_q"), (4, "grad_k"), (4, "grad_v"),
 )
 LEVEL_OF = {name: level for level, name in CHECK_ORDER}
 _POSITION = {name: i for i, (_, name) in enumerate(CHECK_ORDER)}
@@ -458,6 +464,32 @@ def kernel_report(
     )
 
 
+def with_call_notes(report: Report, results: Sequence[CaseResult], state: dict[str, Any]) -> Report:
+    """The report, saying first what the calls did besides returning: a tensor subclass returned (and
+    judged as a plain tensor), and torch's global state changed by the import or a call (flags, and
+    callables replaced since before the import; see :func:`attn_ledger.driver.state_changes`)."""
+    notes: list[str] = []
+    details: dict[str, Any] = {}
+    types = [r.check("call").data.get("returned_subclass") for r in results]
+    named = sorted({t for t in types if t})
+    if named:
+        n = sum(1 for t in types if t)
+        notes.append(f"{_cases(n)} returned a tensor subclass ({', '.join(named)}); "
+                     "it was judged as a plain tensor")
+        details["returned_subclass"] = {"cases": n, "types": named}
+    if state:
+        parts = [f"{flag} {before} -> {after}" for flag, (before, after) in state.get("flags", {}).items()]
+        replaced = list(state.get("replaced", ()))
+        if replaced:
+            more = f" and {len(replaced) - 6} more" if len(replaced) > 6 else ""
+            parts.append(f"replaced {', '.join(replaced[:6])}{more} (since before the import)")
+        notes.append("your code changed torch's global state: " + "; ".join(parts))
+        details["global_state"] = state
+    if not notes:
+        return report
+    return replace(report, notes=(*notes, *report.notes), details={**report.details, **details})
+
+
 # --- calling the user's function -------------------------------------------------------------
 
 
@@ -467,47 +499,87 @@ def _first_line(exc: BaseException) -> str:
 
 
 class _Kernel:
-    """Calls the user's function on clones of the inputs (so in-place edits cannot leak between calls).
+    """Calls the user's function through the driver (:mod:`attn_ledger.driver`) and reads what came back.
 
-    Each call is one :func:`~attn_ledger.guard.user_call`, named by the case's call text and
-    the probe it serves. A value that is not a dense tensor with values (not a tensor, sparse,
-    on the meta device) is a :class:`~attn_ledger.guard.UserCodeError`, as a crash would be:
-    no check can read it. Forward calls run without grad; :meth:`with_grad` runs the one call
-    with grad enabled, on the leaves it is given.
+    ``fn`` is the user's function (called here, through a :class:`~attn_ledger.driver.LocalKernel`) or a
+    :class:`~attn_ledger.driver.KernelTarget` that calls it elsewhere (a worker). Either way the driver
+    calls it on copies of the inputs and returns raw tensors and facts; everything judged from them is
+    judged here. Each call is one :func:`~attn_ledger.guard.user_call`, named by the case's call text
+    and the probe it serves. A value that is not a dense tensor with values (not a tensor, sparse,
+    on the meta device, an unreadable wrapper subclass) is a :class:`~attn_ledger.guard.UserCodeError`,
+    as a crash would be: no check can read it. The inputs each call left behind are compared with the
+    ones it was given (:attr:`changed`); a tensor subclass it returned is named in :attr:`subclass`.
     """
 
     def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any], call_text: str) -> None:
-        self.fn, self.kwargs, self.call_text = fn, kwargs, call_text
+        from attn_ledger.driver import KernelTarget, LocalKernel
 
-    def _kw(self) -> dict[str, Any]:
-        kw = dict(self.kwargs)
-        if kw.get("allow_mask") is not None:
-            kw["allow_mask"] = kw["allow_mask"].clone()
-        return kw
+        self.target = fn if isinstance(fn, KernelTarget) else LocalKernel(fn)
+        self.kwargs, self.call_text = kwargs, call_text
+        self.changed: dict[str, list[str]] = {}  # the call -> the inputs it changed in place
+        self.subclass: str | None = None
 
     def __call__(self, q: "Tensor", k: "Tensor", v: "Tensor", probe: str | None = None) -> "Tensor":
-        import torch
-
         what = self.call_text if probe is None else f"{self.call_text} for the {probe} probe"
-        q, k, v = q.clone(), k.clone(), v.clone()
-        with torch.no_grad(), user_call(what):
-            out = self.fn(q, k, v, **self._kw())
-        return _readable(out, what)
+        called = self.target.forward(q, k, v, self.kwargs, what, watch=probe is None)
+        return self._read(called, what, (q, k, v))  # type: ignore[return-value]
 
-    def with_grad(self, q: "Tensor", k: "Tensor", v: "Tensor") -> "Tensor":
-        import torch
+    def grad_mode(self, q: "Tensor", k: "Tensor", v: "Tensor") -> "Tensor":
+        """The call with grad enabled on inputs that do not require grad (the backward checks are off)."""
+        what = f"{self.call_text} with grad enabled"
+        called = self.target.forward(q, k, v, self.kwargs, what, grad_mode=True, watch=True)
+        return self._read(called, what, (q, k, v))  # type: ignore[return-value]
 
+    def with_grad(self, q: "Tensor", k: "Tensor", v: "Tensor", d_out: "Tensor",
+                  ref_dtype: "torch.dtype") -> tuple["Tensor | None", GradRun]:
+        """The call with grad enabled on inputs that require grad, and its backward pass against ``d_out``:
+        the output (None where the call raised) and what the backward gave."""
         what = f"{self.call_text} with inputs that require grad"
-        with torch.enable_grad(), user_call(what):
-            out = self.fn(q, k, v, **self._kw())
-        return _readable(out, what)
+        called = self.target.with_grad(q, k, v, self.kwargs, d_out, self.call_text, watch=True)
+        grad = called.facts.get("grad", {})
+        out = self._read(called, what, (q, k, v), raised_ok="raised" in grad)
+        return out, grad_run(grad, called.tensors, (q, k, v), d_out, ref_dtype)
+
+    def _read(self, called: Any, what: str, sent: tuple["Tensor", "Tensor", "Tensor"],
+              raised_ok: bool = False) -> "Tensor | None":
+        error = called.facts.get("error")
+        if error is not None:
+            if error["kind"] == "raised":
+                raise rebuilt_exception(error)
+            raise UserCodeError(error["text"], error.get("what") or what, **error.get("data", {}))
+        if called.facts.get("subclass") and self.subclass is None:
+            self.subclass = called.facts["subclass"]
+        changed = changed_inputs(called.tensors, sent, self.kwargs.get("allow_mask"))
+        if changed:
+            self.changed.setdefault(what, changed)
+        if raised_ok and "out" not in called.tensors:
+            return None
+        return called.tensors["out"].to(sent[0].device)
 
 
-def _readable(out: Any, what: str) -> "Tensor":
-    problem = returned_problem(out)
-    if problem is not None:
-        raise UserCodeError(problem[0], what, **problem[1])
-    return out
+def changed_inputs(after: dict[str, "Tensor"], sent: tuple["Tensor", "Tensor", "Tensor"],
+                   mask: "Tensor | None") -> list[str]:
+    """The inputs whose copies a call left different from what it was given (NaN equals NaN)."""
+    import torch
+
+    given = dict(zip(("q", "k", "v"), sent))
+    if mask is not None:
+        given["allow_mask"] = mask
+    changed = []
+    for name, before in given.items():
+        got = after.get(name)
+        if got is None:
+            continue
+        got = got.to(before.device)
+        same = got.shape == before.shape and got.dtype == before.dtype
+        if same and before.numel():
+            eq = got == before
+            if before.is_floating_point():
+                eq = eq | (torch.isnan(got) & torch.isnan(before))
+            same = bool(eq.all())
+        if not same:
+            changed.append(name)
+    return changed
 
 
 def returned_problem(out: Any) -> tuple[str, dict[str, Any]] | None:
@@ -515,16 +587,10 @@ def returned_problem(out: Any) -> tuple[str, dict[str, Any]] | None:
 
     Example: ``("returned list, expected a Tensor [B, Nh, Tq, Dv]", {"returned": "list"})``.
     """
-    import torch
+    from attn_ledger.driver import plain_output
 
-    if not isinstance(out, torch.Tensor):
-        return f"returned {type(out).__name__}, expected a Tensor [B, Nh, Tq, Dv]", {"returned": type(out).__name__}
-    if out.layout != torch.strided:
-        layout = str(out.layout).removeprefix("torch.")
-        return f"returned a tensor with layout {layout}, expected a dense (strided) Tensor", {"layout": layout}
-    if out.is_meta:
-        return "returned a tensor on the meta device, which holds no values to check", {"device": "meta"}
-    return None
+    problem = plain_output(out)[1].get("error")
+    return None if problem is None else (problem["text"], problem["data"])
 
 
 def failed_call(case: Case, reason: str, data: dict[str, Any]) -> CaseResult:
@@ -651,13 +717,21 @@ def _check_case(fn: Callable[..., Any], case: Case, o: Options, d: Declaration) 
     if raw is None:
         return CaseResult(case, tuple(first))
     s = _setup(case, kernel, q, k, v, raw, kwargs, o, ref_dtype)
-    grad_run, d_out = None, None
+    grad_run, d_out, grad_out, grad_exc = None, None, None, None
     if o.backward and d.backward:
         d_out = s.fresh(raw, 1.0).to(ref_dtype)  # [B, Nh, Tq, Dv]
-        grad_run = run_backward(kernel.with_grad, user_call, q, k, v, d_out, case.call_text(), ref_dtype)
+        grad_out, grad_run = kernel.with_grad(q, k, v, d_out, ref_dtype)
+    else:
+        try:
+            grad_out = kernel.grad_mode(q, k, v)
+        except UserCodeError:
+            raise
+        except Exception as exc:  # the user's code: a finding of the grad-mode check
+            grad_exc = exc
     with_grads = grad_run is not None and grad_run.status == "ok"
     refs = _references(s, d_out if with_grads else None)
     checks = first + _forward_checks(s, refs, o)
+    checks += [_grad_mode_check(s, refs, grad_out, grad_exc, grad_run), _inputs_check(kernel)]
     precision_parts = {"out": refs["out_precision"]} if refs["out_precision"] else {}
     if grad_run is None:
         checks += not_run("skipped", "backward checks are off (--no-backward or the declaration)")
@@ -685,7 +759,7 @@ def _first_call(kernel: _Kernel, case: Case, q: "Tensor", k: "Tensor", v: "Tenso
     got_dtype = str(raw.dtype).removeprefix("torch.")
     dtype_ok = raw.dtype == q.dtype
     checks = [
-        Check(1, "call", "pass"),
+        Check(1, "call", "pass", data={"returned_subclass": kernel.subclass} if kernel.subclass else {}),
         Check(1, "shape", "pass" if shape_ok else "fail", data={"expected": want, "got": list(raw.shape)},
               reason="" if shape_ok else f"output {list(raw.shape)}, expected [B, Nh, Tq, Dv] = {want}"),
         Check(1, "dtype", "pass" if dtype_ok else "fail", data={"expected": case.dtype_name, "got": got_dtype},
@@ -767,6 +841,41 @@ def _reference_check(s: _Setup, refs: dict[str, Any]) -> Check:
         data.update(_index_decode(s, wrong))
     return bounded(4, "reference", "max |out - float64 reference|", err, tol,
                    location=first_row(wrong) if err > tol else None, data=data)
+
+
+def _grad_mode_check(s: _Setup, refs: dict[str, Any], out: "Tensor | None", exc: Exception | None,
+                     run: GradRun | None) -> Check:
+    """L4: the output of the call with grad enabled against the reference, as the no-grad output is judged.
+
+    With the backward checks on, it is the call on inputs that require grad (the one differentiated);
+    with them off, a call with grad enabled on inputs that do not. Backends take other paths under
+    autograd, and a kernel may branch on ``torch.is_grad_enabled()``.
+    """
+    name, measure = "reference_grad_mode", "max |out with grad enabled - float64 reference|"
+    if exc is not None:
+        return _raised(4, name, exc, "the call with grad enabled")
+    if out is None:
+        why = run.reason if run is not None and run.reason else "the call with grad enabled returned no output"
+        return unjudged(4, name, "not_reached", why)
+    if tuple(out.shape) != tuple(s.out.shape):
+        return Check(4, name, "fail", reason=f"the output with grad enabled has shape {list(out.shape)}, "
+                     f"expected {list(s.out.shape)}", data={"expected": list(s.out.shape), "got": list(out.shape)})
+    got = s.ref(out)
+    err, tol = max_over(row_diff(got, refs["ref"].out), s.live), refs["tol"]
+    wrong = (row_diff(got, refs["ref"].out) > tol) & s.live  # [B, Nh, Tq]
+    return bounded(4, name, measure, err, tol, location=first_row(wrong) if err > tol else None,
+                   data={"tolerance": refs["facts"], "inputs_require_grad": run is not None})
+
+
+def _inputs_check(kernel: _Kernel) -> Check:
+    """L1: every call left the tensors it was given (copies of the case's inputs) as they were."""
+    changed = kernel.changed
+    names = sorted({n for ns in changed.values() for n in ns}, key=("q", "k", "v", "allow_mask").index)
+    if not names:
+        return Check(1, "inputs_unchanged", "pass")
+    call, first = next(iter(changed.items()))
+    return Check(1, "inputs_unchanged", "fail", reason=f"the call changed its inputs in place: {', '.join(first)} "
+                 f"(in {call})", data={"changed": names, "calls": len(changed)})
 
 
 def _precision_check(case: Case, parts: dict[str, dict[str, float]], strict: bool) -> Check:
@@ -1216,11 +1325,15 @@ def check_kernel(
     if not plan.cases:
         why = ", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items()) or "; ".join(plan.notes)
         raise SetupError(f"declaration: leaves no case to run ({why})")
-    check_capabilities(fn, plan, d, target, o)
+    from attn_ledger.driver import KernelTarget, LocalKernel, snapshot
+
+    kernel = fn if isinstance(fn, KernelTarget) else LocalKernel(fn, snapshot())
+    check_capabilities(kernel, plan, d, target, o)
     results = []
     for i, case in enumerate(plan.cases):
-        results.append(check_case(fn, case, options=o, declaration=d))
+        results.append(check_case(kernel, case, options=o, declaration=d))
         if progress is not None:
             progress(i + 1, len(plan.cases))
-    return kernel_report(results, target=target, options=o, declaration=d, plan=plan,
-                         tier=tier if cases is None else None)
+    report = kernel_report(results, target=target, options=o, declaration=d, plan=plan,
+                           tier=tier if cases is None else None)
+    return with_call_notes(report, results, kernel.state)

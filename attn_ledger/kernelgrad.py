@@ -1,12 +1,15 @@
 """Backward checks for ``check`` on a kernel: dq, dk and dv against float64 autograd.
 
-The forward checks call the kernel without grad. Here it is called a second time with inputs
-that require grad, and its output is differentiated against a seeded upstream gradient:
+The forward checks call the kernel without grad. It is called a second time with inputs that
+require grad (by the driver, :func:`attn_ledger.driver.call_with_grad`, in the worker), and its
+output is differentiated against a seeded upstream gradient; the raw gradients come back and are
+judged here:
 
-* L1 ``grad_call``: the call and the backward pass ran. A kernel that raises on inputs that
-  require grad (``flex_attention`` on the CPU) or returns an output without ``grad_fn`` is not
-  differentiable: every backward check is ``not_applicable`` with that reason, never a failure.
-  A backward pass that raises is a failure;
+* L1 ``grad_call``: the call and the backward pass ran and a gradient reaches q, k and v. A kernel
+  that raises on inputs that require grad (``flex_attention`` on the CPU) or returns an output
+  without ``grad_fn`` (``out.detach().requires_grad_()``) fails: "no gradient reaches q, k, v". A
+  kernel meant for inference only declares ``backward = false``; the backward checks are then
+  skipped. A backward pass that raises is a failure;
 * L3 ``grad_finite``: dq is finite on rows with an allowed key, dk and dv everywhere;
 * L3 ``grad_blocked_keys``: keys no query of an example may use get zero dk and dv;
 * L4 ``grad_q``, ``grad_k``, ``grad_v``: each gradient against the float64 reference's autograd,
@@ -22,9 +25,8 @@ left out for dq, and an (example, kv head) slice serving such a head for dk and 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any
 
 from attn_ledger.kernelref import Computed, first_row, max_over, plain_error, row_diff, tolerance, worst_row
 from attn_ledger.report import Check, bounded, counted, unjudged
@@ -41,7 +43,7 @@ _ROW_NAMES = {"dq": ("example", "head", "query"), "dk": ("example", "kv_head", "
 
 @dataclass(frozen=True)
 class GradRun:
-    """What the kernel's backward gave: ``status`` ``ok``, ``not_applicable`` or ``fail``, and why."""
+    """What the kernel's backward gave: ``status`` ``ok`` or ``fail``, and why."""
 
     status: str
     reason: str = ""
@@ -49,58 +51,43 @@ class GradRun:
     unused: tuple[str, ...] = ()  # inputs the output does not depend on (their gradient read as zeros)
 
 
-@functools.lru_cache(maxsize=None)
-def warm_autograd() -> None:
-    """Run one tiny backward pass: torch imports about 2 s of modules on the first one with a given output
-    gradient (as every kernel's backward here has), which must not be charged to the user's first backward
-    against its time limit.
+NO_GRADIENT = "no gradient reaches q, k, v"
 
-    Under ``enable_grad``: the user's import may have left grad mode off (``torch.set_grad_enabled(False)``).
+
+def grad_run(grad: dict[str, Any], tensors: dict[str, "Tensor"], inputs: tuple["Tensor", "Tensor", "Tensor"],
+             d_out: "Tensor", ref_dtype: Any) -> GradRun:
+    """What the call with inputs that require grad, and its backward pass, gave: judged from the driver's
+    facts (:func:`attn_ledger.driver.call_with_grad`) and raw gradients.
+
+    A call that raises, or an output with no ``grad_fn``, is a failure: no gradient reaches q, k, v, and a
+    model trained with the kernel would never update them. (A kernel meant for inference only declares
+    ``backward = false``, and the backward checks are skipped.) So is an output of another shape, and a
+    backward pass that raises.
     """
     import torch
 
-    with torch.enable_grad():
-        x = torch.ones(2, requires_grad=True)
-        torch.autograd.grad(x * x, x, torch.ones(2))  # a non-scalar output with its gradient given, as below
+    from attn_ledger.guard import rebuilt_exception
 
-
-def run_backward(call: Callable[..., "Tensor"], guard: Callable[[str], ContextManager[Any]],
-                 q: "Tensor", k: "Tensor", v: "Tensor", d_out: "Tensor", what: str, ref_dtype: Any) -> GradRun:
-    """Call the kernel with inputs that require grad, then differentiate its output against ``d_out``.
-
-    ``call(q, k, v)`` is the guarded call of the kernel with grad enabled; ``guard(what)`` wraps
-    the backward pass, which runs the user's code too.
-    """
-    import torch
-
-    from attn_ledger.guard import UserCodeError, outcome
-
-    warm_autograd()
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    try:
-        out = call(*leaves)
-    except UserCodeError:
-        raise  # an exit, a hang or an unreadable value: the case's L1 call finding
-    except Exception as exc:  # the user's code: not differentiable, not wrong
-        return GradRun("not_applicable", f"the call with inputs that require grad {outcome(exc)}")
-    if out.grad_fn is None or not out.requires_grad:
-        return GradRun("not_applicable", "the output carries no gradient (no grad_fn)")
-    if tuple(out.shape) != tuple(d_out.shape):
-        return GradRun("not_applicable", f"the output with grad has shape {list(out.shape)}, expected {list(d_out.shape)}")
-    try:
-        with guard(f"the backward pass of {what}"):
-            got = torch.autograd.grad(out, leaves, d_out.to(out.dtype), allow_unused=True)
-    except UserCodeError:
-        raise
-    except Exception as exc:  # a backward pass that raises: the kernel claimed a gradient and broke
-        return GradRun("fail", f"the backward pass {outcome(exc)}")
-    grads, unused = {}, []
-    for name, g, leaf in zip(TENSORS, got, leaves):
-        if g is None:
-            unused.append(name)
-            g = torch.zeros_like(leaf)
-        grads[name] = g.detach().to(device=leaf.device, dtype=ref_dtype)
-    return GradRun("ok", grads=grads, unused=tuple(unused))
+    if "raised" in grad:
+        exc = rebuilt_exception(grad["raised"])
+        return GradRun("fail", f"{NO_GRADIENT}: the call with inputs that require grad raised "
+                               f"{type(exc).__name__}: {exc}")
+    out = tensors.get("out")
+    if not grad.get("grad_fn"):
+        return GradRun("fail", f"{NO_GRADIENT}: the output carries no gradient (no grad_fn)")
+    if out is None or tuple(out.shape) != tuple(d_out.shape):
+        got = None if out is None else list(out.shape)
+        return GradRun("fail", f"the output with grad has shape {got}, expected {list(d_out.shape)}")
+    if "backward_raised" in grad:
+        exc = rebuilt_exception(grad["backward_raised"])
+        return GradRun("fail", f"the backward pass raised {type(exc).__name__}: {exc}")
+    grads = {}
+    for name, leaf in zip(TENSORS, inputs):
+        g = tensors.get(name)
+        if g is None or tuple(g.shape) != tuple(leaf.shape):
+            g = torch.zeros(leaf.shape, dtype=ref_dtype, device=leaf.device)
+        grads[name] = g.to(device=leaf.device, dtype=ref_dtype)
+    return GradRun("ok", grads=grads, unused=tuple(grad.get("unused", ())))
 
 
 @dataclass(frozen=True)
@@ -127,7 +114,8 @@ def backward_checks(run: GradRun, j: GradJudging) -> tuple[list[Check], dict[str
     """The backward checks, and for each gradient its error and float64-level bound (for precision)."""
     if run.status != "ok":
         if run.status == "fail":
-            rest = [unjudged(level, name, "not_reached", "the backward pass raised") for level, name in GRAD_CHECKS[1:]]
+            rest = [unjudged(level, name, "not_reached", "the backward pass gave no gradients")
+                    for level, name in GRAD_CHECKS[1:]]
             return [Check(1, "grad_call", "fail", reason=run.reason), *rest], {}
         return not_run("not_applicable", run.reason), {}
     if not bool(j.q_slices.any()):

@@ -26,7 +26,9 @@ The code under test runs in the test's own process (so fixtures, closures and br
 work). ``sys.exit`` inside it is a finding, as in the CLI; there is no time limit unless
 ``timeout=`` is given, and that limit can stop Python code only (a hang inside C code
 returns when the C code does; ``attn-ledger check`` runs user code in a worker process
-for that).
+for that). By design the helpers are exempt from the separation of judge and judged that
+``attn-ledger check`` keeps (the tool's process judges, a worker only calls the code): code
+under test here shares a torch with its judge, so patching torch or the tool can fake a result.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """The commands' work on user code, cut into units that :mod:`attn_ledger.worker` can run anywhere.
 
+``check FILE:NAME`` is a :class:`ParentTask`: it runs in the tool's own process, which plans the
+cases, makes the inputs, computes every reference and judges; only the calls of the user's function
+go to the worker, through the fixed driver (:mod:`attn_ledger.driver`), which sends back raw tensors.
+The module commands are still tasks (:class:`Task`) run whole in the worker.
+
 A :class:`Task` is four plain functions:
 
 * ``setup(args)`` imports the user's object (and builds the module, for a factory) and returns
@@ -41,6 +46,7 @@ from attn_ledger.kernelcheck import (
     not_reached_case,
     parse_case,
     plan_cases,
+    with_call_notes,
 )
 from attn_ledger.kernelspec import declaration
 from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, check_built_module, stopped_module_report
@@ -53,12 +59,31 @@ Progress = Callable[[int, int], None] | None
 
 @dataclass(frozen=True)
 class Task:
-    """One command's work on user code (see the module docstring)."""
+    """One command's work on user code, all of it run in the worker (see the module docstring)."""
 
     setup: Callable[[dict[str, Any]], tuple[Any, dict[str, Any]]]
     run: Callable[[Any, dict[str, Any], Any, Progress], Any]
     stopped: Callable[[dict[str, Any], Any, str, dict[str, Any]], Any]
     finish: Callable[[dict[str, Any], dict[str, Any], list[Any]], Any]
+    not_reached: Callable[[dict[str, Any], Any, str, dict[str, Any]], Any]
+    timed_out: Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class ParentTask:
+    """One command's work judged in the tool's own process: only the calls into user code leave it.
+
+    ``setup(args, load)`` gets ``load(target, field)``, which imports the user's function where it is
+    to be called and returns a :class:`~attn_ledger.driver.KernelTarget` (in a worker:
+    :class:`attn_ledger.worker.RemoteKernel`; in-process: :class:`attn_ledger.driver.LocalKernel`).
+    ``run`` and ``finish`` get that state too; a call that never came back raises
+    :class:`~attn_ledger.guard.CallStopped` up to the unit's loop, which records ``stopped``.
+    """
+
+    setup: Callable[[dict[str, Any], Callable[[str, str], Any]], tuple[Any, dict[str, Any]]]
+    run: Callable[[Any, dict[str, Any], Any, Progress], Any]
+    stopped: Callable[[dict[str, Any], Any, str, dict[str, Any]], Any]
+    finish: Callable[[Any, dict[str, Any], dict[str, Any], list[Any]], Any]
     not_reached: Callable[[dict[str, Any], Any, str, dict[str, Any]], Any]
     timed_out: Callable[[Any], bool]
 
@@ -70,18 +95,23 @@ def _kernel_options(args: dict[str, Any]) -> Options:
                    args.get("strict_coverage", False))
 
 
-def _kernel_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _kernel_setup(args: dict[str, Any], load: Callable[[str, str], Any]) -> tuple[Any, dict[str, Any]]:
     """Import the target, leave out the cases outside the declaration, and check it takes the protocol's
     arguments (its signature, or one probe call): all before any case, all bad setup if they fail."""
     from attn_ledger.errors import SetupError
+    from attn_ledger.guard import CallStopped
 
-    fn = load_object(args["target"], args["field"])
+    fn = load(args["target"], args["field"])
     decl = declaration(args["declaration"])
     plan = plan_cases([parse_case(i) for i in args["cases"]], decl, args["device"])
+    fn.ready()  # an import that fails is named before a declaration that leaves nothing to run
     if not plan.cases:
         why = ", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items()) or "; ".join(plan.notes)
         raise SetupError(f"declaration: leaves no case to run ({why})")
-    check_capabilities(fn, plan, decl, args["target"], _kernel_options(args))
+    try:
+        check_capabilities(fn, plan, decl, args["target"], _kernel_options(args))
+    except CallStopped as stop:  # the probe call crashed the worker or hung: the target cannot be checked
+        raise SetupError(f"target: {args['target']}: {stop.detail}") from None
     return fn, {"units": [c.id for c in plan.cases], "skipped": plan.skipped, "notes": list(plan.notes),
                 "device": plan.device, "reference_dtype": plan.reference_dtype}
 
@@ -102,12 +132,13 @@ def _kernel_timed_out(result: CaseResult) -> bool:
     return any(c.failed and "timeout_s" in c.data for c in result.checks)
 
 
-def _kernel_finish(args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Report:
+def _kernel_finish(fn: Any, args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Report:
     cases = tuple(parse_case(u) for u in plan["units"])
-    return kernel_report(results, target=args["target"], options=_kernel_options(args),
-                         declaration=declaration(args["declaration"]), tier=args["tier"],
-                         plan=Plan(cases, dict(plan["skipped"]), tuple(plan["notes"]), plan["device"],
-                                   plan["reference_dtype"]))
+    report = kernel_report(results, target=args["target"], options=_kernel_options(args),
+                           declaration=declaration(args["declaration"]), tier=args["tier"],
+                           plan=Plan(cases, dict(plan["skipped"]), tuple(plan["notes"]), plan["device"],
+                                     plan["reference_dtype"]))
+    return with_call_notes(report, results, fn.state)
 
 
 # --- check --module FILE:FACTORY and intervene --module: one unit ---------------------------------
@@ -165,8 +196,8 @@ def _intervene_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[
 
 
 # A module's one unit not reached (--max-time spent on the import and the factory) is stopped before its call.
-TASKS: dict[str, Task] = {
-    "kernel_check": Task(_kernel_setup, _kernel_run, _kernel_stopped, _kernel_finish, _kernel_not_reached,
+TASKS: dict[str, Task | ParentTask] = {
+    "kernel_check": ParentTask(_kernel_setup, _kernel_run, _kernel_stopped, _kernel_finish, _kernel_not_reached,
                          _kernel_timed_out),
     "module_check": Task(_module_check_setup, _module_check_run, _module_check_stopped, _only,
                          _module_check_stopped, _never),

@@ -8,19 +8,26 @@ Design, and why:
   torch import (about 2 s), as a spawned interpreter would; a worker restarted after a crash,
   and every worker after the first in one process (a test suite), costs a fork. Plain ``fork``
   of the tool's own process is not used: its torch threads may hold locks.
-* **The worker does the checking; the parent keeps the clock.** The worker imports the user's
-  object and runs the same check code as ``--in-process`` (:mod:`attn_ledger.usertasks`). Every
-  call into user code goes through :func:`attn_ledger.guard.user_call`, which in the worker
-  tells the parent "call starting: WHAT" and "call done". The parent alone enforces the
-  per-call time limit, so a hang inside C code is caught too, and when the worker dies (exit
-  status, signal) the parent knows which call was in flight and in which unit of work (a case),
-  records that unit's L1 ``call`` finding, starts a fresh worker and goes on with the rest.
-  A death while importing or building the user's object is bad setup: exit 2, one line.
+* **For a kernel, the parent judges; the worker only calls.** ``check FILE:NAME`` is a
+  :class:`~attn_ledger.usertasks.ParentTask`: this process plans the cases, makes the inputs,
+  computes every reference and judges, and never imports the user's file. The worker imports it
+  and runs the fixed driver (:mod:`attn_ledger.driver`); each call of the user's function is one
+  round trip (:class:`RemoteKernel`): inputs out, raw tensors and call facts back, as safetensors
+  bytes. The module commands are still run whole in the worker (the same check code as
+  ``--in-process``, :mod:`attn_ledger.usertasks`).
+* **The parent keeps the clock.** Every call into user code goes through
+  :func:`attn_ledger.guard.user_call`, which in the worker tells the parent "call starting: WHAT"
+  and "call done". The parent alone enforces the per-call time limit, so a hang inside C code is
+  caught too, and when the worker dies (exit status, signal) the parent knows which call was in
+  flight and in which unit of work (a case), records that unit's L1 ``call`` finding, starts a
+  fresh worker and goes on with the rest. A death while importing or building the user's object
+  is bad setup: exit 2, one line.
 * **A hung kernel ends the run quickly** (:class:`Limits`), as pytest's ``--maxfail`` does:
   after ``max_timeouts`` timed-out units in a row, or once ``max_time`` seconds have passed,
   the remaining units are not reached (the task's ``not_reached`` result, with the reason).
-* **Nothing from the worker is unpickled.** The worker answers in JSON; results are rebuilt
-  only into the dataclasses in :data:`attn_ledger.usertasks.RESULT_TYPES`. Requests travel the
+* **Nothing from the worker is unpickled.** The worker answers in JSON (and tensors as
+  safetensors bytes); results are rebuilt only into the dataclasses in
+  :data:`attn_ledger.usertasks.RESULT_TYPES`. Requests travel the
   other way pickled, which is safe: the worker trusts its parent.
 * **Output captured at the file-descriptor level.** The worker's fds 1 and 2 point at a file
   the parent owns, so ``print``, ``os.write(1, ...)`` and a C library's output all land there
@@ -52,6 +59,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from attn_ledger import errors, reaper
 from attn_ledger.errors import AttnLedgerError, SetupError, field_error
+from attn_ledger.driver import KernelTarget  # torch-free at import: the driver imports torch inside its functions
+from attn_ledger.guard import CallStopped
 
 TIMEOUT_S = 60.0
 """Default limit, in seconds, on each call into user code run in a worker."""
@@ -62,7 +71,7 @@ MAX_TIMEOUT_S = 86_400.0
 MAX_TIMEOUTS = 3
 """Default number of timed-out units in a row after which the remaining units are not reached."""
 
-_PRELOAD = ["torch", "attn_ledger.usertasks", "attn_ledger.reference", "attn_ledger.pipeline", "attn_ledger.model"]
+_PRELOAD = ["torch", "safetensors.torch", "attn_ledger.driver", "attn_ledger.usertasks", "attn_ledger.reference", "attn_ledger.pipeline", "attn_ledger.model"]
 _OUTPUT_TAIL_BYTES = 64 << 10  # of each worker's captured output, the part shown
 
 
@@ -197,7 +206,11 @@ def _past_the_stop(task: Any, args: dict[str, Any], unit: Any, limits: Limits, s
 
 
 def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], None] | None, limits: Limits) -> Any:
-    state, plan = task.setup(args)
+    from attn_ledger.driver import load_local
+    from attn_ledger.usertasks import ParentTask
+
+    judged_here = isinstance(task, ParentTask)
+    state, plan = task.setup(args, load_local) if judged_here else task.setup(args)
     units = plan["units"]
     results = []
     for i, unit in enumerate(units):
@@ -209,14 +222,20 @@ def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], No
             limits.record(task.timed_out(results[-1]), completed=not task.timed_out(results[-1]))
         if progress is not None and len(units) > 1:
             progress(i + 1, len(units))
-    return task.finish(args, plan, results)
+    return task.finish(state, args, plan, results) if judged_here else task.finish(args, plan, results)
 
 
 def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, Any],
                     progress: Callable[[int, int], None] | None, limits: Limits) -> Any:
+    from attn_ledger.usertasks import ParentTask
+
+    judged_here = isinstance(task, ParentTask)
     sup.end, sup.max_time = limits.end, limits.max_time
     try:
-        plan = sup.setup(name, args)
+        if judged_here:  # the worker only calls the user's code; this process plans, computes and judges
+            state, plan = task.setup(args, lambda target, field: RemoteKernel(sup, target, field))
+        else:
+            plan = sup.setup(name, args)
     except _Stopped as stop:  # --max-time ran out before the first case: there are no cases to report on
         raise field_error("--max-time", limits.max_time, f"a bound that leaves time for the cases: it ran out while "
                           f"{stop.data['call'] or 'the worker started'}", SetupError) from None
@@ -228,9 +247,12 @@ def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, An
             results.append(_past_the_stop(task, args, unit, limits, stop))
         else:
             try:
-                if not sup.alive:
+                if not sup.alive and not judged_here:
                     sup.setup(name, args)  # a fresh worker imports (and builds) the user's object again
-                results.append(sup.run(unit, progress if len(units) == 1 else None))
+                if judged_here:  # a call that finds the worker gone starts a fresh one first
+                    results.append(task.run(state, args, unit, progress if len(units) == 1 else None))
+                else:
+                    results.append(sup.run(unit, progress if len(units) == 1 else None))
                 limits.record(task.timed_out(results[-1]), completed=True)
             except _Stopped as stop_:
                 limits.record("timeout_s" in stop_.data, completed=False)
@@ -240,7 +262,7 @@ def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, An
                 results.append(task.stopped(args, unit, stop_.detail + more, stop_.data))
         if progress is not None and len(units) > 1:
             progress(i + 1, len(units))
-    return task.finish(args, plan, results)
+    return task.finish(state, args, plan, results) if judged_here else task.finish(args, plan, results)
 
 
 def show_output(output: str, max_lines: int = 40) -> None:
@@ -259,16 +281,7 @@ def show_output(output: str, max_lines: int = 40) -> None:
 # --- the parent's side ------------------------------------------------------------------------------
 
 
-class _Stopped(Exception):
-    """The worker died or ran past the time limit.
-
-    ``detail`` names the call in flight and the cause; ``data`` says the same as values:
-    ``{"call": ..., "timeout_s": 2.0}``, ``{"call": ..., "exit_status": 0}``, ``{"call": ..., "signal": "SIGSEGV"}``.
-    """
-
-    def __init__(self, detail: str, data: dict[str, Any]) -> None:
-        super().__init__(detail)
-        self.detail, self.data = detail, data
+_Stopped = CallStopped  # the worker died or ran past the time limit (see attn_ledger.guard.CallStopped)
 
 
 def _context() -> Any:
@@ -334,6 +347,32 @@ class _Supervisor:
     def run(self, unit: Any, progress: Callable[[int, int], None] | None) -> Any:
         self.conn.send(("run", unit))
         return self._await("result", progress)
+
+    def start_load(self, target: str, field: str) -> None:
+        """Start a fresh worker and ask it to import the user's function; :meth:`load` waits for the answer."""
+        self.stop()
+        self._start()
+        self.conn.send(("load", target, field))
+
+    def load(self, target: str, field: str, started: bool = False) -> dict[str, Any]:
+        """Import the user's function in a fresh worker (the driver's side); a death is a SetupError."""
+        if not started:
+            self.start_load(target, field)
+        try:
+            return self._await("loaded", None)
+        except _Stopped as stop:
+            if "max_time_s" in stop.data:
+                raise
+            raise SetupError(f"{field}: {stop.detail}") from None
+
+    def call_kernel(self, kind: str, meta: dict[str, Any], data: bytes) -> tuple[dict[str, Any], bytes]:
+        """One call of the user's function through the driver: the facts, and the raw tensors as safetensors bytes."""
+        self.conn.send(("call", kind, meta, data))
+        facts = self._await("called", None)
+        try:
+            return facts, self.conn.recv_bytes()
+        except EOFError:
+            raise self._death() from None
 
     def _await(self, expected: str, progress: Callable[[int, int], None] | None) -> Any:
         while True:
@@ -456,6 +495,84 @@ def _cut_off(proc: Any) -> bool:
     return True
 
 
+class RemoteKernel(KernelTarget):
+    """The user's kernel, called in the worker: each call is one round trip, tensors out and back as
+    safetensors bytes. A :class:`~attn_ledger.driver.KernelTarget` for :mod:`attn_ledger.kernelcheck`.
+
+    A call that finds the worker gone (an earlier call crashed or timed out) first starts a fresh one,
+    which imports the user's file again. A death or a timeout during a call raises :class:`CallStopped`.
+    """
+
+    def __init__(self, sup: _Supervisor, target: str, field: str) -> None:
+        self.sup, self.target, self.field = sup, target, field
+        self.state: dict[str, Any] = {}
+        self.signature: list[list[Any]] | None = None
+        self.loading = True
+        sup.start_load(target, field)  # the worker imports torch and the user's file while this process plans
+
+    def ready(self) -> None:
+        """Wait until the worker has imported the user's function (SetupError if it cannot)."""
+        if self.loading:
+            self._load(started=True)
+
+    def _load(self, started: bool = False) -> None:
+        from attn_ledger.driver import merge_state
+
+        self.loading = False
+        loaded = self.sup.load(self.target, self.field, started)
+        self.signature = loaded["signature"]
+        self.state = merge_state(self.state, loaded["state"])
+
+    @property
+    def __signature__(self) -> Any:
+        """The function's signature, rebuilt from its parameters' names and kinds (no signature: not one)."""
+        import inspect
+
+        self.ready()
+        if self.signature is None:
+            return "no signature"
+        try:
+            return inspect.Signature([inspect.Parameter(name, inspect._ParameterKind(kind),
+                                                        default=None if has_default else inspect.Parameter.empty)
+                                      for name, kind, has_default in self.signature])
+        except (TypeError, ValueError):
+            return "no signature"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a RemoteKernel is called through forward() and with_grad()")
+
+    def _call(self, kind: str, tensors: dict[str, Any], kw: dict[str, Any], meta: dict[str, Any]) -> Any:
+        from attn_ledger.driver import Called, merge_state, pack, unpack
+
+        self.ready()
+        if not self.sup.alive:
+            self._load()
+        mask = kw.get("allow_mask", "absent")
+        if mask is not None and not isinstance(mask, str):
+            tensors = {**tensors, "allow_mask": mask}
+        meta = {**meta, "kw": {n: x for n, x in kw.items() if n != "allow_mask"},
+                "mask": "absent" if isinstance(mask, str) else "none" if mask is None else "tensor",
+                "device": str(tensors["q"].device), "threads": _threads()}
+        facts, blob = self.sup.call_kernel(kind, meta, pack(tensors))
+        self.state = merge_state(self.state, facts.pop("state", {}))
+        return Called(unpack(blob, tensors["q"].device), facts)
+
+    def forward(self, q: Any, k: Any, v: Any, kw: dict[str, Any], what: str, grad_mode: bool = False,
+                watch: bool = False) -> Any:
+        return self._call("forward", {"q": q, "k": k, "v": v}, kw,
+                          {"what": what, "grad_mode": grad_mode, "watch": watch})
+
+    def with_grad(self, q: Any, k: Any, v: Any, kw: dict[str, Any], d_out: Any, what: str,
+                  watch: bool = False) -> Any:
+        return self._call("with_grad", {"q": q, "k": k, "v": v, "d_out": d_out}, kw, {"what": what, "watch": watch})
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 # --- the worker's side ------------------------------------------------------------------------------
 
 
@@ -514,6 +631,10 @@ def _serve(conn: Any, capture_path: str) -> None:
                     task, args = TASKS[request[1]], request[2]
                     state, plan = task.setup(args)
                     channel.send("plan", value=encode(plan))
+                elif request[0] == "load":
+                    state = _load(channel, request[1], request[2])
+                elif request[0] == "call":
+                    _call(channel, state, *request[1:])
                 else:
                     progress = lambda done, total: channel.send("progress", done=done, total=total)  # noqa: E731
                     channel.send("result", value=encode(task.run(state, args, request[1], progress)))
@@ -521,6 +642,46 @@ def _serve(conn: Any, capture_path: str) -> None:
                 channel.send("error", kind=type(exc).__name__, message=str(exc))
             except BaseException:  # noqa: BLE001 - a bug in the tool, or user code outside any guarded call
                 channel.send("bug", trace=traceback.format_exc())
+
+
+def _load(channel: _Channel, target: str, field: str) -> tuple[Any, dict[str, Any]]:
+    """The driver's side of :meth:`_Supervisor.load`: snapshot torch, import, say the signature and what changed."""
+    from attn_ledger.driver import signature_of, snapshot, state_changes
+    from attn_ledger.userload import load_object
+
+    baseline = snapshot()  # before the user's file runs
+    fn = load_object(target, field)
+    channel.send("loaded", value=encode({"signature": signature_of(fn), "state": state_changes(baseline)}))
+    return fn, baseline
+
+
+def _call(channel: _Channel, state: tuple[Any, dict[str, Any]], kind: str, meta: dict[str, Any], data: bytes) -> None:
+    """The driver's side of :meth:`_Supervisor.call_kernel`: one call on the tensors sent, raw tensors back."""
+    from attn_ledger.driver import call_forward, call_with_grad, pack, state_changes, unpack
+
+    import torch
+
+    fn, baseline = state
+    if torch.get_num_threads() != meta["threads"]:  # as the parent runs the case: one thread for a small one
+        torch.set_num_threads(meta["threads"])
+    tensors = unpack(data, meta["device"])
+    kw = dict(meta["kw"])
+    if meta["mask"] != "absent":
+        kw["allow_mask"] = tensors.get("allow_mask")
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    if kind == "forward":
+        called = call_forward(fn, q, k, v, kw, meta["what"], meta["grad_mode"])
+    else:
+        called = call_with_grad(fn, q, k, v, kw, tensors["d_out"], meta["what"])
+    called.facts["state"] = state_changes(baseline, meta["watch"])
+    try:
+        blob = pack(called.tensors)
+    except Exception as exc:  # noqa: BLE001 - a tensor safetensors cannot carry: what no check can read
+        text = f"returned a tensor that cannot be sent back ({type(exc).__name__}: {str(exc)[:100]})"
+        called.facts["error"] = {"kind": "returned", "text": text, "data": {}}
+        blob = pack({})
+    channel.send("called", value=encode(called.facts))
+    channel.conn.send_bytes(blob)
 
 
 # --- results as plain data --------------------------------------------------------------------------

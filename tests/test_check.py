@@ -82,6 +82,11 @@ def broken(name):
     return load_object(f"{BROKEN}:{name}")
 
 
+def hostile(name):
+    """A kernel of fixtures/hostile/ that does something besides returning (never one that patches the tool)."""
+    return load_object(f"{KERNELS.parent / 'hostile' / name}.py:attention")
+
+
 def manual_nan_rows(q, k, v, **kw):
     return load_object(f"{KERNELS / 'manual_nan_rows.py'}:attention")(q, k, v, **kw)
 
@@ -111,6 +116,9 @@ BREAKERS = [
     ("grad_q", broken("wrong_dq"), "b2-h4kv2-tq5tk5-dh8dv8-none-rand-f32", 4, "grad_q"),
     ("grad_k", broken("wrong_dk_only"), "b2-h4kv2-tq5tk5-dh8dv8-none-rand-f32", 4, "grad_k"),
     ("grad_v", broken("dv_at_blocked_keys"), "b2-h4kv2-tq5tk9-dh8dv4-pad-rand-f32", 3, "grad_blocked_keys"),
+    ("inputs_unchanged", hostile("judge_clobbers"), "b2-h4kv2-tq5tk9-dh8dv4-pad-rand-f32", 1, "inputs_unchanged"),
+    ("reference_grad_mode", hostile("judge_grad_mode"), "b2-h4kv2-tq5tk9-dh8dv4-pad-rand-f32", 4,
+     "reference_grad_mode"),
 ]
 # precision warns rather than fails unless asked: tests/test_check_depth.py breaks it
 WARNERS = {"precision"}

@@ -298,21 +298,27 @@ def test_the_backward_of_a_correct_kernel_passes_in_every_dtype():
 
 
 @pytest.mark.filterwarnings(FLEX_WARNING)
-def test_a_kernel_that_raises_with_grad_is_not_applicable_never_a_failure():
-    res = check_case(kernel("flex"), parse_case("b2-h4kv2-tq5tk9-dh8dv4-pad-causal-rand-f32"))
-    assert res.passed
+def test_a_kernel_that_raises_with_grad_fails_grad_call_unless_declared_inference_only():
+    case = parse_case("b2-h4kv2-tq5tk9-dh8dv4-pad-causal-rand-f32")
+    res = check_case(kernel("flex"), case)
     call = res.check("grad_call")
-    assert call.status == "not_applicable" and "NotImplementedError" in call.reason
-    assert {res.check(n).status for n, in [("grad_q",), ("grad_k",), ("grad_v",)]} == {"not_applicable"}
+    assert call.status == "fail" and res.first_failure.name == "grad_call"
+    assert call.reason.startswith("no gradient reaches q, k, v: the call with inputs that require grad raised")
+    assert "NotImplementedError" in call.reason
+    assert {res.check(n).status for n in ("grad_q", "grad_k", "grad_v")} == {"not_reached"}
+    declared = check_case(kernel("flex"), case, declaration=Declaration(backward=False))
+    assert declared.passed and declared.check("grad_call").status == "skipped"
+    assert declared.check("reference_grad_mode").status == "pass"  # grad enabled, inputs not requiring it
 
 
-def test_a_kernel_without_grad_fn_is_not_applicable():
+def test_a_kernel_without_grad_fn_fails_grad_call():
     def detached(q, k, v, **kw):
         return sdpa(q, k, v, **kw).detach()
 
     res = check_case(detached, parse_case("b2-h4kv2-tq5tk5-dh8dv8-none-rand-f32"))
-    assert res.passed and res.check("grad_call").status == "not_applicable"
-    assert "no grad_fn" in res.check("grad_call").reason
+    assert not res.passed and res.check("grad_call").status == "fail"
+    assert res.check("grad_call").reason == "no gradient reaches q, k, v: the output carries no gradient (no grad_fn)"
+    assert check_case(detached, parse_case("b2-h4kv2-tq5tk5-dh8dv8-none-rand-f32"), backward=False).passed
 
 
 def test_no_backward_skips_the_gradient_checks():
@@ -533,7 +539,8 @@ def test_a_passing_run_lists_no_case():
 @pytest.mark.filterwarnings(FLEX_WARNING)
 @pytest.mark.parametrize("name", ["sdpa_adapter", "online_softmax", "flex"])
 def test_correct_kernels_pass_the_full_tier_with_zero_findings(name):
-    report = check_kernel(kernel(name), tier="full")
+    # flex_attention raises under grad on the CPU: it is checked as the inference-only kernel it is there
+    report = check_kernel(kernel(name), tier="full", declaration=Declaration(backward=name != "flex"))
     statuses = {c.status for _, c in report.checks()}
     assert report.exit_code == 0 and statuses <= {"pass", "not_applicable", "skipped"}, report.details["failures"]
     assert {parse_case(r.name).dtype for r in report.rows} == {"f32", "f64", "f16", "bf16"}
@@ -548,8 +555,8 @@ def test_correct_kernels_pass_the_default_tier_with_zero_findings():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         lpad = [c for c in DEFAULT_TIER if c.mask.startswith("lpad") or c.inputs in ("edge", "huge")]
-        report = check_kernel(kernel("flex"), lpad)
-    assert report.exit_code == 0 and {c.status for _, c in report.checks()} <= {"pass", "not_applicable"}
+        report = check_kernel(kernel("flex"), lpad, declaration=Declaration(backward=False))  # it raises under grad
+    assert report.exit_code == 0 and {c.status for _, c in report.checks()} <= {"pass", "not_applicable", "skipped"}
 
 
 def test_the_check_order_puts_every_backward_check_after_the_forward_ones_of_its_level():

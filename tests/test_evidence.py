@@ -51,6 +51,9 @@ def forward_checks_judge_nothing(monkeypatch):
     monkeypatch.setattr(kernelcheck, "_forward_checks",
                         lambda s, refs, o: [c if not c.judged else replace(c, status="inconclusive")
                                             for c in real(s, refs, o)])
+    grad_mode = kernelcheck._grad_mode_check
+    monkeypatch.setattr(kernelcheck, "_grad_mode_check",
+                        lambda *a: (lambda c: c if not c.judged else replace(c, status="inconclusive"))(grad_mode(*a)))
 
 
 def test_a_case_whose_probes_cannot_apply_still_rests_on_its_reference():
@@ -63,7 +66,7 @@ def test_a_case_whose_probes_cannot_apply_still_rests_on_its_reference():
 
 def test_l1_alone_is_not_evidence_and_the_case_is_counted_inconclusive():
     blank = unjudging(check_case(good, parse_case(T1), backward=False))
-    assert [c.name for c in blank.checks if c.passed] == ["call", "shape", "dtype"]
+    assert [c.name for c in blank.checks if c.passed] == ["call", "shape", "dtype", "inputs_unchanged"]
     assert blank.passed and not blank.evidence and blank.inconclusive and blank.status == "inconclusive"
     normal = check_case(good, parse_case(GQA), backward=False)
     report = kernel_report([blank, normal], target="k.py:attention", options=Options(backward=False))

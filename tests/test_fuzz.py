@@ -634,3 +634,30 @@ def test_a_signal_during_a_hung_check_leaves_no_process_and_no_temporary_directo
     assert _marked(marker) == []
     assert list(tmp.iterdir()) == []
     assert not report.exists()
+
+
+# --- hostile kernels: each tries to get a wrong kernel past check, or do more than return -----------
+
+HOSTILE = Path(__file__).resolve().parents[1] / "fixtures" / "hostile"
+# name -> the check built to catch it (tests/test_judge.py shows it is that check, on one case)
+JUDGE_KERNELS = {"judge_subclass": "reference", "judge_patched_softmax": "reference",
+                 "judge_patch_check_case": "reference", "judge_patch_reference": "reference",
+                 "judge_grad_mode": "reference_grad_mode", "judge_detached": "grad_call",
+                 "judge_clobbers": "inputs_unchanged", "judge_dispatch_wrapper": "call"}
+JUDGE_CASES = ["b2-h4kv2-tq5tk9-dh8dv4-pad-rand-f32", "b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32",
+               "b1-h3kv3-tq6tk3-dh4dv6-pad-causal-rand-f64", "b2-h2kv1-tq4tk7-dh8dv8-none-rand-bf16"]
+
+
+@fuzz(ci=4, long=200)
+@given(name=st.sampled_from(sorted(JUDGE_KERNELS)), case=st.sampled_from(JUDGE_CASES), seed=st.integers(0, 2**31),
+       backward=st.booleans())
+def test_fuzz_hostile_kernels_never_pass(name, case, seed, backward):
+    STATS["examples hostile kernels"] += 1
+    backward = backward or name == "judge_detached"  # declared inference-only, a detached output is what it says
+    args = ["check", f"{HOSTILE / name}.py:attention", "--case", case, "--seed", str(seed), "--format", "json",
+            "--timeout", "60", *([] if backward else ["--no-backward"])]
+    r = runner.invoke(app, args)
+    doc = check_outcome(r, {1}, (name, case, seed, backward))
+    failing = {c["name"] for row in doc["rows"] for c in row["checks"] if c["status"] == "fail"}
+    assert JUDGE_KERNELS[name] in failing, (name, case, seed, failing)
+    mutated(f"hostile kernel {name}", r, {1})

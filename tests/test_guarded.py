@@ -358,11 +358,21 @@ def test_worker_relays_bad_input_as_the_same_error():
         run_user_task("kernel_check", args, timeout=30)
 
 
-def test_a_bug_in_the_worker_is_not_a_finding():
-    from attn_ledger.worker import WorkerError, run_user_task
+def test_a_bug_in_the_worker_is_not_a_finding(tmp_path):
+    from attn_ledger.worker import WorkerError, _Supervisor
+
+    with _Supervisor(tmp_path, 30) as sup:
+        sup.start_load(f"{KERNELS}:good", "target")
+        sup.load(f"{KERNELS}:good", "target", started=True)
+        with pytest.raises(WorkerError, match="KeyError: 'threads'"):
+            sup.call_kernel("forward", {}, b"")  # a request the driver cannot read: the tool's own bug
+
+
+def test_a_bug_in_the_tool_while_judging_is_its_own_error_never_a_finding():
+    from attn_ledger.worker import run_user_task
 
     args = {key: value for key, value in KERNEL_ARGS.items() if key != "seed"}
-    with pytest.raises(WorkerError, match="KeyError: 'seed'"):
+    with pytest.raises(KeyError, match="seed"):  # the parent judges: its bug is raised here (exit 3 in the CLI)
         run_user_task("kernel_check", args, timeout=30)
 
 
@@ -453,7 +463,7 @@ def test_a_module_file_that_disables_grad_at_import_is_checked_normally(tmp_path
 def test_warm_autograd_runs_with_grad_mode_off():
     import torch
 
-    from attn_ledger.kernelgrad import warm_autograd
+    from attn_ledger.driver import warm_autograd
 
     with torch.no_grad():
         warm_autograd()  # raised RuntimeError (no grad_fn) before

@@ -165,8 +165,8 @@ def test_max_time_bounds_the_whole_check_of_a_slow_correct_kernel(tmp_path):
 
 def test_max_time_in_process_stops_between_cases_and_is_exit_1(tmp_path):
     # In-process the call in flight cannot be stopped: the run is cut at the next case, which fails as not run.
-    # Each case makes a dozen calls of 0.2 s, so the first case (if it starts within 1 s) outlives --max-time.
-    res = check(slow_kernel(tmp_path, 0.2), ONE, SMALL, CAUSAL, extra=("--in-process", "--max-time", "1"))
+    # Every case makes at least two calls (without and with grad) of 0.6 s, so the first case outlives --max-time.
+    res = check(slow_kernel(tmp_path, 0.6), ONE, SMALL, CAUSAL, extra=("--in-process", "--max-time", "1"))
     assert res.exit_code == 1, res.output
     data = json.loads(res.stdout)
     rows = rows_by_status(data)
