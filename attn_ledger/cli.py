@@ -8,12 +8,13 @@ exit status 2, the same form as every other input error.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Annotated, Any, Optional, Sequence
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from attn_ledger._version import __version__
 
@@ -59,8 +60,11 @@ def usage_line(exc: Any, args: Sequence[str]) -> str:
         got = f"got {_short(value)!r}, " if value is not None else ""
         m = re.match(r"^(.*) is not one of (.*)\.$", message)
         if m:
-            choices = ", ".join(c.strip().strip("'") for c in m.group(2).split(","))
-            return f"{name}: got {_short(m.group(1).strip(chr(39)))!r}, expected one of {choices}"
+            from attn_ledger.errors import did_you_mean
+
+            options = [c.strip().strip("'") for c in m.group(2).split(",")]
+            got = m.group(1).strip(chr(39))
+            return f"{name}: got {_short(got)!r}, expected one of {', '.join(options)}" + did_you_mean(got, options)
         for needle, expected in _EXPECT:
             if needle in message:
                 return f"{name}: {got}expected {expected}"
@@ -69,6 +73,52 @@ def usage_line(exc: Any, args: Sequence[str]) -> str:
         return f"{exc.option_name}: no such option" + (
             f"; did you mean {', '.join(exc.possibilities)}?" if exc.possibilities else "")
     return _short(message, 300)
+
+
+LONG_CHOICES = 16  # a choice type longer than this (``<a|b|c>``) is named by a short metavar in --help
+
+
+@contextlib.contextmanager
+def _help_view(params: Sequence[Any], ctx: Any) -> Any:
+    """For the terminal help only: no type after a flag (typer would print ``<bool>``), and an option with
+    a long list of choices named ``<name>`` with its choices in the help text, which wraps at spaces
+    (the type column would cut them mid-word). Everything is put back afterwards."""
+    saved = [(p, p.metavar, p.help) for p in params]
+    try:
+        for p in params:
+            if p.metavar is not None or not hasattr(p, "is_flag"):
+                continue
+            if p.is_flag and not p.count:
+                p.metavar = ""
+            elif getattr(p, "type_descriptor", None) is not None and p.type_descriptor.is_choice:
+                if len(p.display_type_rich(ctx) or "") > LONG_CHOICES:
+                    values = [str(getattr(c, "value", c)) for c in p.type_descriptor.choices or ()]
+                    p.metavar = f"<{max(p.opts, key=len).lstrip('-')}>"
+                    p.help = (p.help or "").rstrip() + f" Choices: {', '.join(values)}."
+        yield
+    finally:
+        for p, metavar, help_text in saved:
+            p.metavar, p.help = metavar, help_text
+
+
+class _Command(TyperCommand):
+    """A command whose --help shows flags without a type and long choice lists as text (:func:`_help_view`)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _help_view(self.get_params(ctx), ctx):
+            super().format_help(ctx, formatter)
+EXIT_TERMINATED = 128 + 15  # as a shell reports a process ended by SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind like Ctrl-C, so that workers end and temporary files go, then exit 143."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+    raise Terminated()
 
 
 class _OneLineErrors(TyperGroup):
@@ -96,9 +146,15 @@ class _OneLineErrors(TyperGroup):
             rv = getattr(exc, "exit_code", 2) if not isinstance(exc, cx.UsageError) else 2
         except Abort:
             rv = 130
+        except Terminated:
+            rv = EXIT_TERMINATED
         if standalone_mode:
             sys.exit(rv if isinstance(rv, int) else 0)
         return rv
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _help_view(self.get_params(ctx), ctx):
+            super().format_help(ctx, formatter)
 
 
 app = typer.Typer(
@@ -142,24 +198,34 @@ def _root(
 
 from attn_ledger.commands import run as _run  # noqa: E402
 
-app.command("run")(_run.run)
+app.command("run", cls=_Command)(_run.run)
 
 from attn_ledger.commands import intervene as _intervene  # noqa: E402
 
-app.command("intervene")(_intervene.intervene)
+app.command("intervene", cls=_Command)(_intervene.intervene)
 
 from attn_ledger.commands import polarity as _polarity  # noqa: E402
 from attn_ledger.commands import sweep_scale as _sweep_scale  # noqa: E402
 
-app.command("sweep-scale")(_sweep_scale.sweep_scale)
-app.command("polarity")(_polarity.polarity)
+app.command("sweep-scale", cls=_Command)(_sweep_scale.sweep_scale)
+app.command("polarity", cls=_Command)(_polarity.polarity)
 
 from attn_ledger.commands import check as _check  # noqa: E402
 from attn_ledger.commands import faults as _faults  # noqa: E402
 
-app.command("check")(_check.check)
-app.command("faults")(_faults.faults)
+app.command("check", cls=_Command)(_check.check)
+app.command("faults", cls=_Command)(_faults.faults)
 
 
 def main() -> None:
-    app()
+    """The ``attn-ledger`` process: SIGTERM unwinds like Ctrl-C, and nothing it started outlives it."""
+    import signal
+
+    from attn_ledger import reaper
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        app()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup runs whole
+        reaper.end_all()

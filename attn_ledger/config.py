@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from attn_ledger.engine import relations as mask_relations
-from attn_ledger.errors import ConfigError, InputError, clip, shown, shown_path
+from attn_ledger.errors import ConfigError, InputError, clip, did_you_mean, shown, shown_path
 from attn_ledger.limits import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, MAX_INT_DIGITS, MAX_MASK_CHARS, MAX_MASK_PARTS, MAX_POSITION, SEED_MAX
 
 if TYPE_CHECKING:
@@ -37,11 +37,13 @@ GRAD_FAULTS = ("softmax-backward-no-rowsum", "grad-k-no-scale", "grad-values-unt
 ROPE_FAULTS = ("rope-on-v", "rope-query-offset", "rope-q-only")
 PROPERTY_FAULTS = ("softmax-plus-one", "scores-key-bias", "context-rows-shifted", "values-batch-mix",
                    "softmax-global-max")
-ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS
+CAP_FAULTS = ("softcap-after-mask",)  # faults in the soft-cap (need softcap)
+ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS + CAP_FAULTS
 GRAD_OUTPUTS = ("ones", "identity")  # or a tensor file
 # what a fault needs to have its stage: the backward (grad) or rotary positions (rope)
 FAULT_NEEDS: dict[str, dict[str, Any]] = {**{f: {"grad": True} for f in GRAD_FAULTS},
-                                          **{f: {"rope": "half"} for f in ROPE_FAULTS}}
+                                          **{f: {"rope": "half"} for f in ROPE_FAULTS},
+                                          **{f: {"softcap": 50.0} for f in CAP_FAULTS}}
 
 MASK_RELATIONS = mask_relations.RELATIONS
 
@@ -69,6 +71,7 @@ class Fault(str, Enum):
     context_rows_shifted = "context-rows-shifted"
     values_batch_mix = "values-batch-mix"
     softmax_global_max = "softmax-global-max"
+    softcap_after_mask = "softcap-after-mask"
 
 
 # keys that only a relation of the mask uses
@@ -138,6 +141,8 @@ class RunConfig(BaseModel):
     replay: bool = Field(False, strict=True)
     scale: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="S (default 1/sqrt(Dh))")
     temperature: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="tau: the scale is S/tau")
+    softcap: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
+                                     description="C: the scaled scores become C*tanh(s/C) before the mask")
     rope: Optional[Any] = Field(None, description="rotary positions: PAIRING[,base=B][,dim=D], or a table")
 
     @model_validator(mode="after")
@@ -191,6 +196,12 @@ class RunConfig(BaseModel):
             raise ValueError(f"grad_output: got {self.grad_output!r}, expected it only with grad (--grad)")
         if self.fault in GRAD_FAULTS and not self.grad:
             raise ValueError(f"fault: got {self.fault!r}, a fault in a backward stage, expected it only with grad (--grad)")
+        if self.softcap is not None and self.grad:
+            raise ValueError(f"softcap: got {self.softcap:g} with grad (--grad), expected it without grad: the backward "
+                             "stages through a soft-cap are not built yet")
+        if self.fault in CAP_FAULTS and self.softcap is None:
+            raise ValueError(f"fault: got {self.fault!r}, a fault in the soft-cap, expected it only with softcap "
+                             "(--softcap)")
         if self.fault in ROPE_FAULTS and self.rope is None:
             raise ValueError(f"fault: got {self.fault!r}, a fault in rotary positions, expected it only with rope (--rope)")
         if self.rope is not None:
@@ -260,7 +271,8 @@ def _describe(err: dict[str, Any], names: Mapping[str, str]) -> str:
     value = err.get("input")
     if kind == "extra_forbidden":
         known = ", ".join(RunConfig.model_fields)
-        return f"unknown config key {shown(key)} (value {shown(value)}), expected one of: {known}"
+        return (f"unknown config key {shown(key)} (value {shown(value)}), expected one of: {known}"
+                + did_you_mean(key, RunConfig.model_fields))
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, UnusedKey):
         return cause.named(names.get(cause.key, cause.key))
@@ -278,7 +290,18 @@ def _describe(err: dict[str, Any], names: Mapping[str, str]) -> str:
         expected = words.format(bound) if "{}" in words else f"{words} {bound}"
     else:
         expected = msg.removeprefix("Input should be ").removeprefix("input should be ") or "a valid value"
-    return f"{loc}: got {shown(value)}, expected {expected}"
+    return f"{loc}: got {shown(value)}, expected {expected}" + did_you_mean(value, _literal_choices(key))
+
+
+def _literal_choices(key: str) -> tuple[str, ...]:
+    """The values a ``Literal`` field of :class:`RunConfig` takes (``()`` for any other field)."""
+    from typing import get_args, get_origin
+
+    field = RunConfig.model_fields.get(key)
+    if field is None:
+        return ()
+    kinds = [field.annotation, *get_args(field.annotation)]
+    return tuple(v for t in kinds if get_origin(t) is Literal for v in get_args(t) if isinstance(v, str))
 
 
 def make_config(values: dict[str, Any], source: str = "config", names: Mapping[str, str] | None = None) -> RunConfig:

@@ -18,8 +18,12 @@ The checks, by level:
   the core's inputs, judged across q, k, v (:mod:`attn_ledger.rotary`);
 * L4 ``score_design``: what the scores hold besides ``s * q.k``: nothing, ALiBi, a relative
   position bias, soft-capping (named, passing), or a term of no recognised form (inconclusive);
+  a declared soft-cap (``--softcap C``) that the scores do not apply fails. Soft-capping is read
+  on a probe that bends it: the core's q scaled inside the forward until its logits reach the
+  cap (or :data:`BEND_LOGITS`), since scores far below a cap are bent too little to read;
 * L4 ``attention_core``: the context against float64 attention on the observed q, k, v, with
-  the expected scale, the declared relation and the recognised designs. Where it disagrees,
+  the expected scale, the declared relation, the declared or recognised soft-cap and the
+  recognised designs (with a cap declared, on the bending probe as well). Where it disagrees,
   the checks above say why; with none failing, a refit with what was found decides between a
   design not recognised (warn or inconclusive, never a failure) and a core that is not
   attention at all (fail).
@@ -47,10 +51,18 @@ if TYPE_CHECKING:
 
     from attn_ledger.observe import Core, Observation
 
-__all__ = ["AXIS_CHECKS", "CORE_CHECKS", "Audit", "Declared", "audit_core"]
+__all__ = ["AXIS_CHECKS", "BEND_LOGITS", "CORE_CHECKS", "Audit", "Declared", "audit_core"]
 
 AXIS_CHECKS = ("head_split", "kv_pairing", "head_merge")
 CORE_CHECKS = ("mask_relation", "effective_scale", "rotary_positions", "score_design", "attention_core")
+
+# How far the bending probe drives the largest logit (or to a declared cap below it). At 30, a
+# cap of 50 (Gemma 2) bends the largest logit by about 3 and a cap of 1000 by 0.01, far above
+# float32's logit tolerance, while the weights stay above float32's smallest normal number.
+BEND_LOGITS = 30.0
+
+# How close a fitted soft-cap must be to the declared one.
+CAP_RTOL = 1e-2
 
 MISTAKES = {
     "1/sqrt(E)": "scaled by the model width, not the head width",
@@ -69,11 +81,14 @@ class Declared:
         causal: each query uses keys up to its own position.
         window: with ``causal``, only the last ``window`` keys up to the query (sliding window).
         scale: the design's own softmax scale; None means 1/sqrt(Dh).
+        softcap: the scaled scores are soft-capped, ``softcap * tanh(s / softcap)``, before
+            the mask (Gemma 2's ``attn_logit_softcapping``); None means no cap.
     """
 
     causal: bool = True
     window: int | None = None
     scale: float | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None:
@@ -84,6 +99,9 @@ class Declared:
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
                                        or not math.isfinite(self.scale) or self.scale <= 0):
             raise field_error("scale", self.scale, "a finite number > 0")
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                                         or not math.isfinite(self.softcap) or self.softcap <= 0):
+            raise field_error("softcap", self.softcap, "a finite number > 0")
 
     @property
     def text(self) -> str:
@@ -145,11 +163,12 @@ def audit_core(module: "nn.Module", x: "torch.Tensor", declared: Declared, *, em
                dtype: "torch.dtype") -> Audit:
     """Observe ``module(x)`` and judge its core (see the module docstring).
 
-    The module's forward runs twice more (three times for a hand-written core): once
-    observed, once or twice as a probe. A forward that raises here leaves every check
-    skipped (the black-box checks report the raise).
+    The module's forward runs three times more (four times for a hand-written core): once
+    observed, once or twice as a probe of the weights, and once with the core's q scaled to
+    bend any soft-cap. A forward that raises here leaves every check skipped (the black-box
+    checks report the raise).
     """
-    from attn_ledger.observe import observe_module, probe_weights
+    from attn_ledger.observe import observe_module, probe_bent, probe_weights
 
     try:
         with user_call(f"forward(x) observed on input {tuple(x.shape)}"):
@@ -184,25 +203,38 @@ def audit_core(module: "nn.Module", x: "torch.Tensor", declared: Declared, *, em
     if probes is None:
         why = f"the core's weights could not be probed: {note}"
         return _unseen("inconclusive", why, why)
-    return _judge(obs, core, probes, declared, embed_dim, dtype)
+
+    def bend(factor: float) -> "Core | None":
+        try:
+            with user_call(f"forward(x) with the core's q scaled by {factor:.3g}, on input {tuple(x.shape)}"):
+                return probe_bent(module, x, core, factor)
+        except UserCodeError:
+            raise
+        except Exception:  # the probe forward is the user's forward; without it the cap stays unread
+            return None
+
+    return _judge(obs, core, probes, declared, embed_dim, dtype, bend)
 
 
 def _judge(obs: "Observation", core: "Core", probes: tuple, declared: Declared, embed_dim: int,
-           dtype: "torch.dtype") -> Audit:
+           dtype: "torch.dtype", bend: Any) -> Audit:
     """Every check once the core and its probe weights are in hand (one line per check, in order)."""
     w, w0 = probes
     traced = _trace_roles(obs, core, dtype)
     merge = _merge_check(obs, core, dtype)
     relation, applied = _relation_check(w0, declared)
     bias_fit, bias = recognise_bias(w0, dtype)
-    fit = fit_scores(core.q, _paired(core.k, core.q.shape[1]), w, w0, bias, dtype)
+    fit0 = fit_scores(core.q, _paired(core.k, core.q.shape[1]), w, w0, bias, dtype, declared.softcap)
+    reach = _reach(core, fit0, w0)
+    bent = _bent_probe(core, fit0, reach, w0, bias, declared, bend, dtype)
+    fit = _read_cap(fit0, bent)
     factor = traced.factors["q"] * traced.factors["k"]
     scale = _scale_check(fit, factor, traced.relative_to, declared, core.q.shape[-1], embed_dim, dtype)
     rotary, positional = _rotary_check(core, traced)
-    design = _design_check(bias_fit, fit)
+    design = _design_check(bias_fit, fit, declared, bent, reach)
     summed = _row_sums(w, w0, dtype)
     attention = _core_check(core, declared, fit, bias_fit, bias, factor, summed, (relation, scale, design), applied,
-                            dtype)
+                            dtype, bent)
     checks = {c.name: c for c in (traced.split, traced.pairing, merge, relation, scale, rotary, design, attention)}
     if bias_fit.kind in ("alibi", "relative", "other"):
         positional.append(f"a position bias in the scores ({bias_fit.kind})")
@@ -212,6 +244,9 @@ def _judge(obs: "Observation", core: "Core", probes: tuple, declared: Declared, 
     if traced.relative_to != "projection outputs":
         coverage = Coverage("partial", ("head_split", "kv_pairing", "rotary_positions"),
                             "q, k or v could not be traced to a projection of the input")
+    if fit.form == "softcap" and declared.softcap is None and design.status == "pass":
+        cap = sum(fit.caps) / len(fit.caps)
+        notes.append(f"the scores are soft-capped at {cap:.3g}: declare it with --softcap {cap:.3g}")
     if obs.cores > 1:
         notes.append(f"{obs.cores} attention cores were seen; the first was judged")
     if obs.mha:
@@ -426,8 +461,76 @@ def _rotation_data(o: Any) -> dict:
             "position_dependent": o.position_dependent}
 
 
-def _design_check(bias: BiasFit, fit: ScoreFit) -> Check:
-    data: dict[str, Any] = {"bias": bias.kind, "bias_magnitude": bias.magnitude, "form": fit.form}
+@dataclass(frozen=True)
+class _Bent:
+    """The core as it ran with its q scaled by ``factor`` (:func:`attn_ledger.observe.probe_bent`).
+
+    Attributes:
+        factor: what q was scaled by.
+        core: q (scaled), k, v, weights and context as that forward ran them.
+        fit: its scores fitted against the scaled q.
+        logits: the largest |logit| the line through its scores reaches.
+    """
+
+    factor: float
+    core: "Core"
+    fit: ScoreFit
+    logits: float
+
+
+def _bend_target(declared: Declared) -> float:
+    """The largest logit the bending probe aims for: :data:`BEND_LOGITS`, or a declared cap below it."""
+    return min(declared.softcap, BEND_LOGITS) if declared.softcap is not None else BEND_LOGITS
+
+
+def _reach(core: "Core", fit0: ScoreFit, w0: "torch.Tensor") -> float:
+    """The largest |logit| of an allowed pair on the user's draw, by the line fitted to its scores (0 if none)."""
+    import torch
+
+    if fit0.form == "flat" or not fit0.scales or min(fit0.scales) <= 0:
+        return 0.0
+    k = _paired(core.k, core.q.shape[1]).to(torch.float64)
+    qk = core.q.to(torch.float64) @ k.transpose(-2, -1)  # [B, Nh, Tq, Tk]
+    allowed = w0 > 0
+    logits = (qk * torch.tensor(fit0.scales, dtype=torch.float64)[None, :, None, None]).abs()
+    return float(logits[allowed].max()) if bool(allowed.any()) else 0.0
+
+
+def _bent_probe(core: "Core", fit0: ScoreFit, reach: float, w0: "torch.Tensor", bias: "torch.Tensor",
+                declared: Declared, bend: Any, dtype: "torch.dtype") -> _Bent | None:
+    """Scale the core's q until its largest logit reaches :func:`_bend_target`, and fit the scores
+    of that forward. None where the user's draw already reaches it (``reach``), where nothing can
+    be fitted, or where the probe forward did not reach the same core."""
+    target = _bend_target(declared)
+    if reach <= 0 or reach >= target:
+        return None
+    factor = target / reach
+    probed = bend(factor)
+    if probed is None:
+        return None
+    fit = fit_scores(probed.q, _paired(probed.k, probed.q.shape[1]), probed.weights, w0, bias, dtype,
+                     declared.softcap)
+    return _Bent(factor, probed, fit, target)
+
+
+def _read_cap(fit0: ScoreFit, bent: _Bent | None) -> ScoreFit:
+    """The user's draw's fit, or the bending probe's where only it shows a cap.
+
+    The probe's scales need no correction: they relate the logits to the q that entered
+    the scores, which the probe scaled itself.
+    """
+    if bent is None or fit0.form == "softcap" or bent.fit.form != "softcap":
+        return fit0
+    return bent.fit
+
+
+def _design_check(bias: BiasFit, fit: ScoreFit, declared: Declared, bent: _Bent | None, reach: float) -> Check:
+    data: dict[str, Any] = {"bias": bias.kind, "bias_magnitude": bias.magnitude, "form": fit.form,
+                            "declared_softcap": declared.softcap}
+    if bent is not None:
+        data["bent"] = {"q_factor": bent.factor, "logits": bent.logits, "form": bent.fit.form,
+                        "residual": bent.fit.residual, "linear_residual": bent.fit.linear_residual,
+                        "tolerance": bent.fit.tolerance}
     parts = []
     if bias.kind == "alibi":
         parts.append("ALiBi")
@@ -438,6 +541,9 @@ def _design_check(bias: BiasFit, fit: ScoreFit) -> Check:
         parts.append("soft-capping")
         data["caps"] = list(fit.caps)
     data["design"] = " + ".join(parts) or "plain"
+    cap_check = _declared_cap(declared, fit, bent, reach, data)
+    if cap_check is not None:
+        return cap_check
     if bias.kind == "content":
         return Check(4, "score_design", "inconclusive", data=data,
                      reason="with every score zero, the weights still change with the input: an additive term "
@@ -446,6 +552,35 @@ def _design_check(bias: BiasFit, fit: ScoreFit) -> Check:
         return Check(4, "score_design", "inconclusive", "max |position bias| in logits", bias.magnitude, data=data,
                      reason="an additive position bias of no recognised form (not ALiBi, not a function of j - i)")
     return Check(4, "score_design", "pass", reason=f"design: {data['design']}", data=data)
+
+
+def _declared_cap(declared: Declared, fit: ScoreFit, bent: _Bent | None, reach: float,
+                  data: dict[str, Any]) -> Check | None:
+    """score_design where a soft-cap is declared and the scores apply another one or none; None where it holds.
+
+    Scores that stay linear fail only where they reached the bending target (on the probe, or
+    on the draw itself): below it a cap may bend them too little to see.
+    """
+    cap = declared.softcap
+    if cap is None:
+        return None
+    if fit.form == "softcap":
+        off = [h for h, c in enumerate(fit.caps) if not math.isclose(c, cap, rel_tol=CAP_RTOL)]
+        if not off:
+            return None
+        h = off[0]
+        return Check(4, "score_design", "fail", "fitted soft-cap", fit.caps[h], cap, "==", rtol=CAP_RTOL,
+                     location={"head": h}, reason=f"the scores are capped at {fit.caps[h]:.3g}, not the declared "
+                     f"--softcap {cap:g}", data=data)
+    if bent is not None and bent.fit.form == "linear":
+        return Check(4, "score_design", "fail", reason=f"the declared --softcap {cap:g} is not applied: the scores "
+                     f"stay linear in q.k up to logits of {bent.logits:.3g} (q scaled by {bent.factor:.3g})", data=data)
+    if bent is None and fit.form == "linear" and reach >= _bend_target(declared):
+        return Check(4, "score_design", "fail", reason=f"the declared --softcap {cap:g} is not applied: the scores "
+                     f"stay linear in q.k up to logits of {reach:.3g}", data=data)
+    return Check(4, "score_design", "inconclusive", data=data,
+                 reason=f"the declared --softcap {cap:g} could not be read: the scores fit neither a line nor a cap, "
+                 "or stay too small to show it")
 
 
 # --- the core against float64 attention -------------------------------------------------------
@@ -491,18 +626,36 @@ def reference_context(core: "Core", allow: "torch.Tensor", scales: "torch.Tensor
 
 def _core_check(core: "Core", declared: Declared, fit: ScoreFit, bias_fit: BiasFit, bias: "torch.Tensor",
                 factor: float, summed: tuple[float, float], diagnosis: tuple[Check, ...], applied: "torch.Tensor",
-                dtype: "torch.dtype") -> Check:
-    """attention_core: the context against float64 attention as declared; where it differs, why."""
+                dtype: "torch.dtype", bent: _Bent | None = None) -> Check:
+    """attention_core: the context against float64 attention as declared; where it differs, why.
+
+    With a soft-cap declared, the reference applies it, and the bending probe's context is
+    judged too: on the user's draw a cap far above the scores changes the context by less
+    than the tolerance, so a cap left out would pass there.
+    """
     import torch
 
     nh, tq, tk = core.q.shape[1], core.q.shape[2], core.k.shape[2]
     expected = (declared.scale if declared.scale is not None else 1.0 / math.sqrt(core.q.shape[-1])) / factor
-    caps = torch.tensor(fit.caps, dtype=torch.float64) if fit.form == "softcap" else None
+    if declared.softcap is not None:
+        caps = torch.full((nh,), float(declared.softcap), dtype=torch.float64)
+    else:
+        caps = torch.tensor(fit.caps, dtype=torch.float64) if fit.form == "softcap" else None
     known = bias if bias_fit.kind in ("alibi", "relative") else None
-    ref = reference_context(core, declared.allow(tq, tk), torch.full((nh,), expected, dtype=torch.float64), known, caps)
+    scales = torch.full((nh,), expected, dtype=torch.float64)
+    ref = reference_context(core, declared.allow(tq, tk), scales, known, caps)
     c = closeness(core.context, ref, dtype)
     measure = "max |context - float64 attention on the observed q, k, v|"
-    data: dict[str, Any] = {**c.data(), "scale": expected, "relation": declared.text, "row_sum_deviation": summed[0]}
+    data: dict[str, Any] = {**c.data(), "scale": expected, "relation": declared.text, "row_sum_deviation": summed[0],
+                            "softcap": declared.softcap}
+    if declared.softcap is not None and bent is not None and c.ok:
+        bent_ref = reference_context(bent.core, declared.allow(tq, tk), scales, known, caps)
+        cb = closeness(bent.core.context, bent_ref, dtype)
+        data["draw"] = {"delta": c.delta, "tolerance": c.tolerance}
+        data["bent"] = {"q_factor": bent.factor, "delta": cb.delta, "tolerance": cb.tolerance, **cb.data()}
+        if not cb.ok:
+            c = cb
+            measure = f"max |context - float64 attention| with q scaled by {bent.factor:.3g}"
     if c.ok:
         return Check(4, "attention_core", "pass", measure, c.delta, c.tolerance, "<=", data=data)
     failed = [d.name for d in diagnosis if d.failed]

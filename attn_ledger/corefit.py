@@ -257,7 +257,7 @@ class ScoreFit:
 
 
 def fit_scores(q: "torch.Tensor", k: "torch.Tensor", w: "torch.Tensor", w0: "torch.Tensor", bias: "torch.Tensor",
-               dtype: "torch.dtype") -> ScoreFit:
+               dtype: "torch.dtype", cap: float | None = None) -> ScoreFit:
     """Fit the logits ``log w`` against ``q.k`` per head, once the zero-score bias is taken out.
 
     Args:
@@ -265,12 +265,17 @@ def fit_scores(q: "torch.Tensor", k: "torch.Tensor", w: "torch.Tensor", w0: "tor
         w, w0: ``[B, Nh, Tq, Tk]`` the weights, and the weights with every score zero.
         bias: ``[B, Nh, Tq, Tk]`` from :func:`recognise_bias`.
         dtype: the dtype the weights were computed in.
+        cap: a declared soft-cap, tried first as the cap's starting value.
+
+    A weight below the smallest normal number of its dtype has lost its precision (a
+    subnormal, or flushed to 0), so its logit is not read.
     """
     import torch
 
     s = q.to(torch.float64) @ k.to(torch.float64).transpose(-2, -1)  # [B, Nh, Tq, Tk]
+    floor = torch.finfo(w.dtype).tiny if w.dtype.is_floating_point else 0.0
     w = w.to(torch.float64)
-    m = (w0.to(torch.float64) > 0) & (w > 0)
+    m = (w0.to(torch.float64) > 0) & (w >= floor) & (w > 0)
     logw = torch.where(m, w.clamp_min(1e-300).log(), torch.zeros_like(w))
     y = _centre(logw, m) - torch.where(m, bias, torch.zeros_like(bias))  # [B, Nh, Tq, Tk]
     y = _centre(y, m)
@@ -288,7 +293,7 @@ def fit_scores(q: "torch.Tensor", k: "torch.Tensor", w: "torch.Tensor", w0: "tor
         return ScoreFit("linear", scales, lin_res, tol, lin_res)
     caps, soft, worst = [], [], 0.0
     for h in range(nh):
-        fit = _softcap(y[:, h], s[:, h], m[:, h], scales[h])
+        fit = _softcap(y[:, h], s[:, h], m[:, h], scales[h], cap)
         if fit is None:
             return ScoreFit("none", scales, lin_res, tol, lin_res)
         caps.append(fit[0])
@@ -299,11 +304,12 @@ def fit_scores(q: "torch.Tensor", k: "torch.Tensor", w: "torch.Tensor", w0: "tor
     return ScoreFit("none", scales, lin_res, tol, lin_res)
 
 
-def _softcap(y: "torch.Tensor", s: "torch.Tensor", m: "torch.Tensor", slope: float) -> tuple[float, float, float] | None:
+def _softcap(y: "torch.Tensor", s: "torch.Tensor", m: "torch.Tensor", slope: float,
+             cap: float | None = None) -> tuple[float, float, float] | None:
     """Fit ``y = centre(a * tanh(beta * s))`` (Levenberg-Marquardt on a, beta); ``(a, beta, max misfit)``.
 
     The starting caps span the logits seen, since a cap far above them changes nothing and
-    one far below flattens everything.
+    one far below flattens everything; a declared cap is tried first.
     """
     import torch
 
@@ -311,8 +317,9 @@ def _softcap(y: "torch.Tensor", s: "torch.Tensor", m: "torch.Tensor", slope: flo
     if top == 0.0 or slope <= 0:
         return None
     best = None
-    for start in (0.25, 0.5, 1.0, 2.0):
-        a, beta = start * top, slope / (start * top)
+    starts = [start * top for start in (0.25, 0.5, 1.0, 2.0)]
+    for a0 in ([cap] if cap else []) + starts:
+        a, beta = a0, slope / a0
         lam = 1e-3
         res = _cap_residual(y, s, m, a, beta)
         for _ in range(60):

@@ -6,6 +6,8 @@ status 2. Checks never raise these: a failed invariant is a result, not an error
 
 from __future__ import annotations
 
+from typing import Iterable
+
 
 class AttnLedgerError(Exception):
     """Base class: bad input, bad usage or a setup problem (exit status 2)."""
@@ -62,3 +64,14 @@ def field_error(field: str, value: object, expected: str, cls: type[InputError] 
     """Build the standard one-line message: the field, the value received (cut to a readable length)
     and what was expected."""
     return cls(f"{field}: got {shown(value)}, expected {expected}")
+
+
+def did_you_mean(value: object, choices: Iterable[str]) -> str:
+    """``"; did you mean 'causal'?"`` when one of ``choices`` is close to ``value`` (by difflib's ratio,
+    at least 0.6), else ``""``: the tail of a message that refused ``value``."""
+    import difflib
+
+    if not isinstance(value, str) or not value:
+        return ""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""

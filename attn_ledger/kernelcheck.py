@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shlex
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -80,7 +81,7 @@ from attn_ledger.kernelref import (  # noqa: F401  (FACTOR re-exported)
     tolerance,
 )
 from attn_ledger.kernelspec import ADAPTERS, Declaration, check_signature, missing_from_error
-from attn_ledger.report import Check, Finding, Report, Row, bounded, counted, find_check, row_status, unjudged
+from attn_ledger.report import Check, Finding, Report, Row, Status, bounded, counted, find_check, row_status, unjudged
 from attn_ledger.seeding import generator
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ class Options:
         backward: run the backward checks (a declaration without backward turns them off too).
         strict_precision: a float64 case at float32 precision fails instead of warning.
         device: ``cpu``, ``cuda`` (or ``cuda:N``), ``mps`` or ``auto``.
+        strict_coverage: a case with no evidence (:attr:`CaseResult.evidence`) fails instead of
+            being counted inconclusive.
     """
 
     empty_rows: str = "zeros"
@@ -125,6 +128,7 @@ class Options:
     backward: bool = True
     strict_precision: bool = False
     device: str = "cpu"
+    strict_coverage: bool = False
 
     def __post_init__(self) -> None:
         if self.empty_rows not in EMPTY_ROWS:
@@ -197,8 +201,55 @@ class CaseResult:
     def warned(self) -> bool:
         return any(c.status == "warn" for c in self.checks)
 
+    @property
+    def evidence(self) -> bool:
+        """Whether a check past L1 judged the case (``pass``, ``warn`` or ``fail``).
+
+        L1's ``call``, ``shape``, ``dtype`` and ``grad_call`` pass for any function that returns
+        a tensor of the right shape and dtype (``q.new_zeros(...)`` does), so they show nothing
+        about the values; a case whose every later check is inconclusive, skipped or not
+        applicable has shown nothing either way.
+        """
+        return any(c.level > 1 and c.judged for c in self.checks)
+
+    @property
+    def inconclusive(self) -> bool:
+        """No check failed, and nothing past L1 judged the case: counted inconclusive, never passed."""
+        return self.passed and not self.evidence and _stopped_by(self) is None
+
+    @property
+    def status(self) -> Status:
+        """The case's verdict: ``fail``, ``warn``, ``inconclusive`` (no evidence) or ``pass``.
+
+        A case that passes on some evidence stays a pass where one of its probes is inconclusive.
+        """
+        if not self.passed:
+            return "fail"
+        if self.warned:
+            return "warn"
+        return "inconclusive" if self.inconclusive else "pass"
+
     def check(self, name: str) -> Check:
         return find_check(self.checks, name)
+
+
+EVIDENCE = "evidence"
+"""The case-level check (L4) that :func:`with_evidence` adds to a case with no evidence."""
+
+
+def with_evidence(result: CaseResult, strict: bool = False) -> CaseResult:
+    """``result``, with an L4 ``evidence`` check where no check failed and none past L1 judged it:
+    ``inconclusive``, or ``fail`` when ``strict`` (``--strict-coverage``). Other cases come back as
+    they are. :func:`kernel_report` adds it as it assembles the report, so a worker's case results
+    come back without it and the tool's own process judges it."""
+    if not result.inconclusive or any(c.name == EVIDENCE for c in result.checks):
+        return result
+    unjudged_past_l1 = sorted({c.status for c in result.checks if c.level > 1})
+    check = Check(4, EVIDENCE, "fail" if strict else "inconclusive", "checks past L1 that judged the case", 0, 1, ">=",
+                  reason="every check past L1 is inconclusive, skipped or not applicable, so nothing shows the "
+                         "output is right" + ("" if strict else "; --strict-coverage makes it a failure"),
+                  data={"statuses": unjudged_past_l1})
+    return replace(result, checks=(*result.checks, check))
 
 
 def smallest_failing(results: Iterable[CaseResult]) -> CaseResult | None:
@@ -212,10 +263,13 @@ def smallest_failing(results: Iterable[CaseResult]) -> CaseResult | None:
 def reproduction(case: Case, target: str, *, options: Options | None = None,
                  declaration: Declaration | None = None, empty_rows: str | None = None,
                  seed: int | None = None) -> tuple[str, tuple[str, ...]]:
-    """The CLI line and the Python lines that rerun one case of ``attn-ledger check TARGET``."""
+    """The CLI line and the Python lines that rerun one case of ``attn-ledger check TARGET``.
+
+    The CLI line is quoted for a shell (``shlex.quote``): pasted, it runs attn-ledger on that
+    target and nothing else, whatever the target's path holds (``$(...)``, spaces, a newline).
+    """
     o = options or Options()
-    o = Options(empty_rows=empty_rows or o.empty_rows, seed=o.seed if seed is None else seed, backward=o.backward,
-                strict_precision=o.strict_precision, device=o.device)
+    o = replace(o, empty_rows=empty_rows or o.empty_rows, seed=o.seed if seed is None else seed)
     d = declaration or Declaration()
     opts = ""
     if o.seed:
@@ -228,9 +282,11 @@ def reproduction(case: Case, target: str, *, options: Options | None = None,
         opts += " --no-backward"
     if o.strict_precision:
         opts += " --strict-precision"
+    if o.strict_coverage:
+        opts += " --strict-coverage"
     if o.device != "cpu":
         opts += f" --device {o.device}"
-    cli = f"attn-ledger check {target} --case {case.id}{opts}"
+    cli = f"{_check_command(target)} --case {shlex.quote(case.id)}{opts}"
     name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
     extra = (f", seed={o.seed}" if o.seed else "") + (f", device={o.device!r}" if o.device != "cpu" else "")
     python = ["from attn_ledger.kernelcheck import case_inputs", f"q, k, v, kw = case_inputs({case.id!r}{extra})"]
@@ -239,6 +295,10 @@ def reproduction(case: Case, target: str, *, options: Options | None = None,
         python.append(f"kw = {{key: val for key, val in kw.items() if key not in {tuple(dropped)!r}}}")
     python.append(f"out = {name}(q, k, v, **kw)")
     return cli, tuple(python)
+
+
+def _check_command(target: str) -> str:
+    return f"attn-ledger check {shlex.quote(target)}"
 
 
 def _decode_text(decode: dict[str, Any]) -> str:
@@ -261,8 +321,7 @@ def _case_row(result: CaseResult) -> Row:
                    note=stopped.reason)
     first = result.first_failure
     note = _decode_text(first.data["index_decode"]) if first is not None and "index_decode" in first.data else ""
-    return Row(result.case.id, row_status(result.checks), result.checks, fields={"elements": result.case.size},
-               note=note)
+    return Row(result.case.id, result.status, result.checks, fields={"elements": result.case.size}, note=note)
 
 
 def _cases(n: int) -> str:
@@ -300,8 +359,8 @@ class Plan:
 
 
 def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], small: CaseResult | None,
-                  failures: list[dict[str, Any]], warnings: list[dict[str, Any]], plan: Plan, target: str,
-                  o: Options, d: Declaration) -> tuple[list[str], dict[str, str] | None]:
+                  failures: list[dict[str, Any]], warnings: list[dict[str, Any]], inconclusive: Sequence[CaseResult],
+                  plan: Plan, target: str, o: Options, d: Declaration) -> tuple[list[str], dict[str, str] | None]:
     """The lines under the table (skips, warnings, each distinct failure, the reproduction), and the
     reproduction of the smallest failing case as data."""
     notes = list(plan.notes)
@@ -319,11 +378,21 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
     if unreached:
         notes.append(f"{len(unreached)} of {_cases(len(results))} not reached: "
                      f"{_stopped_by(unreached[0]).reason.removeprefix('not reached: ')}")  # type: ignore[union-attr]
-    if small is None:  # a run cut short has a failing case where it was cut
-        notes.append("the case passes" if len(results) == 1 else f"all {len(results)} cases pass")
+    if inconclusive:  # smallest first
+        it = "it" if len(inconclusive) == 1 else "them"
+        notes.append(f"{_cases(len(inconclusive))} inconclusive: no check past L1 judged {it} (warning; smallest "
+                     f"{inconclusive[0].case.id}); --strict-coverage makes {it} a failure")
+    if small is None:
+        passed = len(results) - len(inconclusive)
+        if not inconclusive:
+            notes.append("the case passes" if len(results) == 1 else f"all {len(results)} cases pass")
+        else:
+            notes.append(f"{passed} of {_cases(len(results))} pass{'es' if passed == 1 else ''}; "
+                         f"{len(inconclusive)} inconclusive")
         return notes, None
     cli, python = reproduction(small.case, target, options=o, declaration=d)
-    command, _, rest = cli.partition(" --case ")
+    command = _check_command(target)
+    rest = cli[len(command) + len(" --case "):]  # the target may hold " --case " itself
     verb = "fails" if len(failing) == 1 else "fail"
     notes.append(f"{len(failing)} of {_cases(len(results))} {verb}; the first finding is the smallest failing case")
     for g in failures:
@@ -346,24 +415,30 @@ def kernel_report(
     counts, each distinct failure (and warning) once with its count and smallest case, the cases
     skipped and why, and the reproduction of the smallest failing case, which the notes repeat.
     Where the run stopped early (:func:`not_reached_case`), ``details["stopped"]`` says why.
+    A case with no evidence past L1 gets an ``evidence`` check (:func:`with_evidence`): it is
+    counted in ``cases_inconclusive``, or fails under ``options.strict_coverage``.
     """
     o = options or Options()
-    o = Options(empty_rows=empty_rows or o.empty_rows, seed=o.seed if seed is None else seed, backward=o.backward,
-                strict_precision=o.strict_precision, device=o.device)
+    o = replace(o, empty_rows=empty_rows or o.empty_rows, seed=o.seed if seed is None else seed)
     d = declaration or Declaration()
     plan = plan or Plan(tuple(r.case for r in results), {}, tuple(skipped))
+    results = [with_evidence(r, o.strict_coverage) for r in results]
     ordered = sorted(results, key=lambda r: (r.case.size, r.case.id))
     failing = [r for r in ordered if not r.passed]
     small = smallest_failing(results)
     failures, warnings = _groups(ordered, "fail"), _groups(ordered, "warn")
-    notes, repro = _report_notes(results, failing, small, failures, warnings, plan, target, o, d)
     stopped = [(r.case.id, c) for r in results if (c := _stopped_by(r)) is not None]  # in the order run
+    inconclusive = [r for r in ordered if r.inconclusive]
+    notes, repro = _report_notes(results, failing, small, failures, warnings, inconclusive, plan, target, o, d)
     levels = [r.first_failure.level for r in failing]  # type: ignore[union-attr]
     details = {
         "target": target, "protocol": "kernel", "tier": tier, "empty_rows": o.empty_rows, "seed": o.seed,
         "device": plan.device or o.device, "reference_dtype": plan.reference_dtype,
         "backward": o.backward and d.backward, "strict_precision": o.strict_precision, "declaration": d.to_json(),
+        "strict_coverage": o.strict_coverage,
         "cases_total": len(results), "cases_failed": len(failing), "cases_warned": sum(r.warned for r in results),
+        "cases_inconclusive": len(inconclusive),
+        "smallest_inconclusive": inconclusive[0].case.id if inconclusive else None,
         "cases_skipped": plan.skipped_total, "skipped_by_declaration": dict(plan.skipped),
         "first_level": min(levels) if levels else None, "failures": failures, "warnings": warnings,
         "skipped": list(plan.notes), "reproduce": repro,
@@ -1109,6 +1184,7 @@ def check_kernel(
     device: str = "cpu",
     declaration: Declaration | None = None,
     progress: Callable[[int, int], None] | None = None,
+    strict_coverage: bool = False,
 ) -> Report:
     """Run a kernel-protocol function over a tier of cases, or the given cases.
 
@@ -1124,16 +1200,17 @@ def check_kernel(
         device: where the cases run (``cpu``, ``cuda``, ``mps``, ``auto``).
         declaration: what the kernel supports; cases outside it are skipped and counted.
         progress: ``callback(done, total)``.
+        strict_coverage: a case with no evidence past L1 fails instead of being counted inconclusive.
 
     Returns:
         A :class:`~attn_ledger.report.Report` with one row per case (see :func:`kernel_report`);
-        its ``exit_code`` is 0 when every case passes (warnings included), else 1.
+        its ``exit_code`` is 0 when no case fails (warnings and inconclusive cases included), else 1.
 
     Raises:
         SetupError: the target cannot take the protocol's arguments, or nothing is left to run.
         InputError: a bad option.
     """
-    o = Options(empty_rows, seed, backward, strict_precision, device)
+    o = Options(empty_rows, seed, backward, strict_precision, device, strict_coverage)
     d = declaration or Declaration()
     plan = plan_cases(tier_cases(tier) if cases is None else cases, d, o.device)
     if not plan.cases:

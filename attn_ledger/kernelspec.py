@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from attn_ledger.errors import AttnLedgerError, ConfigError, InputError, SetupError
+from attn_ledger.errors import AttnLedgerError, ConfigError, InputError, SetupError, did_you_mean
 from attn_ledger.kernelcases import DTYPES, Case
 
 MASK_KINDS = ("none", "causal", "mask")
@@ -32,7 +32,7 @@ TABLE = "tool.attn-ledger.check"
 ADAPTERS = "see 'Adapters' in docs/check.md"
 
 # Keys of [tool.attn-ledger.check] besides the declaration itself.
-RUN_KEYS = ("empty_rows", "strict_precision")
+RUN_KEYS = ("empty_rows", "strict_precision", "strict_coverage")
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,8 @@ def declaration(values: Mapping[str, Any], base: Declaration | None = None, sour
             continue
         field = f"{source}{key}"
         if key not in _PARSERS:
-            raise InputError(f"{field}: unknown key, expected one of {', '.join([*_PARSERS, *RUN_KEYS])}")
+            raise InputError(f"{field}: unknown key, expected one of {', '.join([*_PARSERS, *RUN_KEYS])}"
+                             + did_you_mean(key, [*_PARSERS, *RUN_KEYS]))
         changes[key] = _PARSERS[key](value, field)
     return replace(base or Declaration(), **changes)
 
@@ -208,8 +209,9 @@ def split_table(table: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     """The table's declaration keys and its run keys (:data:`RUN_KEYS`), apart."""
     decl = {k: v for k, v in table.items() if k not in RUN_KEYS}
     run = {k: v for k, v in table.items() if k in RUN_KEYS}
-    if "strict_precision" in run:
-        _bool(run["strict_precision"], f"[{TABLE}] strict_precision")
+    for key in ("strict_precision", "strict_coverage"):
+        if key in run:
+            _bool(run[key], f"[{TABLE}] {key}")
     if "empty_rows" in run and run["empty_rows"] not in ("zeros", "nan", "any"):
         raise InputError(f"[{TABLE}] empty_rows: got {run['empty_rows']!r}, expected one of zeros, nan, any")
     return decl, run

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from attn_ledger.engine import assemble, builtin, inputs, relations
 from attn_ledger.engine.backends import SDPA_BACKENDS, resolve_backends
 from attn_ledger.engine.execute import ProgressFn, reference_dtype
-from attn_ledger.engine.grid import Grid, run_grid, scale_meta
+from attn_ledger.engine.grid import Grid, run_grid, scale_meta, softcap_meta
 from attn_ledger.engine.positions import rope_row
 from attn_ledger.engine.properties import properties_row
 from attn_ledger.engine.rows import Rows
@@ -83,13 +83,13 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     Returns:
         The :class:`~attn_ledger.report.Report`; ``report.first_finding`` is the diagnosis.
     """
-    from attn_ledger.pipeline import ops_for
+    from attn_ledger.pipeline import ops_for, with_softcap
 
     cfg = config
     device, dtype = inputs.resolve_device(cfg.device), inputs.torch_dtype(cfg.dtype)
     b, tq, tk, nh = cfg.batch_size, cfg.tq, cfg.tk, cfg.num_heads
     relation = relations.build(relations.from_config(cfg), b, nh, tq, tk, device)
-    ops = ops or ops_for(cfg.fault)
+    ops = with_softcap(ops or ops_for(cfg.fault), cfg.softcap)
     spec = cfg.rope_spec
     rows = Rows()
     title, meta = builtin.config_title(cfg, relation, device)
@@ -119,9 +119,11 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
         return done()
     k_exp, v_exp = expanded
     scale = scale_meta(rows, meta, cfg.scale, cfg.temperature, cfg.dh)
+    softcap_meta(rows, meta, cfg.softcap, backends)
     run_scale = ops.scale_for(cfg.dh, scale)
     grid = run_grid(rows, meta, ops, q, k_exp, v_exp, refs, relation, run_scale, empty_zero, ref_scale=scale,
-                    block_size=cfg.block_size, keep_grids=cfg.keep_grids, progress=progress, backends=backends)
+                    block_size=cfg.block_size, keep_grids=cfg.keep_grids, progress=progress, backends=backends,
+                    softcap=cfg.softcap)
     if grid.context is None or (rows.failed() and not keep_going):
         return done()
     _after_context(rows, ops, cfg, inp, relation, grid, (q, k_exp, v_exp), qkv, run_scale, scale, keep_going)
@@ -188,6 +190,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     grad_output: "str | Tensor | None" = None,
     grads: "dict[str, Tensor] | None" = None,
     replay: bool = False,
+    softcap: float | None = None,
 ) -> Report:
     """Run the ledger on given Q, K, V (and optionally the user's own intermediates and gradients).
 
@@ -208,6 +211,8 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
             context comparison per backend the device offers, as ``sdpa[backend,dtype]`` checks.
         scale, temperature: the score scale is ``scale / temperature`` (default ``1/sqrt(Dh)``), in the
             pipeline and every reference alike.
+        softcap: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask (Gemma 2's
+            logit soft-capping), in the pipeline and every reference alike (not with ``grad`` or ``backends``).
         rope: rotary positions applied to q and k before the scores (a :class:`~attn_ledger.rotary.RotarySpec`
             or its text, ``PAIRING[,base=B][,dim=D]``); query i at position ``i + Tk - Tq``.
         grad: run and check the backward stages, seeded with ``grad_output`` on the context: ``"ones"``
@@ -222,7 +227,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     """
     from attn_ledger.engine.replay import replay_tensors
     from attn_ledger.errors import InputError
-    from attn_ledger.pipeline import HEALTHY
+    from attn_ledger.pipeline import HEALTHY, with_softcap
 
     inputs.validate_qkv(q, k, v)
     one_head = q.dim() == 3
@@ -237,10 +242,11 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         raise InputError(f"empty_rows: got {empty_rows!r}, expected 'error' or 'zeros'")
     rotation_spec = inputs.rope_spec(rope, dh)
     grads = {n: t for n, t in (grads or {}).items() if t is not None}
-    inputs.check_options(scale, temperature, grad, grad_output, grads)
+    inputs.check_options(scale, temperature, grad, grad_output, grads, softcap)
     given, broken = inputs.given_tensors({"scores": scores, "weights": weights, "out": out}, one_head, b, nh, tq, tk, dv)
     rows = Rows()
     title, meta = inputs.tensor_rows(rows, q, k, v, one_head, relation, source, given)
+    title += f" softcap={softcap:g}" if softcap is not None else ""
     order = tensor_stages(rotation_spec is not None, grad)
     empty_zero = empty_rows == "zeros"
 
@@ -256,16 +262,18 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         return done()
     (qr, kr, vr), refs = rotated
     ref_scale = scale_meta(rows, meta, scale, temperature, dh)
+    softcap_meta(rows, meta, softcap, backends)
+    ops = with_softcap(HEALTHY, softcap)
     k_exp, v_exp = HEALTHY.expand(kr, nh), HEALTHY.expand(vr, nh)
     # Q, K, V go to the reference as given: cast to its dtype and kv heads repeated by its own code
-    grid = run_grid(rows, meta, HEALTHY, qr, k_exp, v_exp, refs, relation, ref_scale, empty_zero, ref_scale=ref_scale,
+    grid = run_grid(rows, meta, ops, qr, k_exp, v_exp, refs, relation, ref_scale, empty_zero, ref_scale=ref_scale,
                     given=given, broken=tuple(broken), block_size=block_size, keep_grids=keep_grids, progress=progress,
-                    backends=backends)
+                    backends=backends, softcap=softcap)
     if grid.context is None or (rows.failed() and not keep_going):
         return done()
     if replay:
-        rows.checks["context"].append(replay_tensors(grid, relation, qr, k_exp, v_exp, ref_scale, empty_zero))
-    properties_row(rows, HEALTHY, qr, k_exp, v_exp, relation, ref_scale, grad)
+        rows.checks["context"].append(replay_tensors(grid, relation, qr, k_exp, v_exp, ref_scale, empty_zero, ops))
+    properties_row(rows, ops, qr, k_exp, v_exp, relation, ref_scale, grad)
     if grad and not (rows.failed() and not keep_going):
         from attn_ledger.engine import backward_rows
         from attn_ledger.engine.backward import Rotation
@@ -297,6 +305,7 @@ def run_ledger_tensors(
     grad: bool = False,
     grad_output: "str | None" = None,
     replay: bool = False,
+    softcap: float | None = None,
 ) -> Report:
     """Load a ``.pt``/``.safetensors``/``.npz`` file of q, k, v (and optional masks, intermediates and gradients
     ``grad_out``, ``dq``, ``dk``, ``dv``) and run the ledger (see :func:`ledger_on_qkv`).
@@ -311,4 +320,5 @@ def run_ledger_tensors(
         window=window, prefix_len=prefix_len, scores=t.get("scores"), weights=t.get("weights"), out=t.get("out"),
         empty_rows=empty_rows, block_size=block_size, keep_grids=keep_grids, keep_going=keep_going,
         progress=progress, source=source, backends=backends, scale=scale, temperature=temperature, rope=rope,
-        grad=grad, grad_output=grad_output, grads={n: t.get(n) for n in ("grad_out", "dq", "dk", "dv")}, replay=replay)
+        grad=grad, grad_output=grad_output, grads={n: t.get(n) for n in ("grad_out", "dq", "dk", "dv")}, replay=replay,
+        softcap=softcap)

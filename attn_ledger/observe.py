@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["Core", "Observation", "Projection", "observe_module", "probe_weights"]
+__all__ = ["Core", "Observation", "Projection", "observe_module", "probe_bent", "probe_weights"]
 
 # What a tensor derives from, as bit flags.
 _INPUT, _PROJ, _SCORES, _CORE = 1, 2, 4, 8
@@ -223,11 +223,13 @@ class _Observer:
     alive for the forward, so an ``id`` is never reused while it is looked up.
     """
 
-    def __init__(self, x: "torch.Tensor", names: dict[int, str], zero_q_of: int | None) -> None:
+    def __init__(self, x: "torch.Tensor", names: dict[int, str], zero_q_of: int | None,
+                 q_factor: float = 0.0) -> None:
         self.x = x
         self.b, self.t = x.shape[0], x.shape[1]
         self.names = names
-        self.zero_q_of = zero_q_of
+        self.probe_of = zero_q_of
+        self.q_factor = q_factor
         self.marks: dict[int, tuple[int, int]] = {id(x): (_INPUT, -1)}
         self.keep: list[Any] = [x]
         self.calls = 0
@@ -319,10 +321,17 @@ class _Observer:
             return _CORE, self.mix(a, b, index, self.mark(a)[1]), args, sidx
         if fb & _SCORES:
             return 0, None, args, sidx
+        if len(self.scores) == self.probe_of:
+            args = tuple(self.probed(v) if i == at else v for i, v in enumerate(args))
+            a = args[at]
         ordinal = self.scores_call(a, b, op, index)
-        if ordinal == self.zero_q_of:
-            args = tuple(torch.zeros_like(v) if i == at else v for i, v in enumerate(args))
         return _SCORES, None, args, ordinal
+
+    def probed(self, q: "torch.Tensor") -> "torch.Tensor":
+        """The probed scores call's q operand: zeroed, or scaled by ``q_factor`` to bend a soft-cap."""
+        import torch
+
+        return torch.zeros_like(q) if self.q_factor == 0.0 else q * self.q_factor
 
     def projection(self, act: "torch.Tensor", weight: "torch.Tensor", op: str, index: int):
         flags = self.mark(act)[0]
@@ -373,9 +382,11 @@ class _Observer:
             return _CORE, self.mix(left, right, index, s_first), args, sidx
         if (fa | fb) & _SCORES:
             return 0, None, args, sidx
+        if len(self.scores) == self.probe_of:
+            ops = [self.probed(o) if o is first else o for o in ops]
+            args = (equation, *ops)
+            left, right, _ = _einsum_pair(equation, *ops)
         ordinal = self.scores_call(left, right, "einsum", index)
-        if ordinal == self.zero_q_of:
-            args = (equation, *(torch.zeros_like(o) if o is first else o for o in ops))
         return _SCORES, None, args, ordinal
 
     def sdpa_call(self, args: tuple, kwargs: dict, index: int):
@@ -591,3 +602,48 @@ def probe_weights(module: "nn.Module", x: "torch.Tensor", core: Core) -> tuple["
     if probed is None or probed.weights is None or probed.weights.shape != core.weights.shape:
         return None
     return core.weights, probed.weights
+
+
+def probe_bent(module: "nn.Module", x: "torch.Tensor", core: Core, factor: float) -> Core | None:
+    """The core as it runs with its q scaled by ``factor``: its q, k, v, weights and context.
+
+    Scores far below a soft-cap are bent by its tanh too little to read; scaling the q that
+    enters the scores (inside the forward, so no norm undoes it) brings them up to the cap.
+    For an SDPA core, SDPA is called again with the module's own arguments and the scaled q
+    (the identity as v for the weights); for a matmul core, one more forward runs with the
+    scores call's q operand scaled. None when that forward no longer reaches the same core.
+    """
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+
+    if core.kind == "sdpa":
+        call = core.sdpa
+        assert call is not None
+        q, k, v = call["query"] * factor, call["key"], call["value"]
+        tk = k.shape[-2]
+        eye = torch.eye(tk, dtype=v.dtype).expand(*k.shape[:-2], tk, tk)  # [*lead, Tk, Tk]
+        kw = {n: call[n] for n in ("attn_mask", "is_causal", "scale", "enable_gqa") if n in call}
+        with torch.no_grad():
+            w = F.scaled_dot_product_attention(q, k, eye, dropout_p=0.0, **kw)  # [*lead, Tq, Tk]
+            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, **kw)  # [*lead, Tq, Dv]
+        if not call.get("enable_gqa"):
+            lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+            q, w = (t.expand(*lead, *t.shape[-2:]) for t in (q, w))
+        b = x.shape[0]
+        parts = [_heads(q, b), _heads(w, b), _heads(ctx, b)]
+        if any(p is None for p in parts) or parts[0].shape != core.q.shape:
+            return None
+        return dataclasses.replace(core, q=parts[0], weights=parts[1], context=parts[2])
+    obs = _Observer(x, {}, core.ordinal, factor)
+    with torch.no_grad(), _mode(obs):
+        module(x)
+    mix = next((m for m in obs.mixes if m[1] == core.ordinal), None)
+    if mix is None:
+        return None
+    probed, _ = _matmul_core(obs, mix)
+    if probed is None or probed.weights is None or probed.q.shape != core.q.shape \
+            or probed.weights.shape != core.weights.shape:
+        return None
+    return probed

@@ -71,6 +71,13 @@ def qk_scores(q: "Tensor", k: "Tensor", scale: float) -> "Tensor":
     return matmul(q * scale, k.transpose(-2, -1))  # [B, Nh, Tq, Tk]
 
 
+def soft_cap(scores: "Tensor", cap: float) -> "Tensor":
+    """``cap * tanh(s / cap)`` on the scaled scores, before the mask (Gemma 2's logit soft-capping)."""
+    import torch
+
+    return torch.tanh(scores / cap) * cap  # [B, Nh, Tq, Tk], within (-cap, cap)
+
+
 def apply_mask(scores: "Tensor", allow: "Tensor | None") -> "Tensor":
     """Forbidden (query, key) pairs become -inf before normalisation."""
     import torch
@@ -317,6 +324,10 @@ def _softmax_global_max(masked: "Tensor", allow: "Tensor | None", empty_rows_zer
     return weights
 
 
+_register("softcap-after-mask", "the soft-cap applied after the mask, not to the scores: a forbidden key's -inf "
+          "becomes -cap", cap_after_mask=True)
+
+
 @dataclass(frozen=True)
 class Ops:
     """The functions one pipeline run uses, stage by stage (the backward stages included)."""
@@ -336,6 +347,7 @@ class Ops:
     grad_q: Callable = grad_q
     grad_k: Callable = grad_k
     unscaled: bool = False
+    cap_after_mask: bool = False
 
     def scale_for(self, dh: int, scale: float | None = None) -> float:
         """The score scale this pipeline applies: ``scale`` (default ``1/sqrt(Dh)``), or 1 when it forgets it."""
@@ -354,6 +366,17 @@ def ops_for(fault: str | None) -> Ops:
     if fault is None:
         return HEALTHY
     return _FAULTY[str(fault)]
+
+
+def with_softcap(ops: Ops, cap: float | None) -> Ops:
+    """``ops`` whose scores stage ends in :func:`soft_cap` (or, with the fault, whose mask stage does)."""
+    if cap is None:
+        return ops
+    if ops.cap_after_mask:
+        mask = ops.mask
+        return replace(ops, mask=lambda s, allow: soft_cap(mask(s, allow), cap))  # -inf becomes -cap: a weight
+    scores = ops.scores
+    return replace(ops, scores=lambda q, k, scale: soft_cap(scores(q, k, scale), cap))
 
 
 def attend(ops: Ops, q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,

@@ -50,6 +50,7 @@ def reference_stages(
     scale: float | None = None,
     empty_rows: str = "zeros",
     dtype: "torch.dtype | None" = None,
+    softcap: float | None = None,
 ) -> dict[str, "torch.Tensor"]:
     """Plain attention in float64 (or ``dtype``), returning every intermediate.
 
@@ -59,9 +60,11 @@ def reference_stages(
         is_causal: bottom-right aligned causal relation, combined with ``allow_mask`` by AND.
         scale: None means ``1/sqrt(Dh)``.
         empty_rows: what a query with every key blocked returns: ``"zeros"`` or ``"nan"``.
+        softcap: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask
+            (Gemma 2's logit soft-capping); None: no cap.
 
     Returns:
-        dict with ``scores`` (scaled, unmasked), ``masked_scores``, ``weights``, ``out``,
+        dict with ``scores`` (scaled, capped, unmasked), ``masked_scores``, ``weights``, ``out``,
         each ``[B, Nh, Tq, *]``, and ``allow`` (or None).
     """
     import torch
@@ -74,6 +77,8 @@ def reference_stages(
     k64 = repeat_kv(k.to(dtype), nh)  # [B, Nh, Tk, Dh]
     v64 = repeat_kv(v.to(dtype), nh)  # [B, Nh, Tk, Dv]
     scores = torch.matmul(q64, k64.transpose(-2, -1)).mul_(scale)  # [B, Nh, Tq, Tk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap  # [B, Nh, Tq, Tk], within (-softcap, softcap)
     allow = combined_allow(b, nh, tq, tk, allow_mask, is_causal, device=q.device)
     if allow is None:
         masked = scores
@@ -89,10 +94,12 @@ def reference_stages(
     return {"scores": scores, "masked_scores": masked, "weights": weights, "out": out, "allow": allow}
 
 
-def reference_attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None, empty_rows="zeros", dtype=None):
+def reference_attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None, empty_rows="zeros", dtype=None,
+                        softcap=None):
     """The kernel protocol's reference output ``[B, Nh, Tq, Dv]`` in float64 (see :func:`reference_stages`)."""
     return reference_stages(
-        q, k, v, allow_mask=allow_mask, is_causal=is_causal, scale=scale, empty_rows=empty_rows, dtype=dtype
+        q, k, v, allow_mask=allow_mask, is_causal=is_causal, scale=scale, empty_rows=empty_rows, dtype=dtype,
+        softcap=softcap,
     )["out"]
 
 

@@ -31,13 +31,20 @@ for that).
 
 from __future__ import annotations
 
+import warnings
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from attn_ledger.report import Report
 
-__all__ = ["assert_attention_matches", "assert_module_matches", "diagnosis", "module_diagnosis", "rootdir"]
+__all__ = ["InconclusiveCases", "assert_attention_matches", "assert_module_matches", "diagnosis", "module_diagnosis",
+           "rootdir"]
+
+
+class InconclusiveCases(UserWarning):
+    """Every case passes or is inconclusive, and some are inconclusive: nothing past L1 judged them."""
 
 
 def rootdir() -> Path:
@@ -65,6 +72,7 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
     timeout: float | None = None,
     backward: bool | None = None,
     strict_precision: bool | None = None,
+    strict_coverage: bool | None = None,
     device: str = "cpu",
     dtypes: Sequence[str] | None = None,
     masks: Sequence[str] | None = None,
@@ -88,9 +96,14 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
             with an L1 ``call`` finding. Needs the main thread (it uses ``SIGALRM``).
         backward: check gradients (None: the table's, else True).
         strict_precision: a float64 case at float32 precision fails (None: the table's, else False).
+        strict_coverage: a case that no check past L1 judged fails (None: the table's, else False: such
+            a case is counted inconclusive, and the helper warns with :class:`InconclusiveCases`).
         device: ``cpu``, ``cuda``, ``mps`` or ``auto``.
         dtypes, masks, gqa, distinct_dv, max_tq, max_tk, head_dims: what the kernel supports (None: the
             table's, else everything); cases outside are skipped.
+
+    Warns:
+        InconclusiveCases: no case fails, but some case was judged by nothing past L1.
 
     Raises:
         AssertionError: some case fails; the message is the diagnosis.
@@ -106,16 +119,19 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
     check_timeout(timeout, "timeout")
     declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv, "max_tq": max_tq,
                 "max_tk": max_tk, "head_dims": head_dims, "backward": backward, "empty_rows": empty_rows,
-                "strict_precision": strict_precision}
+                "strict_precision": strict_precision, "strict_coverage": strict_coverage}
     decl, run = from_sources(declared, rootdir())
     ids = [cases] if isinstance(cases, str) else cases
     target = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     with in_process(timeout):
         report = check_kernel(fn, select_cases(ids, tier) if ids else None, tier=tier, target=target,
                               empty_rows=run.get("empty_rows", "zeros"), seed=seed, backward=decl.backward,
-                              strict_precision=run.get("strict_precision", False), device=device, declaration=decl)
+                              strict_precision=run.get("strict_precision", False), device=device, declaration=decl,
+                              strict_coverage=run.get("strict_coverage", False))
     if report.exit_code:
         raise AssertionError(diagnosis(report))
+    if report.details["cases_inconclusive"]:
+        warnings.warn(InconclusiveCases(diagnosis(report)), stacklevel=2)
 
 
 def diagnosis(report: "Report", max_cases: int = 3) -> str:
@@ -130,13 +146,20 @@ def diagnosis(report: "Report", max_cases: int = 3) -> str:
     fn_name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
     skipped = f"; {d['cases_skipped']} skipped (outside the declaration)" if d.get("cases_skipped") else ""
     if report.first_finding is None:
-        return f"{target}: all {d['cases_total']} cases pass{skipped} (empty rows: {d['empty_rows']})"
+        if not d["cases_inconclusive"]:
+            return f"{target}: all {d['cases_total']} cases pass{skipped} (empty rows: {d['empty_rows']})"
+        passed = d["cases_total"] - d["cases_inconclusive"]
+        return "\n".join([f"{target}: {passed} of {_cases(d['cases_total'])} {'passes' if passed == 1 else 'pass'}, "
+                          f"{d['cases_inconclusive']} inconclusive{skipped} (empty rows: {d['empty_rows']})",
+                          f"  no check past L1 judged {_cases(d['cases_inconclusive'])} (smallest "
+                          f"{d['smallest_inconclusive']}); strict_coverage=True makes them failures"])
     first = report.first_finding
-    lines = [f"{target}: {d['cases_failed']} of {d['cases_total']} cases fail{skipped}; first level reached: "
+    verb = "fails" if d["cases_failed"] == 1 else "fail"
+    lines = [f"{target}: {d['cases_failed']} of {_cases(d['cases_total'])} {verb}{skipped}; first level reached: "
              f"L{d['first_level']}; smallest failing case {first.row}: L{first.level} {first.name}"]
     lines += list(d["skipped"])
     for g in d["failures"]:
-        lines.append(f"  L{g['level']} {g['check']} fails first in {g['cases']} cases (smallest {g['smallest_case']})")
+        lines.append(f"  L{g['level']} {g['check']} fails first in {_cases(g['cases'])} (smallest {g['smallest_case']})")
     shown = [g["smallest_case"] for g in sorted(d["failures"], key=lambda g: (parse_case(g["smallest_case"]).size,
                                                                               g["smallest_case"]))]
     for case_id in shown[:max_cases]:
@@ -156,6 +179,10 @@ def diagnosis(report: "Report", max_cases: int = 3) -> str:
     return "\n".join(lines)
 
 
+def _cases(n: int) -> str:
+    return f"{n} case" if n == 1 else f"{n} cases"
+
+
 def assert_module_matches(
     factory: Callable[..., Any],
     embed_dim: int,
@@ -173,10 +200,10 @@ def assert_module_matches(
         factory: ``factory(embed_dim, num_heads) -> nn.Module`` mapping ``[B, T, E]`` to ``[B, T, E]``.
         embed_dim, num_heads: E and Nh, passed to the factory.
         batch_size, seq_len: the inputs (B >= 2, T >= 2).
-        declared: ``causal``, ``window``, ``scale``: what the module is meant to compute (causal or not,
-            a causal sliding window of ``window`` keys, its own softmax scale), and ``seed``; as
-            :func:`~attn_ledger.modulecheck.check_module` takes them, with its defaults (causal,
-            no window, 1/sqrt(Dh), seed 0).
+        declared: ``causal``, ``window``, ``scale``, ``softcap``: what the module is meant to compute
+            (causal or not, a causal sliding window of ``window`` keys, its own softmax scale, a soft-cap
+            on its scores), and ``seed``; as :func:`~attn_ledger.modulecheck.check_module` takes them,
+            with its defaults (causal, no window, 1/sqrt(Dh), no cap, seed 0).
         name: how to name the factory in the message and the command (default
             ``path/to/file.py:QUALNAME`` where the factory can be imported that way).
         timeout: seconds per call into the module (None: no limit); a call past it stops the
@@ -201,7 +228,7 @@ def assert_module_matches(
         raise AssertionError(module_diagnosis(report, reproduce=_module_reproduction(spec, embed_dim, num_heads, options)))
 
 
-DECLARED = ("causal", "window", "scale", "seed")  # what assert_module_matches passes on as check_module's keywords
+DECLARED = ("causal", "window", "scale", "softcap", "seed")  # what assert_module_matches passes on as check_module's keywords
 
 
 def _declaration(declared: dict[str, Any]) -> dict[str, Any]:
@@ -232,15 +259,17 @@ def _factory_spec(factory: Callable[..., Any]) -> str:
 
 
 def _module_reproduction(spec: str, embed_dim: int, num_heads: int, options: dict[str, Any]) -> dict[str, str]:
-    cli = [f"attn-ledger check --module {spec} --embed-dim {embed_dim} --heads {num_heads}"]
+    cli = [f"attn-ledger check --module {shlex.quote(spec)} --embed-dim {embed_dim} --heads {num_heads}"]
     if not options["causal"]:
         cli.append("--no-causal")
     if options["window"] is not None:
         cli.append(f"--window {options['window']}")
     if options["scale"] is not None:
         cli.append(f"--scale {options['scale']!r}")
+    if options.get("softcap") is not None:
+        cli.append(f"--softcap {options['softcap']!r}")
     cli.append(f"--seed {options['seed']} --batch-size {options['batch_size']} --seq-len {options['seq_len']}")
-    args = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    args = ", ".join(f"{k}={v!r}" for k, v in options.items() if k != "softcap" or v is not None)
     python = ("from attn_ledger.modulecheck import check_module\n"
               f"report = check_module(factory, {embed_dim}, {num_heads}, {args})\n"
               "print(report.first_finding)")

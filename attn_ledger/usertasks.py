@@ -66,7 +66,8 @@ class Task:
 # --- check FILE:NAME: one unit per case -----------------------------------------------------------
 
 def _kernel_options(args: dict[str, Any]) -> Options:
-    return Options(args["empty_rows"], args["seed"], args["backward"], args["strict_precision"], args["device"])
+    return Options(args["empty_rows"], args["seed"], args["backward"], args["strict_precision"], args["device"],
+                   args.get("strict_coverage", False))
 
 
 def _kernel_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -141,7 +142,8 @@ def _module_check_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 def _module_check_run(state: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:
     module, decode = state
     return check_built_module(module, args["embed_dim"], args["num_heads"], causal=args["causal"],
-                              window=args.get("window"), scale=args.get("scale"), seed=args["seed"],
+                              window=args.get("window"), scale=args.get("scale"), softcap=args.get("softcap"),
+                              seed=args["seed"],
                               batch_size=args.get("batch_size", BATCH_SIZE), seq_len=args.get("seq_len", SEQ_LEN),
                               progress=progress, subject=args["spec"], decode=decode)
 
@@ -150,7 +152,7 @@ def _module_check_stopped(args: dict[str, Any], unit: Any, reason: str, data: di
     sizes = {"B": args.get("batch_size", BATCH_SIZE), "T": args.get("seq_len", SEQ_LEN), "E": args["embed_dim"],
              "Nh": args["num_heads"]}
     return stopped_module_report(args["spec"], sizes, args["causal"], reason, data, window=args.get("window"),
-                                 scale=args.get("scale"))
+                                 scale=args.get("scale"), softcap=args.get("softcap"))
 
 
 def _intervene_run(module: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:

@@ -34,6 +34,7 @@ the CLI runs, sees no difference.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -47,9 +48,9 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
-from attn_ledger import errors
+from attn_ledger import errors, reaper
 from attn_ledger.errors import AttnLedgerError, SetupError, field_error
 
 TIMEOUT_S = 60.0
@@ -163,9 +164,26 @@ def run_user_task(name: str, args: dict[str, Any], *, in_process: bool = False, 
 
         with in_process_policy(timeout, stdout_to_stderr=True):
             return Outcome(_run_here(task, args, progress, limits))
-    with tempfile.TemporaryDirectory(prefix="attn-ledger-") as tmp, _Supervisor(Path(tmp), timeout or TIMEOUT_S) as sup:
+    with _run_directory() as tmp, _Supervisor(Path(tmp), timeout or TIMEOUT_S) as sup:
         report = _run_supervised(sup, name, task, args, progress, limits)
         return Outcome(report, sup.output())
+
+
+@contextlib.contextmanager
+def _run_directory() -> Iterator[str]:
+    """The task's temporary directory; on the way out, every process started meanwhile ends first.
+
+    This process becomes their subreaper (:mod:`attn_ledger.reaper`), so a child the user's code
+    forks, even one in a session of its own, is found and ended when the worker is gone; only
+    then is the directory (the captured output it may still hold open) removed.
+    """
+    before = reaper.snapshot()
+    reaper.become_subreaper()
+    with tempfile.TemporaryDirectory(prefix="attn-ledger-") as tmp:
+        try:
+            yield tmp
+        finally:
+            reaper.end_descendants(before, keep=reaper.helper_pids())
 
 
 def _past_the_stop(task: Any, args: dict[str, Any], unit: Any, limits: Limits, stop: tuple[str, dict[str, Any]]) -> Any:
@@ -278,7 +296,9 @@ class _Supervisor:
     def __enter__(self) -> "_Supervisor":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None and self.proc is not None:  # Ctrl-C, SIGTERM, a bug: no time to ask politely
+            self._kill()
         self.stop()
 
     @property
@@ -358,9 +378,13 @@ class _Supervisor:
         what, proc = self.call, self.proc
         proc.join()
         code = proc.exitcode
+        cut_off = code == 255 and _cut_off(proc)
         self._forget()
         data: dict[str, Any] = {"call": what}
-        if code is not None and code < 0:
+        if cut_off:
+            cause, data["fork_server"] = ("was stopped: the fork server that started it died (killed from outside, "
+                                          "or by your code)", "died")
+        elif code is not None and code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
@@ -407,6 +431,29 @@ class _Supervisor:
             if text.strip():
                 parts.append(text if size <= _OUTPUT_TAIL_BYTES else "...\n" + text)
         return "\n".join(parts)
+
+
+def _cut_off(proc: Any) -> bool:
+    """Whether the fork server that started ``proc`` died (multiprocessing then reads the worker's
+    status as 255, the worker possibly still running).
+
+    Such a worker is ended here, before it can write more (its pipe to us is about to close), and
+    reaped where it was reparented to this process.
+    """
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if not isinstance(pid, int) or reaper.alive(pid):
+        return False
+    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL)):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.waitpid(proc.pid, 0)
+    except ChildProcessError:  # reparented elsewhere: gone once the kill lands
+        pass
+    return True
 
 
 # --- the worker's side ------------------------------------------------------------------------------

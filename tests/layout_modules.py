@@ -291,12 +291,16 @@ class FalconGrouped(nn.Module):
 class BiasedScores(nn.Module):
     """A hand-written causal core whose scores get a design of its own: ``alibi``, ``t5`` (a learned
     relative bias by offset), ``softcap`` (Gemma 2's tanh capping), or ``table`` (a learned bias per
-    query-key pair, no recognised form)."""
+    query-key pair, no recognised form). ``gain`` scales the projection's weights (small scores: far
+    below a cap)."""
 
-    def __init__(self, embed_dim: int, num_heads: int, design: str = "alibi", cap: float = 2.0) -> None:
+    def __init__(self, embed_dim: int, num_heads: int, design: str = "alibi", cap: float = 2.0,
+                 gain: float = 1.0) -> None:
         super().__init__()
         self.nh, self.dh, self.design, self.cap = num_heads, embed_dim // num_heads, design, cap
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+        with torch.no_grad():
+            self.qkv.weight.mul_(gain)
         self.out = nn.Linear(embed_dim, embed_dim)
         if design == "t5":
             self.rel = nn.Parameter(torch.randn(num_heads, 127) * 0.5)  # one value per head and offset

@@ -1,6 +1,6 @@
 """Attention from widely used packages, as ``check --module`` factories and ``--decode`` adapters.
 
-transformers (Llama, Mistral, GPT-2, GPT-NeoX, BERT), diffusers (``Attention``) and x-transformers
+transformers (Llama, Mistral, Gemma 2, GPT-2, GPT-NeoX, BERT), diffusers (``Attention``) and x-transformers
 (``Encoder``/``Decoder`` with rotary positions), each from a tiny config with random weights.
 Every package is imported inside the function that needs it, so this file loads without any of
 them (``attn-ledger check --module tests/real_models.py:NAME`` loads it as a plain file); the
@@ -53,8 +53,10 @@ def layer(model: str, impl: str, *, model_args: dict[str, Any] | None = None,
         else:
             sizes = {"hidden_size": e, "intermediate_size": 2 * e, "num_hidden_layers": 1, "num_attention_heads": nh,
                      "vocab_size": 16, "max_position_embeddings": 64}
-        if model in ("Llama", "Mistral"):
+        if model in ("Llama", "Mistral", "Gemma2"):
             sizes["num_key_value_heads"] = nh // 2
+        if model == "Gemma2":
+            sizes["head_dim"] = e // nh  # its config's default is 256
         cfg = getattr(transformers, f"{model}Config")(**sizes, attn_implementation=impl, **config)
         return FromEmbeddings(getattr(transformers, f"{model}Model")(cfg, **(model_args or {})))
     return make
@@ -83,6 +85,30 @@ def gpt_neox(impl: str) -> Callable[[int, int], nn.Module]:
 def bert(impl: str) -> Callable[[int, int], nn.Module]:
     """BERT: bidirectional, ``query``/``key``/``value`` projections, learned absolute positions."""
     return layer("Bert", impl, model_args={"add_pooling_layer": False})
+
+
+def gemma2(impl: str, cap: float | None = 50.0, **extra: Any) -> Callable[[int, int], nn.Module]:
+    """Gemma 2: logits soft-capped at ``cap`` before the mask (``attn_logit_softcapping``), softmax scale
+    ``query_pre_attn_scalar ** -0.5`` (1/16 by default, not 1/sqrt(Dh)), one full-attention layer."""
+    return layer("Gemma2", impl, attn_logit_softcapping=cap,
+                 layer_types=["full_attention"], sliding_window=64, **extra)
+
+
+GEMMA2_SCALE = 256 ** -0.5  # Gemma2Config's query_pre_attn_scalar = 256
+
+
+def gemma2_softcap(e: int, nh: int) -> nn.Module:
+    """Gemma 2, eager, its cap of 50."""
+    return gemma2("eager")(e, nh)
+
+
+def gemma2_cap_dropped(e: int, nh: int) -> nn.Module:
+    """Bug: Gemma 2 configured with a cap of 50 whose attention layers skip it (as an attention function that
+    ignores ``softcap`` does)."""
+    module = gemma2("eager")(e, nh)
+    for block in module.model.layers:
+        block.self_attn.attn_logit_softcapping = None  # read by forward on each call
+    return module
 
 
 def llama_decode(e: int, nh: int) -> nn.Module:

@@ -462,11 +462,11 @@ def test_cli_kernel_that_raises_on_a_legal_case_is_a_level_1_finding(tmp_path):
     ["check", GOOD, "--seq-len", "8"],
     *(["check", "--module", f"{KERNELS / 'good_module.py'}:make", "--embed-dim", "12", "--heads", "3", *extra]
       for extra in (["--window", "4", "--no-causal"], ["--window", "0"], ["--scale", "0"], ["--scale", "nan"],
-                    ["--batch-size", "1"], ["--seq-len", "1"])),
+                    ["--batch-size", "1"], ["--seq-len", "1"], ["--softcap", "0"], ["--softcap", "inf"])),
 ], ids=["missing-file", "missing-name", "bad-spec", "no-target", "both", "bad-case", "embed-dim-without-module",
         "module-without-sizes", "embed-dim-zero", "case-with-module", "window-without-module",
         "seq-len-without-module", "window-not-causal", "window-zero", "scale-zero", "scale-nan", "batch-size-one",
-        "seq-len-one"])
+        "seq-len-one", "softcap-zero", "softcap-inf"])
 def test_cli_setup_errors_exit_2_and_write_nothing(args, tmp_path):
     out = tmp_path / "report.json"
     res = runner.invoke(app, args + ["--output", str(out)])
@@ -514,7 +514,7 @@ def test_check_help_and_docs_show_the_options():
     assert res.exit_code == 0
     docs = (ROOT / "docs" / "check.md").read_text() + (ROOT / "docs" / "check-module.md").read_text()
     for opt in ("--case", "--empty-rows", "--module", "--embed-dim", "--heads", "--causal", "--format", "--seed",
-                "--timeout", "--in-process", "--window", "--scale", "--batch-size", "--seq-len"):
+                "--timeout", "--in-process", "--window", "--scale", "--softcap", "--batch-size", "--seq-len"):
         assert opt in res.output and opt in docs, opt
     assert "def attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None) -> Tensor" in docs
 

@@ -20,8 +20,12 @@ import json
 import math
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -490,3 +494,143 @@ def test_fuzz_hostile_files_never_run(kind, protocol, where):
         assert not os.path.exists(marker), "a pickled call ran"
         assert "Warning" not in r.stderr
     mutated(kind, r, {2})
+
+
+# --- outputs never destroy inputs --------------------------------------------------------------
+
+MODULE = ["--embed-dim", "4", "--heads", "1"]
+# (id, the input's file, the field that names it, the command line with {in} for the input's path)
+CLASH_INPUTS = [
+    ("run-config", "cfg.toml", "config", ["run", "{in}"]),
+    ("run-tensors", "t.safetensors", "--tensors", ["run", "--tensors", "{in}"]),
+    ("run-grad-output", "seed.safetensors", "--grad-output", ["run", "--tensors", "t.safetensors", "--grad",
+                                                               "--grad-output", "{in}"]),
+    ("run-config-grad-output", "seed.safetensors", "grad_output", ["run", "grad.toml"]),
+    ("check-target", "k.py", "target", ["check", "{in}:attention"]),
+    ("check-module", "m.py", "--module", ["check", "--module", "{in}:make", *MODULE]),
+    ("check-decode", "dec.py", "--decode", ["check", "--module", "m.py:make", *MODULE, "--decode", "{in}:decode"]),
+    ("check-pyproject", "pyproject.toml", "pyproject.toml", ["check", "k.py:attention"]),
+    ("intervene-config", "cfg.toml", "config", ["intervene", "{in}"]),
+    ("intervene-module", "m.py", "--module", ["intervene", "--module", "{in}:make", *MODULE]),
+    ("polarity-mask", "mask.pt", "--mask", ["polarity", "--mask", "{in}", "--expect", "causal"]),
+    ("sweep-tensors", "t.safetensors", "--tensors", ["sweep-scale", "--tensors", "{in}"]),
+]
+OUTPUT_FIELDS = {"run": ("--output", "--html"), "check": ("--output", "--html"), "intervene": ("--output",),
+                 "polarity": ("--output",), "sweep-scale": ("--output", "--plot")}
+CLASH_MATRIX = [(case, out) for case in CLASH_INPUTS for out in OUTPUT_FIELDS[case[3][0]]]
+ALIASES = ["same", "dot-slash", "absolute", "symlink", "hardlink"]
+
+
+def clash_dir(d: Path) -> None:
+    """Every input a command of the matrix reads, each with content of its own."""
+    for name in ("cfg.toml", "t.safetensors", "seed.safetensors", "k.py", "m.py", "dec.py", "mask.pt"):
+        (d / name).write_bytes(f"the input {name}, not to be overwritten\n".encode())
+    (d / "grad.toml").write_text('grad = true\ngrad_output = "seed.safetensors"\n')
+    (d / "pyproject.toml").write_text('[tool.attn-ledger.check]\ndtypes = "float32"\n')
+
+
+def alias(d: Path, name: str, how: str) -> str:
+    """A path to the input ``name`` that is written differently or is another directory entry."""
+    if how == "same":
+        return name
+    if how == "dot-slash":
+        return f"./{name}"
+    if how == "absolute":
+        return str(d / name)
+    link = d / f"link-to-{name}"
+    if how == "symlink":
+        link.symlink_to(name)
+    else:
+        os.link(d / name, link)
+    return link.name
+
+
+def hashes(d: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if not p.is_symlink()}
+
+
+@pytest.mark.parametrize("how", ALIASES)
+@pytest.mark.parametrize("case, out", CLASH_MATRIX, ids=[f"{c[0]}-{o.lstrip('-')}" for c, o in CLASH_MATRIX])
+def test_an_output_that_is_an_input_is_refused_and_the_input_kept(case, out, how, tmp_path, monkeypatch):
+    """Each input against each output, the output's path written five ways: exit 2 with one line that
+    names both fields, and every file as it was (by hash), no file added."""
+    name, input_file, field, argv = case
+    monkeypatch.chdir(tmp_path)
+    clash_dir(tmp_path)
+    target = alias(tmp_path, input_file, how)
+    before = hashes(tmp_path)
+    r = runner.invoke(app, [a.replace("{in}", input_file) for a in argv] + [out, target])
+    STATS["examples output clashes"] += 1
+    check_outcome(r, {2}, (name, out, how))
+    assert f"{out.lstrip('-')}: got {str(Path(target))!r}, the same file as the input {field}" in r.stderr, r.stderr
+    assert hashes(tmp_path) == before
+    mutated("output clash", r, {2})
+
+
+@pytest.mark.parametrize("how", ["same", "dot-slash", "absolute", "symlink", "hardlink"])
+@pytest.mark.parametrize("command, first, second", [("run", "--output", "--html"), ("check", "--output", "--html"),
+                                                     ("sweep-scale", "--output", "--plot")])
+def test_two_outputs_that_are_one_file_are_refused(command, first, second, how, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    clash_dir(tmp_path)
+    (tmp_path / "report.txt").write_text("the report of yesterday\n")
+    other = alias(tmp_path, "report.txt", how)
+    before = hashes(tmp_path)
+    args = {"run": ["run"], "check": ["check", "k.py:attention"], "sweep-scale": ["sweep-scale"]}[command]
+    r = runner.invoke(app, args + [first, "report.txt", second, other])
+    check_outcome(r, {2}, (command, second, how))
+    assert f"{second.lstrip('-')}: got {str(Path(other))!r}, the same file as {first}" in r.stderr, r.stderr
+    assert hashes(tmp_path) == before
+
+
+# --- signals during a hung check ----------------------------------------------------------------
+
+HOSTILE = Path(__file__).resolve().parents[1] / "fixtures" / "hostile" / "kernels.py"
+
+
+def _marked(marker: str) -> list[int]:
+    """The running processes whose environment holds ``marker`` (every process a run starts inherits it)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                    found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper and /proc are Linux's")
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_a_hung_check_leaves_no_process_and_no_temporary_directory(signum, status, tmp_path):
+    """The kernel hangs; the tool is signalled while the call is in flight. It exits with the signal's
+    status, and nothing it started (worker, fork server, resource tracker) nor its temporary directory
+    remains; the --output it was asked for is not written."""
+    tmp, pids, report = tmp_path / "tmp", tmp_path / "pids", tmp_path / "report.json"
+    tmp.mkdir()
+    marker = f"ATTN_LEDGER_TEST_RUN={uuid.uuid4().hex}"
+    env = {**os.environ, "TMPDIR": str(tmp), "ATTN_LEDGER_TEST_PIDS": str(pids), marker.split("=")[0]: marker.split("=")[1]}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attn_ledger", "check", f"{HOSTILE}:hangs_noting_start", "--case",
+         "b1-h1kv1-tq1tk1-dh4dv4-none-rand-f32", "--timeout", "600", "--format", "json", "--output", str(report)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell's background job ignores SIGINT
+    try:
+        deadline = time.monotonic() + 240
+        while not (pids.exists() and pids.read_text().strip()):  # the kernel says its call is in flight
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.1)
+        assert len(_marked(marker)) >= 3  # the tool, the fork server and the worker at least
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    STATS[f"signals {signal.Signals(signum).name}"] += 1
+    assert proc.returncode == status, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert _marked(marker) == []
+    assert list(tmp.iterdir()) == []
+    assert not report.exists()

@@ -176,10 +176,12 @@ CHECK_OPTIONS = {"--embed-dim": ["--embed-dim", "12"], "--heads": ["--heads", "3
                  "--empty-rows": ["--empty-rows", "any"], "--seed": ["--seed", "1"], "--timeout": ["--timeout", "120"],
                  "--in-process": ["--in-process"], "--format": ["--format", "json"], "--output": ["--output", "{out}"],
                  "--timings": ["--timings"], "--html": ["--html", "{html}"], "--max-memory": ["--max-memory", "8G"],
-                 "--window": ["--window", "6"], "--scale": ["--scale", "0.5"], "--batch-size": ["--batch-size", "3"],
+                 "--window": ["--window", "6"], "--scale": ["--scale", "0.5"], "--softcap": ["--softcap", "50"],
+                 "--batch-size": ["--batch-size", "3"],
                  "--seq-len": ["--seq-len", "5"],
                  "--full": ["--full"], "--backward": ["--backward"], "--no-backward": ["--no-backward"],
                  "--strict-precision": ["--strict-precision"], "--lenient-precision": ["--lenient-precision"],
+                 "--strict-coverage": ["--strict-coverage"], "--lenient-coverage": ["--lenient-coverage"],
                  "--device": ["--device", "cpu"], "--dtypes": ["--dtypes", "float32"],
                  "--masks": ["--masks", "none,causal,mask"], "--gqa": ["--gqa"], "--no-gqa": ["--no-gqa"],
                  "--distinct-dv": ["--distinct-dv"], "--no-distinct-dv": ["--no-distinct-dv"],
@@ -187,16 +189,17 @@ CHECK_OPTIONS = {"--embed-dim": ["--embed-dim", "12"], "--heads": ["--heads", "3
 CHECK_EVERY = {"--seed", "--timeout", "--in-process", "--format", "--output", "--timings", "--html"}
 # the kernel protocol's own options; of each pair of opposites, the walk gives one together with the rest
 KERNEL_ONLY = {"--case", "--empty-rows", "--full", "--backward", "--no-backward", "--strict-precision",
-               "--lenient-precision", "--device", "--dtypes", "--masks", "--gqa", "--no-gqa", "--distinct-dv",
+               "--lenient-precision", "--strict-coverage", "--lenient-coverage", "--device", "--dtypes", "--masks",
+               "--gqa", "--no-gqa", "--distinct-dv",
                "--no-distinct-dv", "--max-tq", "--max-tk", "--head-dims"}
-OPPOSITES = {"--no-backward", "--lenient-precision", "--no-gqa", "--no-distinct-dv"}
+OPPOSITES = {"--no-backward", "--lenient-precision", "--lenient-coverage", "--no-gqa", "--no-distinct-dv"}
 
 
 @pytest.mark.parametrize("mode,base,uses", [
     ("kernel", ["check", KERNEL], CHECK_EVERY | KERNEL_ONLY),
     ("module", ["check", "--module", MODULE],
      CHECK_EVERY | {"--embed-dim", "--heads", "--causal", "--no-causal", "--decode", "--max-memory", "--window",
-                    "--scale", "--batch-size", "--seq-len"}),
+                    "--scale", "--softcap", "--batch-size", "--seq-len"}),
 ])
 def test_check_every_option_against_the_mode(files, mode, base, uses):
     sizes = ["--embed-dim", "12", "--heads", "3"] if mode == "module" else []

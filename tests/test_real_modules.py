@@ -88,6 +88,49 @@ def test_mistral_configured_with_another_window_than_declared():
         ("sliding-window", 5, "wider")
 
 
+# --- Gemma 2's soft-capped logits ------------------------------------------------------------------
+
+GEMMA2 = [(0.02, "default init"), (0.1, "larger weights")]  # scores far below the cap of 50 either way
+
+
+@pytest.mark.parametrize("init", [g[0] for g in GEMMA2], ids=[g[1] for g in GEMMA2])
+def test_gemma2_passes_with_its_cap_declared_and_names_it_undeclared(init):
+    make = real_models.gemma2("eager", initializer_range=init)
+    declared = check_module(make, E, NH, scale=real_models.GEMMA2_SCALE, softcap=50)
+    assert declared.exit_code == 0, declared.failures()
+    assert [(r, c.name) for r, c in declared.checks() if c.status != "pass"] == []
+    assert check(declared, "attention_core").data["bent"]["delta"] <= check(declared, "attention_core").limit
+    undeclared = check_module(make, E, NH, scale=real_models.GEMMA2_SCALE)
+    assert undeclared.exit_code == 0, undeclared.failures()
+    assert [(r, c.name) for r, c in undeclared.checks() if c.status != "pass"] == []
+    design = check(undeclared, "score_design")
+    assert design.data["design"] == "soft-capping" and design.data["caps"] == pytest.approx([50.0] * NH, rel=1e-3)
+    assert "the scores are soft-capped at 50: declare it with --softcap 50" in undeclared.notes
+
+
+def test_gemma2_with_its_cap_dropped_fails_when_the_cap_is_declared():
+    report = check_module(real_models.gemma2_cap_dropped, E, NH, scale=real_models.GEMMA2_SCALE, softcap=50)
+    first = report.first_finding
+    assert report.exit_code == 1 and (first.row, first.name) == ("core", "score_design")
+    assert "the declared --softcap 50 is not applied" in first.check.reason
+    core = check(report, "attention_core")
+    assert core.status == "fail" and core.data["explained_by"] == ["score_design"]
+    # on the draw alone the cap changes the context by less than float32 noise: only the probe shows it
+    assert core.data["draw"]["delta"] <= core.data["draw"]["tolerance"]
+
+
+def test_gemma2_from_the_command_line():
+    base = ["check", "--module", "", "--embed-dim", str(E), "--heads", str(NH), "--scale",
+            repr(real_models.GEMMA2_SCALE), "--softcap", "50", "--format", "json"]
+    for factory, code in (("gemma2_softcap", 0), ("gemma2_cap_dropped", 1)):
+        base[2] = f"{MODELS}:{factory}"
+        res = runner.invoke(app, base)
+        assert res.exit_code == code, res.output
+        doc = json.loads(res.stdout)
+        assert doc["details"]["softcap"] == 50.0
+        assert (doc["first_finding"] or {}).get("check") == (None if code == 0 else "score_design")
+
+
 # --- KV-cache decode with transformers' own cache --------------------------------------------------
 
 DECODE_SCENARIOS = ("decode_tokens", "decode_chunks", "decode_prefill_5", "decode_prefill_17", "decode_two_sequences")

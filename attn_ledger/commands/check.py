@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from attn_ledger.commands import options as opt
-from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.common import Format, Progress, execute, spec_path
 from attn_ledger.commands.options import INT
 
 
@@ -45,6 +45,9 @@ def check(  # long by its options (typer reads them from the signature); the bod
     scale: Annotated[
         Optional[float], typer.Option("--scale", help="The module's own softmax scale, where it is not 1/sqrt(Dh) (--module).")
     ] = None,
+    softcap: Annotated[
+        Optional[float], typer.Option("--softcap", metavar="C", help="The module soft-caps its scaled scores, C * tanh(s / C), before the mask (--module; Gemma 2's attn_logit_softcapping).")
+    ] = None,
     batch_size: Annotated[Optional[str], typer.Option("--batch-size", metavar=INT, help="B, for --module, at least 2. Default: 2.")] = None,
     seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, help="T, for --module, at least 2. Default: 6.")] = None,
     case: Annotated[
@@ -60,6 +63,9 @@ def check(  # long by its options (typer reads them from the signature); the bod
     ] = None,
     strict_precision: Annotated[
         Optional[bool], typer.Option("--strict-precision/--lenient-precision", help="A float64 case at float32 precision fails. Default: lenient (a warning).")
+    ] = None,
+    strict_coverage: Annotated[
+        Optional[bool], typer.Option("--strict-coverage/--lenient-coverage", help="A case that no check past L1 judged (all inconclusive, skipped or not applicable) fails. Default: lenient (counted inconclusive, a warning).")
     ] = None,
     device: Annotated[Optional[Device], typer.Option("--device", help="Where the cases run; the reference is float64 where the device has it. Default: cpu.")] = None,
     dtypes: Annotated[Optional[str], typer.Option("--dtypes", help="Dtypes the kernel supports, e.g. float16,bfloat16.", rich_help_panel=DECLARE)] = None,
@@ -109,9 +115,11 @@ def check(  # long by its options (typer reads them from the signature); the bod
     hangs, exits or crashes is that case's L1 call finding, and what it prints goes to stderr.
     What the kernel supports is declared by the options under "Declaration" or in
     [tool.attn-ledger.check] of ./pyproject.toml (options override); cases outside it are skipped
-    and counted. Exit 0 every case passes (precision warnings included), 1 a finding, 2 bad input
-    or setup (your file cannot be imported, the factory raises or exits, or the target cannot take
-    the protocol's arguments), 3 an internal error.
+    and counted. A case that no check past L1 judged is counted inconclusive, never passed. Exit 0
+    no case fails (precision warnings and inconclusive cases included; --strict-coverage makes an
+    inconclusive case fail), 1 a finding, 2 bad input or setup (your file cannot be imported, the
+    factory raises or exits, or the target cannot take the protocol's arguments), 3 an internal
+    error.
     """
     if list_cases:
         if target is not None or module is not None:
@@ -124,13 +132,15 @@ def check(  # long by its options (typer reads them from the signature); the bod
     # kernel-protocol options: None where not given (the pyproject table or the default then holds)
     kernel_options = {"--full": full or None, "--device": device.value if device else None,
                       "--backward/--no-backward": backward, "--strict-precision/--lenient-precision": strict_precision,
+                      "--strict-coverage/--lenient-coverage": strict_coverage,
                       "--dtypes": dtypes, "--masks": masks, "--gqa/--no-gqa": gqa,
                       "--distinct-dv/--no-distinct-dv": distinct_dv, "--max-tq": max_tq, "--max-tk": max_tk,
                       "--head-dims": head_dims}
     declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv,
                 "max_tq": max_tq, "max_tk": max_tk,
                 "head_dims": head_dims, "backward": backward,
-                "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision}
+                "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision,
+                "strict_coverage": strict_coverage}
 
     def build():
         from attn_ledger.errors import InputError
@@ -159,7 +169,7 @@ def check(  # long by its options (typer reads them from the signature); the bod
             sizes = {"batch_size": BATCH_SIZE if b is None else b, "seq_len": SEQ_LEN if t is None else t}
             w = opt.integer(window, "--window", 1)
             is_causal = True if causal is None else causal
-            validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, **sizes)
+            validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, softcap=softcap, **sizes)
             opt.guard(estimate_module(e, nh, sizes["batch_size"], sizes["seq_len"], f"check --module E={e} Nh={nh}"),
                       opt.memory(max_memory))
             parse_spec(module, "--module")
@@ -167,10 +177,11 @@ def check(  # long by its options (typer reads them from the signature); the bod
                 parse_spec(decode, "--decode")
             name, args, label = "module_check", {"spec": module, "field": "--module", "embed_dim": e,
                                                  "num_heads": nh, "causal": is_causal, "window": w, "scale": scale,
+                                                 "softcap": softcap,
                                                  "seed": seed_value, "decode": decode, **sizes}, "checking module"
         else:
             opt.refuse_given({"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal,
-                              "--window": window, "--scale": scale, "--batch-size": batch_size, "--seq-len": seq_len,
+                              "--window": window, "--scale": scale, "--softcap": softcap, "--batch-size": batch_size, "--seq-len": seq_len,
                               "--max-memory": max_memory},
                              "for a kernel-protocol function (it applies to --module)")
             parse_spec(target, "target")
@@ -181,7 +192,9 @@ def check(  # long by its options (typer reads them from the signature); the bod
         show_output(outcome.output)
         return outcome.report
 
-    execute(build, output_format, output, command="check", timings=timings, html=html)
+    inputs = {"target": spec_path(target), "--module": spec_path(module), "--decode": spec_path(decode),
+              "pyproject.toml": "pyproject.toml" if target is not None and Path("pyproject.toml").is_file() else None}
+    execute(build, output_format, output, command="check", timings=timings, html=html, inputs=inputs)
 
 
 def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: dict, seed: int,
@@ -195,7 +208,8 @@ def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: d
     tier = "full" if full else "default"
     return {"target": target, "field": "target", "cases": [c.id for c in select_cases(case, tier)],
             "tier": None if case else tier, "empty_rows": run.get("empty_rows", "zeros"), "seed": seed,
-            "backward": decl.backward, "strict_precision": run.get("strict_precision", False), "device": device,
+            "backward": decl.backward, "strict_precision": run.get("strict_precision", False),
+            "strict_coverage": run.get("strict_coverage", False), "device": device,
             "declaration": decl.to_json()}
 
 

@@ -2,8 +2,8 @@
 
 Exit statuses: 0 everything asked holds; 1 a finding; 2 bad input, usage or setup (one line
 on stderr); 3 an internal error of the tool itself (one line saying so; ``--debug`` or
-``ATTN_LEDGER_DEBUG=1`` shows the traceback). Nothing is written to ``--output`` unless the
-report was built and rendered whole.
+``ATTN_LEDGER_DEBUG=1`` shows the traceback). No output path changes unless the report was built
+and every output written whole; none may be an input (:func:`execute`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import typer
 
@@ -63,40 +63,79 @@ def render_text(report: Any, fmt: Format, width: int | None = None) -> str:
     return render(report, fmt.value, width or 100)
 
 
-def check_output_path(path: Path | None) -> None:
-    """Refuse, before any work, an ``--output`` that cannot be written as a regular file."""
+def check_output_path(path: Path | None, field: str = "output") -> None:
+    """Refuse, before any work, an output path that cannot be written as a regular file."""
     if path is None:
         return
     text = str(path)
     if text.strip() == "":
-        raise InputError("output: got '', expected a file path")
+        raise InputError(f"{field}: got '', expected a file path")
     p = Path(text)
-    if p.is_dir():
-        raise InputError(f"output: got {text!r}, a directory; expected a file path")
-    if p.exists() and not p.is_file():
-        raise InputError(f"output: got {text!r}, which is not a regular file; expected a file path")
-    directory = p.parent if str(p.parent) else Path(".")
-    if not directory.is_dir():
-        raise InputError(f"output: got {text!r}, expected a file in an existing directory")
+    try:
+        if p.is_dir():
+            raise InputError(f"{field}: got {text!r}, a directory; expected a file path")
+        if p.exists() and not p.is_file():
+            raise InputError(f"{field}: got {text!r}, which is not a regular file; expected a file path")
+        directory = p.parent if str(p.parent) else Path(".")
+        if not directory.is_dir():
+            raise InputError(f"{field}: got {text!r}, expected a file in an existing directory")
+    except OSError as exc:  # a directory on the way that cannot be searched
+        raise InputError(f"{field}: got {text!r}, cannot reach it ({exc.strerror or exc})") from None
     try:
         fd, probe = tempfile.mkstemp(dir=directory, prefix=f".{p.name}.", suffix=".tmp")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise InputError(f"output: got {text!r}, cannot write there ({exc.strerror or exc})") from None
+        raise InputError(f"{field}: got {text!r}, cannot write there ({exc.strerror or exc})") from None
     if p.exists() and not os.access(p, os.W_OK):
-        raise InputError(f"output: got {text!r}, the file is not writable")
+        raise InputError(f"{field}: got {text!r}, the file is not writable")
 
 
-def _check_html_path(html: Path | None, output: Path | None) -> None:
-    if html is None:
-        return
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file: equal once resolved (links followed), or one inode where both exist."""
     try:
-        check_output_path(html)
-    except InputError as exc:
-        raise InputError(str(exc).replace("output: ", "html: ", 1)) from None
-    if output is not None and Path(html).resolve() == Path(output).resolve():
-        raise InputError(f"html: got {str(html)!r}, the same file as --output; expected another file")
+        if Path(a).resolve() == Path(b).resolve():
+            return True
+    except (OSError, RuntimeError):  # a link loop: compare what can be compared below
+        pass
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except (OSError, ValueError):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def spec_path(spec: str | None) -> str | None:
+    """The file of a ``path/to/file.py:NAME`` spec (None for ``package.module:NAME`` or no spec)."""
+    if not spec or ":" not in spec:
+        return None
+    source = spec.rsplit(":", 1)[0]
+    return source if source.endswith(".py") or "/" in source or "\\" in source else None
+
+
+def check_clashes(outputs: Mapping[str, Any], inputs: Mapping[str, Any] = {}) -> None:
+    """Refuse an output that is one of the inputs, or another output: it would be destroyed or lost.
+
+    Args:
+        outputs: field -> the path written there (None: not given), in the order the fields are named.
+        inputs: field -> a path the command reads (None: not given).
+
+    Raises:
+        InputError: one line naming both fields and the path.
+    """
+    given = [(f, p) for f, p in outputs.items() if p is not None]
+    for i, (field, path) in enumerate(given):
+        for other, used in given[:i]:
+            if same_file(path, used):
+                raise InputError(f"{field}: got {str(path)!r}, the same file as {_option(other)}; expected another file")
+        for other, used in inputs.items():
+            if used is not None and same_file(path, used):
+                raise InputError(f"{field}: got {str(path)!r}, the same file as the input {other} ({str(used)!r}); "
+                                 "expected a file that is not an input")
+
+
+def _option(field: str) -> str:
+    return field if field.startswith("-") or "." in field else f"--{field}"
 
 
 def _umask() -> int:
@@ -105,24 +144,68 @@ def _umask() -> int:
     return mask
 
 
-def write_atomic(path: Path, text: str) -> None:
+class Staged:
+    """Output files written in full beside their targets under temporary names, then renamed together.
+
+    :meth:`add` writes one; a failure names its field and leaves every target as it was.
+    :meth:`commit` renames them all; :meth:`discard` removes whatever was not renamed.
+    """
+
+    def __init__(self) -> None:
+        self.files: list[tuple[str, Path, str]] = []  # (field, target, temporary file)
+
+    def add(self, field: str, path: Path, content: str | bytes) -> None:
+        path = Path(path)
+        directory = path.parent if str(path.parent) else Path(".")
+        data = content.encode("utf-8") if isinstance(content, str) else content
+        try:
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise InputError(f"{field}: got {str(path)!r}, cannot write there ({exc.strerror or exc})") from None
+        self.files.append((field, path, tmp))
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.chmod(tmp, 0o666 & ~_umask())  # a new file's usual mode (mkstemp makes it 0600)
+        except OSError as exc:
+            raise InputError(f"{field}: got {str(path)!r}, cannot write there ({exc.strerror or exc})") from None
+
+    def commit(self) -> None:
+        for field, path, tmp in self.files:  # each still there, so that the renames below all succeed or none runs
+            if not os.path.isfile(tmp):
+                raise InputError(f"{field}: got {str(path)!r}, cannot write there (its directory changed meanwhile)")
+        while self.files:
+            field, path, tmp = self.files[0]
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise InputError(f"{field}: got {str(path)!r}, cannot write there ({exc.strerror or exc})") from None
+            self.files.pop(0)
+
+    def discard(self) -> None:
+        for _, _, tmp in self.files:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        self.files = []
+
+
+def write_atomic(path: Path, text: str, field: str = "output") -> None:
     """Write text so that a reader never sees a half-written file."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
+    staged = Staged()
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise InputError(f"output: got {str(path)!r}, cannot write there ({exc.strerror or exc})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())  # a new file's usual mode (mkstemp makes it 0600)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise InputError(f"output: got {str(path)!r}, cannot write there ({exc.strerror or exc})") from None
+        staged.add(field, path, text)
+        staged.commit()
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        staged.discard()
+
+
+def report_text(report: Any, fmt: Format, show: Sequence[str] = ()) -> str:
+    """A report as written to a file: tables at 100 columns, heatmaps in plain ASCII after the table."""
+    from attn_ledger.render.heatmap import render_heatmap
+
+    return render_text(report, fmt) + "".join("\n" + render_heatmap(report, kind, 100) for kind in show)
 
 
 def emit(report: Any, fmt: Format, output: Path | None, show: Sequence[str] = ()) -> None:
@@ -134,7 +217,7 @@ def emit(report: Any, fmt: Format, output: Path | None, show: Sequence[str] = ()
     from attn_ledger.render.heatmap import heatmap_lines, render_heatmap
 
     if output is not None:
-        write_atomic(output, render_text(report, fmt) + "".join("\n" + render_heatmap(report, kind, 100) for kind in show))
+        write_atomic(output, report_text(report, fmt, show))
         return
     from rich.console import Console
 
@@ -201,39 +284,60 @@ def internal_error(command: str, exc: BaseException, fmt: Format) -> typer.Exit:
 
 
 def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, command: str = "",
-            timings: bool = False, show: Sequence[str] = (), html: Path | None = None) -> None:
-    """Run a command body: build the report, render it, exit with its status.
+            timings: bool = False, show: Sequence[str] = (), html: Path | None = None,
+            inputs: Mapping[str, Any] = {}, files: Mapping[str, tuple[Path | None, Callable[[Any], bytes]]] = {}) -> None:
+    """Run a command body: build the report, render it, write every output or none, exit with its status.
 
     Bad input (any :class:`AttnLedgerError`) becomes one line on stderr and exit 2; any other
-    exception is an internal error, exit 3. Nothing is written to ``output`` or ``html`` in
-    either case. ``show``: heatmaps after the table; ``html``: also write the report as one
-    self-contained page there. The process keeps freed memory for reuse (see :mod:`attn_ledger.alloc`).
+    exception is an internal error, exit 3. ``show``: heatmaps after the table; ``html``: also
+    write the report as one self-contained page there; ``files``: field -> (path, how to make its
+    bytes from the report), further outputs such as ``--plot``. ``inputs``: field -> a path the
+    command reads; an output that is an input, or another output, is refused before any work.
+
+    Every output is written to a temporary file beside it; only when all are written, and every
+    process the command started has ended (:mod:`attn_ledger.reaper`), are they renamed into
+    place. Any failure leaves every output path as it was. The process keeps freed memory for
+    reuse (see :mod:`attn_ledger.alloc`).
     """
+    from attn_ledger import reaper
     from attn_ledger.alloc import retain_freed_memory
 
     retain_freed_memory()  # this process is ours: keep freed grid blocks for the next block
+    before = reaper.snapshot()  # what runs already is not this command's to end
+    reaper.become_subreaper()  # a process its workers orphan comes back here, to be ended
+    staged = Staged()
     try:
-        check_output_path(output)
-        _check_html_path(html, output)
+        outputs = {"output": output, "html": html, **{field: path for field, (path, _) in files.items()}}
+        for field, path in outputs.items():
+            check_output_path(path, field)
+        check_clashes(outputs, inputs)
         check_show(show, fmt)
         start = time.perf_counter()
         report = build()
         if timings:
             report = _with_timing(report, time.perf_counter() - start)
-        page = None
+        if output is not None:
+            staged.add("output", output, report_text(report, fmt, show))
         if html is not None:
             from attn_ledger.render.html import render_html
 
-            page = render_html(report, command_line())
-        emit(report, fmt, output, show)
-        if page is not None:
-            write_atomic(html, page)
+            staged.add("html", html, render_html(report, command_line()))
+        for field, (path, make) in files.items():
+            if path is not None:
+                staged.add(field, path, make(report))
+        reaper.end_descendants(before, keep=reaper.helper_pids())  # none of them may write after this
+        staged.commit()
+        if output is None:
+            emit(report, fmt, None, show)
     except AttnLedgerError as exc:
         raise fail(str(exc)) from None
     except typer.Exit:
         raise
     except Exception as exc:  # anything else is the tool's own bug: exit 3, never a finding
         raise internal_error(command, exc, fmt) from None
+    finally:
+        staged.discard()
+        reaper.end_descendants(before, keep=reaper.helper_pids())
     raise typer.Exit(report.exit_code)
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from attn_ledger.commands import options as opt
-from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.common import Format, Progress, execute, spec_path
 from attn_ledger.commands.options import INT
 from attn_ledger.limits import MAX_POSITION
 
@@ -73,4 +73,4 @@ def intervene(
         show_output(outcome.output)
         return outcome.report
 
-    execute(build, output_format, output, command="intervene")
+    execute(build, output_format, output, command="intervene", inputs={"config": config, "--module": spec_path(module)})

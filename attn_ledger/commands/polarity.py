@@ -38,4 +38,4 @@ def polarity(
             return run_polarity(mask, expect.value if expect else None, (padding_side or PaddingSide.right).value,
                                 progress=progress)
 
-    execute(build, output_format, output, command="polarity")
+    execute(build, output_format, output, command="polarity", inputs={"--mask": mask})

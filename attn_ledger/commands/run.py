@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from attn_ledger.commands import options as opt
-from attn_ledger.commands.common import Format, Progress, execute
+from attn_ledger.commands.common import Format, Progress, check_clashes, execute
 from attn_ledger.commands.options import INT
 from attn_ledger.config import Fault as FaultName
 from attn_ledger.limits import MAX_POSITION
@@ -25,7 +25,7 @@ OPTION_NAMES = {"batch_size": "--batch-size", "seq_len": "--seq-len", "query_len
                 "prefix_len": "--prefix-len", "empty_rows": "--empty-rows", "dtype": "--dtype", "seed": "--seed",
                 "input": "--input", "device": "--device", "block_size": "--block-size", "keep_grids": "--keep-grids",
                 "fault": "--fault", "grad": "--grad", "grad_output": "--grad-output", "replay": "--replay",
-                "scale": "--scale", "temperature": "--temperature", "rope": "--rope"}
+                "scale": "--scale", "temperature": "--temperature", "rope": "--rope", "softcap": "--softcap"}
 
 
 EmptyRows = opt.choices("EmptyRows", "error", "zeros")
@@ -33,6 +33,11 @@ Show = opt.choices("Show", "weights", "mask")  # a heatmap drawn after the table
 
 
 PICTURE_KEEP = 64  # --show/--html keep whole grids up to this Tq and Tk, the largest the HTML page draws cell by cell
+
+
+def seed_file(grad_output: str | None) -> str | None:
+    """The tensor file a ``grad_output`` value names (None for ``ones``, ``identity`` or nothing)."""
+    return None if grad_output in (None, "ones", "identity") else grad_output
 
 
 def run(  # long by its options (typer reads them from the signature); the body parses them and calls the library
@@ -70,6 +75,7 @@ def run(  # long by its options (typer reads them from the signature); the body 
     replay: Annotated[bool, typer.Option("--replay", help="Run the computation twice and check the two bitwise (on output, or context for --tensors; with --grad also on grad_k).")] = False,
     scale: Annotated[Optional[float], typer.Option("--scale", help="Score scale S (default 1/sqrt(Dh)); the pipeline and every reference use S/tau.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Softmax temperature tau: the score scale becomes S/tau.")] = None,
+    softcap: Annotated[Optional[float], typer.Option("--softcap", metavar="C", help="Soft-cap the scaled scores, C * tanh(s / C), before the mask (Gemma 2's attn_logit_softcapping), in the pipeline and every reference (not with --grad or --backends).")] = None,
     rope: Annotated[Optional[str], typer.Option("--rope", help="Rotary positions on q and k before the scores: PAIRING[,base=B][,dim=D], PAIRING half or interleaved (e.g. half, interleaved,base=500000,dim=32).")] = None,
 ) -> None:
     """Run attention as named stages, check each, and name the first stage that diverges.
@@ -107,9 +113,10 @@ def run(  # long by its options (typer reads them from the signature); the body 
             "seed": seed_value, "input": input_kind.value if input_kind else None, "device": device,
             "block_size": positions["--block-size"], "keep_grids": keep_grids or None, "grad": grad or None,
             "grad_output": grad_output, "replay": replay or None, "scale": scale, "temperature": temperature,
-            "rope": rope,
+            "rope": rope, "softcap": softcap,
         }
         cfg = load_config(config, overrides, OPTION_NAMES)
+        check_clashes({"output": output, "html": html}, {"grad_output": seed_file(cfg.grad_output)})
         if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
             cfg = cfg.model_copy(update={"keep_grids": True})  # the heatmaps draw every cell at this size
         opt.guard(estimate_run(cfg), budget, progress=progress)
@@ -143,6 +150,7 @@ def run(  # long by its options (typer reads them from the signature); the body 
                 empty_rows=(empty_rows.value if empty_rows else "error"), dtype=dtype.value if dtype else None,
                 device=device or "cpu", block_size=positions["--block-size"], keep_grids=keep_grids,
                 keep_going=keep_going, progress=progress, backends=backends, source=str(tensors), scale=scale,
-                temperature=temperature, rope=rope, grad=grad, grad_output=grad_output, replay=replay)
+                temperature=temperature, rope=rope, grad=grad, grad_output=grad_output, replay=replay, softcap=softcap)
 
-    execute(build, output_format, output, command="run", show=shown, html=html)
+    inputs = {"config": config, "--tensors": tensors, "--grad-output": seed_file(grad_output)}
+    execute(build, output_format, output, command="run", show=shown, html=html, inputs=inputs)

@@ -54,10 +54,18 @@ def sweep_scale(
                              "with --tensors (the file sets the sizes and holds q and k)")
         tq = opt.integer(queries, "--queries", 2, scale.MAX_T)
         tk = opt.integer(keys, "--keys", 2, scale.MAX_T)
+        if plot is not None:
+            scale.check_plot_path(plot)
         with Progress("sweep-scale") as progress:
-            return scale.sweep_scale(dh if dh is not None else scale.DEFAULT_DH,
-                                     scale.DEFAULT_QUERIES if tq is None else tq, scale.DEFAULT_KEYS if tk is None else tk,
-                                     opt.seed(seed) or 0, tensors=tensors, plot=plot, progress=progress,
-                                     max_memory=opt.memory(max_memory))
+            report = scale.sweep_scale(dh if dh is not None else scale.DEFAULT_DH,
+                                       scale.DEFAULT_QUERIES if tq is None else tq, scale.DEFAULT_KEYS if tk is None else tk,
+                                       opt.seed(seed) or 0, tensors=tensors, progress=progress,
+                                       max_memory=opt.memory(max_memory))
+        return report if plot is None else scale.plotted(report, plot)  # execute writes it with the other outputs
 
-    execute(build, output_format, output, command="sweep-scale")
+    def png(report):
+        from attn_ledger.experiments.scale import plot_png
+
+        return plot_png(report)
+
+    execute(build, output_format, output, command="sweep-scale", inputs={"--tensors": tensors}, files={"--plot": (plot, png)})

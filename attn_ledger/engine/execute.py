@@ -19,6 +19,9 @@ The references:
   rounding error the factor rule allows for;
 * with ``backends``, each pinned SDPA backend repeats the context comparison.
 
+With a soft-cap, every reference caps the scaled scores before the mask; SDPA, which has no
+cap, is handed the capped scores as its additive mask with q zeroed (:func:`sdpa_capped`).
+
 The engine runs in inference mode, which spares its many small operations the autograd
 bookkeeping; the context it fills is allocated outside, so it is an ordinary tensor.
 """
@@ -95,10 +98,10 @@ class Execution:
     def __init__(self, plan: P.Plan, relation: "Relation", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
                  ref: tuple["Tensor", "Tensor", "Tensor"], *, scale: float, ref_scale: float, empty_zero: bool,
                  given: "dict[str, Tensor] | None" = None, backends: tuple[tuple[str, "torch.dtype"], ...] = (),
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None, softcap: float | None = None) -> None:
         import torch
 
-        self.plan, self.relation, self.ops = plan, relation, ops
+        self.plan, self.relation, self.ops, self.softcap = plan, relation, ops, softcap
         self.q, self.k_exp, self.v_exp, self.ref = q, k_exp, v_exp, ref
         self.scale, self.ref_scale, self.empty_zero = scale, ref_scale, empty_zero
         self.given, self.backends, self.progress = given or {}, backends, progress
@@ -139,15 +142,20 @@ class Execution:
         plan, (q_ref, k_ref, v_ref) = self.plan, self.ref
         ref_dtype = reference_dtype(self.q.device)
         empty = "zeros" if self.empty_zero else "nan"
-        self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype),
-                             plan.reference_spans)
-        if plan.sdpa_whole_causal:
+        self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype,
+                                               self.softcap), plan.reference_spans)
+        if self.sdpa_whole_causal:
             # the intended relation is exactly causal: SDPA gets it as is_causal on the whole input, once
             self.sdpa_context = F.scaled_dot_product_attention(self.q, self.k_exp, self.v_exp, dropout_p=0.0,
                                                                is_causal=True, scale=self.ref_scale)
         else:  # filled group by group
             self.sdpa_context = torch.empty(plan.b, plan.nh, plan.tq, self.dv, dtype=self.dtype, device=self.q.device)
         self.chunks = M.value_chunks(self.v_exp) if plan.value_chunks else None
+
+    @property
+    def sdpa_whole_causal(self) -> bool:
+        """SDPA runs once on the whole input with is_causal (not with a cap: it is then given the capped scores)."""
+        return self.plan.sdpa_whole_causal and self.softcap is None
 
     def _block(self, blk: P.Block) -> Iterator[Measure]:
         """One block through the four stages; returns False when a stage broke."""
@@ -188,7 +196,8 @@ class Execution:
                     t.ref[key] = ref_all[key][:, :, at, lo:hi]  # [B, Nh, z - a, kw]
             if self.half:
                 t.plain = reference_stages(t.qb[:, :, a:z], t.kb, t.vb, allow_mask=self._ai_rows(t), scale=self.ref_scale,
-                                           empty_rows="zeros" if self.empty_zero else "nan", dtype=self.dtype)
+                                           empty_rows="zeros" if self.empty_zero else "nan", dtype=self.dtype,
+                                           softcap=self.softcap)
         return t
 
     @staticmethod
@@ -304,13 +313,14 @@ class Execution:
         import torch.nn.functional as F
 
         start = self.plan.group_starting_at(blk.index)
-        if start is not None and not self.plan.sdpa_whole_causal:
+        if start is not None and not self.sdpa_whole_causal:
             allow = self.relation.block(start.q0, start.q1)  # [B|1, Nh|1, rows, Tk]
             lo, hi = P.key_hull(allow, self.plan.tk)
             mask = None if allow is None else allow[..., lo:hi]
-            self.sdpa_context[:, :, start.q0:start.q1] = F.scaled_dot_product_attention(
-                self.q[:, :, start.q0:start.q1], self.k_exp[:, :, lo:hi], self.v_exp[:, :, lo:hi], attn_mask=mask,
-                dropout_p=0.0, scale=self.ref_scale)
+            qb, kb, vb = self.q[:, :, start.q0:start.q1], self.k_exp[:, :, lo:hi], self.v_exp[:, :, lo:hi]
+            self.sdpa_context[:, :, start.q0:start.q1] = (
+                F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=0.0, scale=self.ref_scale)
+                if self.softcap is None else sdpa_capped(qb, kb, vb, mask, self.ref_scale, self.softcap))
         end = self.plan.group_ending_at(blk.index)
         if end is not None:
             blocks = [(b.q0, b.q1) for b in self.plan.blocks[end.first:end.end]]
@@ -343,6 +353,30 @@ class Execution:
             ref_in = (q_ref[:, :, q0 + a:q0 + z], repeat_kv(k_ref[:, :, lo:hi], nh), repeat_kv(v_ref[:, :, lo:hi], nh))
             yield from backend_measures(self.backends, c[:, :, a:z], (t.qb[:, :, a:z], t.kb, t.vb), ref_in,
                                         self._ai_rows(t), self.ref_scale, t.ref, self.dtype, q0 + a)
+
+
+def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+                cap: float) -> "Tensor":
+    """SDPA's softmax and mix on soft-capped scores: ``[B, Nh, rows, Dv]``.
+
+    SDPA has no soft-cap, so it gets the capped scores ``cap * tanh(scale * q.k / cap)`` (in the
+    run's dtype, -inf where forbidden) as its additive mask, with q zeroed so that its own
+    scores are 0. A query with no allowed key gets what SDPA gives it under the boolean mask.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    s = (q * scale) @ k.transpose(-2, -1)  # [B, Nh, rows, kw]
+    bias = torch.tanh(s / cap) * cap
+    if allow is not None:
+        bias = bias.masked_fill(~allow, float("-inf"))
+    out = F.scaled_dot_product_attention(torch.zeros_like(q), k, v, attn_mask=bias, dropout_p=0.0)
+    if allow is not None:
+        dead = ~allow.any(dim=-1, keepdim=True)  # [B|1, Nh|1, rows, 1]
+        if bool(dead.any()):
+            plain = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=0.0, scale=scale)
+            out = torch.where(dead, plain, out)
+    return out  # [B, Nh, rows, Dv]
 
 
 def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor",
@@ -487,7 +521,7 @@ class Sample:
 
 
 def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation", plan: P.Plan, scale: float,
-                      empty: str, dtype: "torch.dtype") -> dict[str, "Tensor"]:
+                      empty: str, dtype: "torch.dtype", softcap: float | None = None) -> dict[str, "Tensor"]:
     """The reference's stages for every sampled row, over every key, in one call.
 
     Returns ``{"scores", "masked_scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``
@@ -500,7 +534,7 @@ def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation
     spans = plan.reference_spans  # absolute query rows
     contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
     qs = q[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([q[:, :, r0:r1] for r0, r1 in spans], dim=2)
-    ref = reference_block(qs, k, v, sample_allow(relation, spans, tk), scale, empty, dtype)
+    ref = reference_block(qs, k, v, sample_allow(relation, spans, tk), scale, empty, dtype, softcap)
     return {key: t for key, t in ref.items() if key != "allow"}
 
 
@@ -525,7 +559,7 @@ def sample_rows(spans: tuple[tuple[int, int], ...], device: Any = None) -> "Tens
 
 
 def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
-                    dtype: "torch.dtype") -> dict[str, "Tensor"]:
+                    dtype: "torch.dtype", softcap: float | None = None) -> dict[str, "Tensor"]:
     """The reference's stages for the sampled rows, a few query heads at a time when K and V are long.
 
     Heads are independent, so chunking over them changes nothing but the size of the
@@ -541,12 +575,12 @@ def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None
     per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * torch.finfo(dtype).bits // 8
     kv_step = max(1, REF_CHUNK_BYTES // max(1, per_kv_head))
     if kv_step >= nkv:
-        return reference_stages(q, k, v, allow_mask=allow, scale=scale, empty_rows=empty, dtype=dtype)
+        return reference_stages(q, k, v, allow_mask=allow, scale=scale, empty_rows=empty, dtype=dtype, softcap=softcap)
     parts: list[dict[str, Tensor]] = []
     for j0 in range(0, nkv, kv_step):
         j1 = min(j0 + kv_step, nkv)
         h0, h1 = j0 * group, j1 * group
         a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
         parts.append(reference_stages(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], allow_mask=a, scale=scale,
-                                      empty_rows=empty, dtype=dtype))
+                                      empty_rows=empty, dtype=dtype, softcap=softcap))
     return {key: torch.cat([p[key] for p in parts], dim=1) for key in ("scores", "masked_scores", "weights", "out")}

@@ -49,11 +49,26 @@ def scale_meta(rows: Rows, meta: dict[str, Any], s: float | None, temperature: f
     return effective
 
 
+def softcap_meta(rows: Rows, meta: dict[str, Any], softcap: float | None, backends: Any) -> None:
+    """A soft-cap, stated in the notes and details; refused with pinned SDPA backends (SDPA has no cap)."""
+    from attn_ledger.errors import InputError
+
+    if softcap is None:
+        return
+    if backends is not None:
+        raise InputError(f"backends: got {backends!r} with softcap {softcap:g}, expected no pinned SDPA backends: SDPA "
+                         "has no soft-cap to compare with")
+    meta["softcap"] = softcap
+    rows.notes.append(f"soft-cap C = {softcap:g}: the scaled scores become C * tanh(s / C) before the mask, in the "
+                      "pipeline and the float64 reference; SDPA, which has no cap, gets the capped scores as its "
+                      "additive mask")
+
+
 def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
              ref: tuple["Tensor", "Tensor", "Tensor"], relation: "Relation", scale: float, empty_zero: bool, *,
              ref_scale: float, given: "dict[str, Tensor] | None" = None, broken: tuple[Broken, ...] = (),
              block_size: int | None, keep_grids: bool, progress: ProgressFn | None,
-             backends: "str | list[str] | None") -> Grid:
+             backends: "str | list[str] | None", softcap: float | None = None) -> Grid:
     """The score-grid stages: plan, execute block by block, fold and judge; rows, notes and meta filled in."""
     from attn_ledger.engine.execute import Execution
     from attn_ledger.engine.judge import Tally, judge
@@ -68,7 +83,7 @@ def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Te
     plan = make_plan(b, nh, tq, tk, relation, block_size=block_size, keep_grids=keep_grids, given=bool(given),
                      width_step=key_step(q.dtype, q.device.type, tk))
     run = Execution(plan, relation, ops, q, k_exp, v_exp, ref, scale=scale, ref_scale=ref_scale,
-                    empty_zero=empty_zero, given=given, backends=pairs, progress=progress)
+                    empty_zero=empty_zero, given=given, backends=pairs, progress=progress, softcap=softcap)
     tally = Tally.of([*broken, *run.run()])
     derived = {"scores": (b, nh, tq, tk), "masked_scores": (b, nh, tq, tk), "weights": (b, nh, tq, tk),
                "context": (b, nh, tq, dv)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from attn_ledger.errors import InputError
+from attn_ledger.errors import InputError, did_you_mean
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -78,7 +78,8 @@ def parse(
     names = split_names(mask)
     for name in names:
         if name not in allowed:
-            raise InputError(f"mask: got {mask!r}, expected relations from {', '.join(allowed)} joined by '+'")
+            raise InputError(f"mask: got {mask!r}, expected relations from {', '.join(allowed)} joined by '+'"
+                             + did_you_mean(name, allowed))
     if "none" in names and len(names) > 1:
         raise InputError(f"mask: got {mask!r}, expected 'none' alone")
     if "causal" in names and "causal-top-left" in names:

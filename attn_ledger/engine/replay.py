@@ -66,10 +66,11 @@ def replay_config(ops: Any, cfg: "RunConfig", inp: "Inputs", spec: Any, relation
 
 
 def replay_tensors(grid: "Grid", relation: "Relation", q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", scale: float,
-                   empty_zero: bool) -> Check:
-    """The forward on given tensors again, to the context, compared bitwise with the first run."""
+                   empty_zero: bool, ops: Any = None) -> Check:
+    """The forward on given tensors again (through ``ops``, the healthy stages by default), to the context,
+    compared bitwise with the first run."""
     from attn_ledger.engine.execute import replay_context
     from attn_ledger.pipeline import HEALTHY
 
-    second = replay_context(grid.plan, relation, HEALTHY, q, k_exp, v_exp, scale, empty_zero)
+    second = replay_context(grid.plan, relation, ops or HEALTHY, q, k_exp, v_exp, scale, empty_zero)
     return replay_check([("context", grid.context, second)], ("example", "head", "query", "feature"))

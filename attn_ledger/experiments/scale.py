@@ -359,7 +359,7 @@ def sweep_scale(
     from attn_ledger.limits import estimate_sweep, require_fits
 
     if plot is not None:
-        _check_plot_path(plot)
+        check_plot_path(plot)
     if tensors is not None:
         report = tensor_stats(tensors, max_memory=max_memory)
     else:
@@ -370,9 +370,12 @@ def sweep_scale(
         report = sweep(widths, queries, keys, seed, progress=progress)
     if plot is None:
         return report
-    written = write_plot(report, plot)
-    return replace(report, details={**report.details, "plot": written},
-                   notes=(*report.notes, f"plot written to {written}"))
+    return plotted(report, write_plot(report, plot))
+
+
+def plotted(report: Report, path: str | Path) -> Report:
+    """The report saying that its plot is (or is about to be) written to ``path``."""
+    return replace(report, details={**report.details, "plot": str(path)}, notes=(*report.notes, f"plot written to {path}"))
 
 
 # --- plot -------------------------------------------------------------------------------
@@ -391,7 +394,8 @@ def require_matplotlib() -> Any:
     return plt
 
 
-def _check_plot_path(path: str | Path) -> None:
+def check_plot_path(path: str | Path) -> None:
+    """Refuse, before any work, a ``--plot`` path without matplotlib or without an existing directory."""
     require_matplotlib()
     p = Path(path)
     try:
@@ -409,8 +413,16 @@ def measured_rows(report: Report) -> list[tuple[int, Row]]:
 
 def write_plot(report: Report, path: str | Path) -> str:
     """Score std and softmax entropy against Dh, raw and scaled, drawn from a report's rows, to a PNG."""
+    check_plot_path(path)
+    Path(path).write_bytes(plot_png(report))
+    return str(path)
+
+
+def plot_png(report: Report) -> bytes:
+    """The PNG :func:`write_plot` writes, as bytes."""
+    import io
+
     plt = require_matplotlib()
-    _check_plot_path(path)
     measured = measured_rows(report)
     dhs = [d for d, _ in measured]
     panels = (
@@ -427,11 +439,12 @@ def write_plot(report: Report, path: str | Path) -> str:
         ax.set_ylabel(ylabel)
         ax.legend()
     fig.tight_layout()
+    png = io.BytesIO()
     try:
-        fig.savefig(str(path), format="png")
+        fig.savefig(png, format="png")
     finally:
         plt.close(fig)
-    return str(path)
+    return png.getvalue()
 
 
 # --- temperature: one fixed row of scores at several temperatures ---------------------------------------

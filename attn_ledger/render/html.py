@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 from attn_ledger._version import __version__
 from attn_ledger.render.jsondoc import dumps, json_value
 from attn_ledger.render.pictures import MASK_CATEGORIES, MASK_MEANING, NotDrawn, Picture, build_picture, mark_text
-from attn_ledger.render.text import LEVEL_NAMES, STATUS_WORD, check_line, describe, finding_line, fmt_value, shape_text
+from attn_ledger.render.text import LEVEL_NAMES, STATUS_WORD, check_line, describe, fmt_value, shape_text
 from attn_ledger.report import Check, Report, Row
 
 HTML_LIMIT = 64  # queries and keys drawn cell by cell; larger grids are pooled to this many cells a side
@@ -148,7 +148,7 @@ def _ledger(report: Report) -> str:
 def _finding(report: Report) -> str:
     f = report.first_finding
     if f is None:
-        return f'<section id="first-finding" class="finding none"><h2>First finding</h2><p>{_e(finding_line(None))}</p></section>'
+        return '<section id="first-finding" class="finding none"><h2>First finding</h2><p>none: no check failed</p></section>'
     c = f.check
     return (f'<section id="first-finding" class="finding"><h2>First finding</h2>'
             f'<p><a href="#row-{_e(f.row)}" class="mono">{_e(f.row)}</a>, L{c.level} {_e(LEVEL_NAMES[c.level])}: '
@@ -294,7 +294,8 @@ def _failing_cases(report: Report) -> str:
         note = f'<div class="note mono">{_e(r.note)}</div>' if r.note else ""
         blocks.append(f'<div class="case" data-case="{_e(r.name)}"><h3 class="mono">{_e(r.name)}</h3>'
                       f'<ul class="checks">{checks}</ul>{note}{_case_reproduction(repro, r.name)}</div>')
-    return f'<section id="failing-cases"><h2>Failing cases ({len(failing)})</h2>{"".join(blocks)}</section>'
+    what = report.row_label if len(failing) == 1 else f"{report.row_label}s"
+    return f'<section id="failing-cases"><h2>Failing {_e(what)} ({len(failing)})</h2>{"".join(blocks)}</section>'
 
 
 # --- the page ---------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ One test case per check for reports whose unit is a check (the ledger: one per s
 check; a stage without checks, such as ``input``, adds none), one per row otherwise (a case of ``check``, a fault, an experiment row). A failing
 test case's message names the check, its value and its limit. Checks that were not judged
 (skipped, not applicable, not reached, downstream) are reported as skipped; warnings and
-inconclusive results pass, with the sentence in ``system-out``.
+inconclusive checks pass, with the sentence in ``system-out``. A row whose own status is
+``inconclusive`` (a ``check`` case that nothing past L1 judged) is skipped, never passed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def _failure_message(row: str, c: Check) -> str:
     return text
 
 
-def _case(suite: ET.Element, classname: str, name: str, checks: list[Check], row: Row) -> tuple[int, int]:
+def _case(suite: ET.Element, classname: str, name: str, checks: list[Check], row: Row,
+          whole_row: bool = False) -> tuple[int, int]:
     case = ET.SubElement(suite, "testcase", classname=classname, name=name, time="0")
     failing = [c for c in checks if c.failed]
     if failing:
@@ -36,6 +38,10 @@ def _case(suite: ET.Element, classname: str, name: str, checks: list[Check], row
         return 1, 0
     if checks and all(c.status in UNJUDGED for c in checks):
         ET.SubElement(case, "skipped", message=f"{STATUS_WORD[checks[0].status]}: {checks[0].reason}")
+        return 0, 1
+    if whole_row and row.status == "inconclusive":
+        why = [c for c in checks if c.status == "inconclusive"]
+        ET.SubElement(case, "skipped", message=f"inconclusive: {describe(why[-1]) if why else row.note}")
         return 0, 1
     notes = [f"L{c.level} {c.name} {STATUS_WORD[c.status]}: {describe(c)}" for c in checks
              if c.status in ("warn", "inconclusive")]
@@ -54,7 +60,7 @@ def render_junit(report: Report) -> str:
                 f, s = _case(suite, f"{report.command}.{row.name}", c.name, [c], row)
                 tests, failures, skipped = tests + 1, failures + f, skipped + s
         else:
-            f, s = _case(suite, report.command, row.name, list(row.checks), row)
+            f, s = _case(suite, report.command, row.name, list(row.checks), row, whole_row=True)
             tests, failures, skipped = tests + 1, failures + f, skipped + s
     for el in (suites, suite):
         el.set("tests", str(tests))

@@ -3,7 +3,9 @@
 Columns that hold names, statuses, shapes and numbers take the width of their longest entry;
 the last column (checks and notes) takes the rest and wraps at spaces only. A token wider
 than its column stays whole and runs past the edge rather than being cut. Lines are built as
-styled segments, so the same layout prints with colour (rich) or as plain text.
+styled segments, so the same layout prints with colour (rich) or as plain text. Text from a
+report prints with its control and bidirectional characters escaped (:func:`printable`): a
+file name with a newline or a U+202E override in it stays one line that reads as it is stored.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from attn_ledger.render.text import (
     describe,
     finding_line,
     fmt_value,
+    printable,
     shape_text,
 )
 from attn_ledger.report import Check, Report, Row
@@ -47,7 +50,7 @@ def wrap_words(text: str, width: int, indent: str = "  ") -> list[str]:
 
 
 def _field_text(value: object) -> str:
-    return "-" if value is None else fmt_value(value)
+    return "-" if value is None else printable(fmt_value(value))
 
 
 def _check_cell(row: Row, report: Report, width: int, folded: Sequence[str], more: int = 0) -> list[Line]:
@@ -61,7 +64,7 @@ def _check_cell(row: Row, report: Report, width: int, folded: Sequence[str], mor
         value = row.fields.get(key)
         if value is None:
             continue
-        for ln in wrap_words(f"{key} {fmt_value(value)}", width):
+        for ln in wrap_words(printable(f"{key} {fmt_value(value)}"), width):
             lines.append([(ln, "dim")])
     if row.status == "not_reached":
         shown: list[Check] = []
@@ -77,14 +80,14 @@ def _check_cell(row: Row, report: Report, width: int, folded: Sequence[str], mor
         else:
             sentence = describe(c)
             text = f"L{c.level} {STATUS_WORD[c.status]} {c.name}" + (f": {sentence}" if sentence else "")
-        for ln in wrap_words(text, width):
+        for ln in wrap_words(printable(text), width):
             lines.append([(ln, _check_style(c))])
     if not report.show_passing and shown:
         counts = _tally(c.status for c in row.checks if c not in shown)
         if counts:
             lines += [[(ln, "dim")] for ln in wrap_words(f"({counts})", width)]
     if row.note:
-        for ln in wrap_words(row.note, width):
+        for ln in wrap_words(printable(row.note, keep="\n"), width):  # its line breaks draw a picture
             lines.append([(ln, "dim")])
     if more:
         head = _signature(row)
@@ -167,9 +170,10 @@ def layout(report: Report, width: int = 100) -> list[Line]:  # long: sizing the 
     has_shape = any(r.shape is not None or r.axes for r in rows)
     fields = _field_columns(report)
     label = report.row_label
-    name_w = max([len(label)] + [len(r.name) for r in rows])
+    names = {r.name: printable(r.name) for r in rows}
+    name_w = max([len(label)] + [len(names[r.name]) for r in rows])
     status_w = max([len("status")] + [len(STATUS_WORD[r.status]) for r in rows])
-    shape_w = max([len("shape / axes")] + [max(len(shape_text(r.shape)), len(r.axes)) for r in rows]) if has_shape else 0
+    shape_w = max([len("shape / axes")] + [max(len(shape_text(r.shape)), len(printable(r.axes))) for r in rows]) if has_shape else 0
     field_w = {k: max([len(k)] + [len(_field_text(r.fields.get(k))) for r in rows]) for k in fields}
     fixed = name_w + len(GAP) + status_w + len(GAP) + (shape_w + len(GAP) if has_shape else 0)
     stacked = width - fixed < MIN_WRAP
@@ -186,7 +190,7 @@ def layout(report: Report, width: int = 100) -> list[Line]:  # long: sizing the 
     wrap_w = width - len(indent) if stacked else max(MIN_WRAP, width - fixed)
 
     out: list[Line] = []
-    for ln in wrap_words(report.title, width):
+    for ln in wrap_words(printable(report.title), width):
         out.append([(ln, "bold")])
     header: Line = [(label.ljust(name_w) + GAP, "bold"), ("status".ljust(status_w) + GAP, "bold")]
     if has_shape:
@@ -198,11 +202,11 @@ def layout(report: Report, width: int = 100) -> list[Line]:  # long: sizing the 
     rule_at = len(out)
     for r in rows:
         check_lines = _check_cell(r, report, wrap_w, folded, more.get(r.name, 0))
-        shape_lines = [shape_text(r.shape), r.axes] if has_shape else []
+        shape_lines = [shape_text(r.shape), printable(r.axes)] if has_shape else []
         side = [] if stacked else check_lines
         n = max(1, len(side), len(shape_lines))
         for i in range(n):
-            line: Line = [((r.name if i == 0 else "").ljust(name_w) + GAP, "bold" if i == 0 else "")]
+            line: Line = [((names[r.name] if i == 0 else "").ljust(name_w) + GAP, "bold" if i == 0 else "")]
             word = STATUS_WORD[r.status] if i == 0 else ""
             line.append((word.ljust(status_w) + GAP, STATUS_STYLE[r.status] if i == 0 else ""))
             if has_shape:
@@ -237,20 +241,20 @@ def _tail(report: Report, width: int) -> list[Line]:
     """Notes, coverage, warnings and the first finding, under the table."""
     out: list[Line] = []
     for note in report.notes:
-        for ln in wrap_words(note, width):
+        for ln in wrap_words(printable(note), width):
             out.append([(ln, "dim")])
     if report.coverage is not None:
         cov = report.coverage
         text = f"coverage: {cov.scope}" + (f"; not run: {', '.join(cov.missing)}" if cov.missing else "")
         text += f" ({cov.reason})" if cov.reason else ""
-        for ln in wrap_words(text, width):
+        for ln in wrap_words(printable(text), width):
             out.append([(ln, "yellow")])
     if report.show_passing:
         for row_name, c in report.warnings():
-            for ln in wrap_words(f"warning at {row_name}: {c.name}: {describe(c)}", width):
+            for ln in wrap_words(printable(f"warning at {row_name}: {c.name}: {describe(c)}"), width):
                 out.append([(ln, "yellow")])
     style = "bold red" if report.first_finding is not None else "bold green"
-    for ln in wrap_words(finding_line(report.first_finding), width):
+    for ln in wrap_words(printable(finding_line(report.first_finding)), width):
         out.append([(ln, style)])
     return out
 

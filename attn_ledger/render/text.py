@@ -6,6 +6,7 @@ Sentences are rendered from a check's fields; nothing in a report stores them.
 from __future__ import annotations
 
 import math
+import unicodedata
 from typing import Any, Mapping
 
 from attn_ledger.report import LEVEL_NAMES, STATUSES, Check, Finding, Report
@@ -21,6 +22,28 @@ STATUS_STYLE = {
     "not_reached": "dim",
     "downstream": "yellow",
 }
+
+
+BIDI_CONTROLS = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+"""Characters that reorder the text around them on a terminal (embeddings, overrides, isolates, marks)."""
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
+
+
+def printable(text: str, keep: str = "") -> str:
+    """``text`` with control characters, line separators and bidirectional controls escaped as JSON
+    writes them (``\\n``, ``\\u202e``), so that a name or a path from a user prints as one line that
+    reads as it is stored. ``keep``: characters left as they are (a note's own line breaks)."""
+    if text.isprintable():  # no control, format or separator character: the common case
+        return text
+    return "".join(_escape(c) if c not in keep and _unsafe(c) else c for c in text)
+
+
+def _unsafe(c: str) -> bool:
+    return unicodedata.category(c) in ("Cc", "Zl", "Zp") or c in BIDI_CONTROLS
+
+
+def _escape(c: str) -> str:
+    return _NAMED_ESCAPES.get(c, f"\\u{ord(c):04x}")
 
 
 def fmt_value(value: Any) -> str:
