@@ -225,15 +225,19 @@ class Magnitudes:
 
 
 def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-               d_out: "Tensor | None" = None) -> Magnitudes:
+               d_out: "Tensor | None" = None, accumulate: float = 1.0) -> Magnitudes:
     """The magnitudes ``M`` (and ``U``) of attention's summands, a query block at a time, in float64.
 
     The forward error of a dot product is at most a multiple of eps times the sum of its terms'
     absolute values, whatever the order of summation. Carried through attention, with P the
     float64 weights and ``A = |q| |k|^T scale`` the scores' own magnitude:
 
-    * a weight errs by ``E = P (A + 1 + max_j A + log Tk)`` (eps units): its score's error, the
-      row's largest (the max or log-sum-exp it is taken relative to) and exp's own rounding;
+    * a weight ``P = exp(s - L)`` errs by ``E = P (|s| + sum_j P |s| + 1 + log Tk + a (A + max_j A))``
+      (eps units): its score rounded to the dtype, the log-sum-exp's error (the weighted mean of
+      the scores'), exp's and the row maximum's own rounding, and the error of accumulating the
+      product (``a`` = ``accumulate``: eps of the dtype it accumulates in over the dtype's eps, 1
+      where both are the same, 2^-13 for float16 accumulating in float32), which a stored
+      log-sum-exp carries too;
     * ``out = P V``: ``M = (P + E) |V|``;
     * ``dv = P^T dO``: ``M = (P + E)^T |dO|``;
     * ``dP = dO V^T``: ``|dP| <= |dO| |V|^T``; ``D = rowsum(P dP)``: ``|D| <= rowsum(P |dP|)``;
@@ -275,8 +279,10 @@ def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", sc
         live = ok.any(dim=-1, keepdim=True)  # [B, Nh, rows, 1]
         p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
         ones = (ok & live).to(f64)  # [B, Nh, rows, Tk]: the allowed weights, each set to one
-        row = torch.where(ok, a, 0.0).amax(dim=-1, keepdim=True) + math.log(max(tk, 1))  # [B, Nh, rows, 1]
-        e = p * (a + 1.0 + row)  # [B, Nh, rows, Tk]: the weights' error from the scores (eps units)
+        sa = s.abs()
+        row = (p * sa).sum(dim=-1, keepdim=True) + 1.0 + math.log(max(tk, 1))  # [B, Nh, rows, 1]
+        row = row + accumulate * torch.where(ok, a, 0.0).amax(dim=-1, keepdim=True)
+        e = p * (sa + accumulate * a + row)  # [B, Nh, rows, Tk]: the weights' error from the scores (eps units)
         w = p + e
         m_out.append(torch.matmul(w, va))  # [B, Nh, rows, Dv]
         u_out.append(torch.matmul(ones, va))

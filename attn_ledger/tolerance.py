@@ -68,19 +68,24 @@ ROUNDING_QUANTITIES = ("out", "dq", "dk", "dv")
 
 # c per (quantity, dtype) in ``|err| <= c * eps(dtype) * M``. Each is twice (or more) the worst
 # error / (eps * M) measured on correct kernels, so that a correct kernel stays within half its
-# bound. Measured on torch 2.13.0+cpu, AMD EPYC (AVX512), ATEN_CPU_CAPABILITY unset (avx512), avx2
-# and default, seeds 0-9, default and full tiers, kernels: SDPA with enable_gqa (sdpa_adapter.py),
-# SDPA over repeat_interleave with an explicit bottom-right mask (good.py), expand + reshape then a
-# plain softmax, einsum, a blocked online softmax (16/64/128 keys; online_softmax.py), split-K decode,
-# float32-accumulating half kernels (float32_softmax.py). The worst measured err / (eps * M) is in
-# the comment beside each c.
+# bound. Measured on torch 2.13.0+cpu, AMD EPYC, at ATEN_CPU_CAPABILITY unset (AVX512; default
+# tier, seeds 0-3), avx2 and default (default tier, seeds 0-1), and the full tier (AVX512, seed 0:
+# SDPA with enable_gqa, online softmax, split-K), over kernels: SDPA with enable_gqa and an explicit
+# bottom-right mask (sdpa_adapter.py), SDPA over repeat_interleave (good.py), SDPA's math backend,
+# expand + reshape then a plain softmax, einsum with the query heads grouped, a blocked online
+# softmax at 16, 64 and 128 keys (online_softmax.py), split-K decode over 4 splits, a half kernel
+# computing in float32 and a softmax in float32 (float32_softmax.py, not at the float64 level). The
+# worst measured err / (eps * M) over all of them is in the comment beside each c.
 ROUNDING_C: dict[str, dict[str, float]] = {
-    "out": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},  # worst 0.48, 0.45, 0.15, 0.17
-    "dq": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},  # worst 0.15, 0.18, 0.04, 0.05
-    "dk": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},  # worst 0.19, 0.26, 0.20, 0.10
-    # float16 dv: the upstream gradient is rounded to float16 before the kernel sees it, and the
-    # result rounds again; every correct kernel reaches 1.22 on the edge case
-    "dv": {"float64": 2.0, "float32": 2.0, "float16": 4.0, "bfloat16": 4.0},  # worst 0.59, 0.75, 1.22, 0.35
+    # float64 (at its own level, for precision), float32, float16, bfloat16; each with the worst measured
+    # err / (eps * M) of a correct kernel beside it, and for float16 (bfloat16) the worst of the two
+    # imprecise kernels in fixtures/kernels/precision, which the bound lets through to the precision bar
+    "out": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},  # 0.48, 0.45, 0.32 (1.82), 0.31
+    "dq": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},  # 0.15, 0.18, 0.06 (0.37), 0.08
+    "dk": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 4.0},  # 0.19, 0.26, 0.14 (0.58), 0.99
+    # half dv: the upstream gradient is rounded to the dtype before the kernel sees it, and the result
+    # rounds again, so every correct kernel comes near 3 on the edge and large cases
+    "dv": {"float64": 2.0, "float32": 2.0, "float16": 8.0, "bfloat16": 8.0},  # 0.59, 0.75, 2.91 (4.02), 2.95 (3.7)
 }
 
 # The kernel suites' view, kept beside the rule as data (each finding reports their limits too):

@@ -126,8 +126,9 @@ def test_magnitudes_are_the_absolute_value_computation():
     ref = attention(q, k, v, None, scale, compute=torch.float64)
     qd, kd, vd = (t.double().repeat_interleave(2 // t.shape[1], dim=1) for t in (q, k, v))
     p = torch.softmax(qd @ kd.transpose(-2, -1) * scale, dim=-1)  # [B, Nh, Tq, Tk]
+    s = qd @ kd.transpose(-2, -1) * scale
     a = qd.abs() @ kd.abs().transpose(-2, -1) * scale
-    e = p * (a + 1 + a.amax(dim=-1, keepdim=True) + math.log(4))
+    e = p * (s.abs() + a + (p * s.abs()).sum(-1, keepdim=True) + 1 + math.log(4) + a.amax(dim=-1, keepdim=True))
     torch.testing.assert_close(mags.summands.out, (p + e) @ vd.abs())
     assert bool((mags.summands.out >= ref.out.abs()).all())  # M bounds the quantity itself
     torch.testing.assert_close(mags.underflow.out, torch.ones_like(p) @ vd.abs())

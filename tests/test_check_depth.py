@@ -187,7 +187,7 @@ def test_float16_multiply_then_scale_is_caught_and_says_the_product_overflowed()
     hidden = check_case(kernel("half_multiply_then_scale:hides_nans"), parse_case(HUGE), backward=False)
     ref = hidden.check("reference")
     assert hidden.first_failure.name == "reference" and ref.status == "fail" and hidden.check("finite").passed
-    assert math.isfinite(ref.limit) and ref.value > 10 * ref.limit and ref.data["raw_product_max"] > 65504
+    assert math.isfinite(ref.limit) and ref.value > ref.limit and ref.data["raw_product_max"] > 65504
     # ordinary float16 inputs do not catch it: their raw product stays far inside float16
     assert check_case(kernel("half_multiply_then_scale"), parse_case(HUGE.replace("huge", "rand"))).passed
     good = check_case(sdpa, parse_case(HUGE))
