@@ -83,7 +83,7 @@ from attn_ledger.kernelref import (  # noqa: F401  (FACTOR re-exported)
 from attn_ledger.kernelspec import Declaration, check_signature
 from attn_ledger.report import Check, Finding, Report, Row, bounded, counted, find_check, row_status, unjudged
 from attn_ledger.seeding import generator
-from attn_ledger.tolerance import EPS, HALF_PRECISION_RATIO, is_half
+from attn_ledger.tolerance import EPS, HALF_PRECISION_RATIO, is_half, tiny
 
 if TYPE_CHECKING:
     import torch
@@ -645,7 +645,8 @@ def _references(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
     scale = case.effective_scale
     ref = attention(s.q, s.k, s.v, s.allow, scale, compute=s.ref_dtype, d_out=d_out)
     acc = EPS["float32"] / EPS[case.dtype_name] if is_half(case.dtype_name) else 1.0  # half accumulates in float32
-    mags = magnitudes(s.q, s.k, s.v, s.allow, scale, d_out, accumulate=acc)
+    sub = tiny("float32" if dt == torch.float64 else case.dtype_name)  # the smallest normal of the judged levels
+    mags = magnitudes(s.q, s.k, s.v, s.allow, scale, d_out, accumulate=acc, tiny=sub)
     pl = plain_variants(s.q, s.k, s.v, s.allow, scale, dt, d_out=d_out)
     pl32 = None
     if dt == torch.float64:

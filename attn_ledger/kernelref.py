@@ -215,17 +215,24 @@ class Magnitudes:
     """Per element of out, dq, dk and dv, in float64: what rounding an error is made of.
 
     ``summands``: ``M``, the magnitude of the quantity's summands with the error the weights carry
-    from the scores folded in; ``underflow``: ``U``, the same products with every allowed weight
-    set to one, so that ``tiny(dtype) * U`` bounds what weights below the dtype's smallest normal
-    lose (zero where a quantity depends on no weight).
+    from the scores folded in; ``underflow``: ``U``, the same products over the weights below the
+    dtype's smallest normal (each set to one, one added to each other factor), plus one for the
+    result's own rounding, so that ``eps * tiny(dtype) * U`` bounds what underflow loses. ``lengths``: how many
+    terms the longest sum behind each quantity adds (Tk for out and dq, the queries a kv head serves
+    for dk and dv): rounding grows with it, as ``sqrt(n)`` in practice (:func:`judge_rounding`).
     """
 
     summands: Computed
     underflow: Computed
+    lengths: tuple[tuple[str, int], ...] = ()  # (quantity, terms in its longest sum)
+    accumulate: float = 1.0  # eps of the accumulating dtype over the case dtype's
+
+    def length(self, quantity: str) -> int:
+        return dict(self.lengths).get(quantity, 1)
 
 
 def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-               d_out: "Tensor | None" = None, accumulate: float = 1.0) -> Magnitudes:
+               d_out: "Tensor | None" = None, accumulate: float = 1.0, tiny: float = 0.0) -> Magnitudes:
     """The magnitudes ``M`` (and ``U``) of attention's summands, a query block at a time, in float64.
 
     The forward error of a dot product is at most a multiple of eps times the sum of its terms'
@@ -244,6 +251,10 @@ def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", sc
     * ``dS = P (dP - D)``: ``|dS| + err <= (P + E)(|dP| + |D|) + P rowsum(E |dP|)``;
     * ``dq = dS K scale``: ``M = |dS| |K| scale``; ``dk = dS^T Q scale``: ``M = |dS|^T |Q| scale``,
       summed over the query heads a kv head serves.
+
+    A sum of n terms rounds about ``sqrt(n)`` times as much as one (Higham and Mary's probabilistic
+    bound; blocked and pairwise orders do better): the score's error takes ``1 + a sqrt(Dh)``, and
+    :func:`judge_rounding` multiplies ``M`` by ``1 + a sqrt(n)``, n the quantity's longest sum.
 
     Args:
         q: ``[B, Nh, Tq, Dh]``; k: ``[B, Nkv, Tk, Dh]``; v: ``[B, Nkv, Tk, Dv]``.
@@ -278,26 +289,27 @@ def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", sc
             ok = ab.expand_as(s)
         live = ok.any(dim=-1, keepdim=True)  # [B, Nh, rows, 1]
         p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
-        ones = (ok & live).to(f64)  # [B, Nh, rows, Tk]: the allowed weights, each set to one
+        ones = (ok & live & (p < tiny)).to(f64)  # [B, Nh, rows, Tk]: allowed weights below the smallest normal, set to one
         sa = s.abs()
         row = (p * sa).sum(dim=-1, keepdim=True) + 1.0 + math.log(max(tk, 1))  # [B, Nh, rows, 1]
-        row = row + accumulate * torch.where(ok, a, 0.0).amax(dim=-1, keepdim=True)
-        e = p * (sa + accumulate * a + row)  # [B, Nh, rows, Tk]: the weights' error from the scores (eps units)
+        acc = accumulate * (1.0 + math.sqrt(q.shape[-1]))  # q . k sums Dh products at the accumulating precision
+        row = row + acc * torch.where(ok, a, 0.0).amax(dim=-1, keepdim=True)
+        e = p * (sa + acc * a + row)  # [B, Nh, rows, Tk]: the weights' error from the scores (eps units)
         w = p + e
         m_out.append(torch.matmul(w, va))  # [B, Nh, rows, Dv]
-        u_out.append(torch.matmul(ones, va))
+        u_out.append(torch.matmul(ones, va + 1.0))
         if grads:
             do = d_out[:, :, blk].detach().to(f64).abs()  # [B, Nh, rows, Dv]
             mp = torch.matmul(do, va.transpose(-2, -1))  # [B, Nh, rows, Tk]: |dP|
             md = (p * mp).sum(dim=-1, keepdim=True)  # [B, Nh, rows, 1]: |D|
             ms = w * (mp + md) + p * (e * mp).sum(dim=-1, keepdim=True)  # [B, Nh, rows, Tk]: |dS| and its error
-            us = ones * (mp + md)
+            us = ones * (mp + md + 1.0)
             m_dq.append(torch.matmul(ms, ka) * abs(scale))  # [B, Nh, rows, Dh]
-            u_dq.append(torch.matmul(us, ka) * abs(scale))
+            u_dq.append(torch.matmul(us, ka + 1.0) * abs(scale))
             m_dk += torch.matmul(ms.transpose(-2, -1), qa) * abs(scale)  # [B, Nh, Tk, Dh]
-            u_dk += torch.matmul(us.transpose(-2, -1), qa) * abs(scale)
+            u_dk += torch.matmul(us.transpose(-2, -1), qa + 1.0) * abs(scale)
             m_dv += torch.matmul(w.transpose(-2, -1), do)  # [B, Nh, Tk, Dv]
-            u_dv += torch.matmul(ones.transpose(-2, -1), do)
+            u_dv += torch.matmul(ones.transpose(-2, -1), do + 1.0)
 
     def cat(parts: list["Tensor"], width: int) -> "Tensor":
         return torch.cat(parts, dim=2) if parts else q.new_zeros(b, nh, 0, width, dtype=f64)
@@ -305,11 +317,13 @@ def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", sc
     def per_kv(t: "Tensor") -> "Tensor":
         return t.reshape(b, nkv, nh // nkv, tk, -1).sum(dim=2)  # [B, Nkv, Tk, D]
 
-    out_m, out_u = cat(m_out, v.shape[-1]), cat(u_out, v.shape[-1])
+    out_m, out_u = cat(m_out, v.shape[-1]), cat(u_out, v.shape[-1]) + 1.0  # + 1: the result's own rounding
+    lengths = (("out", tk), ("dq", tk), ("dk", tq * (nh // nkv)), ("dv", tq * (nh // nkv)))
     if not grads:
-        return Magnitudes(Computed(out_m), Computed(out_u))
+        return Magnitudes(Computed(out_m), Computed(out_u), lengths, accumulate)
     return Magnitudes(Computed(out_m, cat(m_dq, q.shape[-1]), per_kv(m_dk), per_kv(m_dv)),
-                      Computed(out_u, cat(u_dq, q.shape[-1]), per_kv(u_dk), per_kv(u_dv)))
+                      Computed(out_u, cat(u_dq, q.shape[-1]) + 1.0, per_kv(u_dk) + 1.0, per_kv(u_dv) + 1.0),
+                      lengths, accumulate)
 
 
 @dataclass(frozen=True)
@@ -338,7 +352,9 @@ def judge_rounding(got: "Tensor", ref: "Tensor", mags: Magnitudes, quantity: str
     from attn_ledger.tolerance import rounding, tiny
 
     c, eps = rounding(quantity, dtype)
-    m = getattr(mags.summands, quantity)
+    n = mags.length(quantity)
+    growth = 1.0 + mags.accumulate * math.sqrt(n)  # the sum's own rounding, at the accumulating precision
+    m = getattr(mags.summands, quantity) * growth
     u = getattr(mags.underflow, quantity)
     floor = tiny(dtype)
     bound = c * eps * (m + floor * u)  # [B, N, T, D]
@@ -365,6 +381,7 @@ def judge_rounding(got: "Tensor", ref: "Tensor", mags: Magnitudes, quantity: str
     else:
         limit = max_error / worst
     parts = {"rule": "c * eps * M", "quantity": quantity, "dtype": dtype, "c": c, "eps": eps, "M": m_w,
+             "terms": n, "growth": growth,
              "underflow": floor * u_w, "bound": b_w, "error": e_w, "ratio": worst, "max_error": max_error,
              "at": {**at, "dim": idx[3]}}
     return Bounded(max_error, worst, limit, (ratio > 1).any(dim=-1), at, parts)

@@ -98,7 +98,7 @@ def test_judge_rounding_is_elementwise_just_past_the_bound_fails_just_within_pas
     ref = torch.randn(1, 2, 3, 4, dtype=torch.float64)
     m = torch.rand(1, 2, 3, 4, dtype=torch.float64) + 0.5  # [B, N, T, D] per-element magnitudes
     zero = torch.zeros_like(m)
-    mags = Magnitudes(Computed(m), Computed(zero))
+    mags = Magnitudes(Computed(m), Computed(zero), accumulate=0.0)  # no growth: the bound is c * eps * m
     c, eps = rounding("out", "float32")
     where = torch.ones(1, 2, 3, dtype=torch.bool)
     names = ("example", "head", "query")
@@ -112,6 +112,8 @@ def test_judge_rounding_is_elementwise_just_past_the_bound_fails_just_within_pas
     assert int(past.wrong.sum()) == 1
     # an element with a zero bound (no summand) must be exact; NaN against a number never passes
     exact = judge_rounding(zero + 1e-30, zero, Magnitudes(Computed(zero), Computed(zero)), "out", "float32", where, names)
+    grown = judge_rounding(ref, ref, Magnitudes(Computed(m), Computed(zero), (("out", 16),)), "out", "float32", where, names)
+    assert grown.parts["terms"] == 16 and grown.parts["growth"] == 1 + 4.0  # a sum of 16 terms: 1 + sqrt(16)
     assert math.isinf(exact.ratio)
     nan = ref.clone()
     nan[0, 0, 0, 0] = math.nan
@@ -128,10 +130,14 @@ def test_magnitudes_are_the_absolute_value_computation():
     p = torch.softmax(qd @ kd.transpose(-2, -1) * scale, dim=-1)  # [B, Nh, Tq, Tk]
     s = qd @ kd.transpose(-2, -1) * scale
     a = qd.abs() @ kd.abs().transpose(-2, -1) * scale
-    e = p * (s.abs() + a + (p * s.abs()).sum(-1, keepdim=True) + 1 + math.log(4) + a.amax(dim=-1, keepdim=True))
+    acc = 1 + math.sqrt(4)  # float32 accumulates q . k over Dh = 4 products in float32
+    e = p * (s.abs() + acc * a + (p * s.abs()).sum(-1, keepdim=True) + 1 + math.log(4) + acc * a.amax(dim=-1, keepdim=True))
     torch.testing.assert_close(mags.summands.out, (p + e) @ vd.abs())
     assert bool((mags.summands.out >= ref.out.abs()).all())  # M bounds the quantity itself
-    torch.testing.assert_close(mags.underflow.out, torch.ones_like(p) @ vd.abs())
+    torch.testing.assert_close(mags.underflow.out, torch.ones_like(mags.underflow.out))  # no weight underflows
+    small = magnitudes(q, k, v, None, scale, d_out, tiny=2.0)  # as if every weight were below the smallest normal
+    torch.testing.assert_close(small.underflow.out, torch.ones_like(p) @ (vd.abs() + 1) + 1)
+    assert (mags.length("out"), mags.length("dv")) == (4, 3 * 2)  # Tk; Tq times the query heads per kv head
     dv = ((p + e).transpose(-2, -1) @ d_out.abs()).sum(dim=1, keepdim=True)  # two query heads share kv head 0
     torch.testing.assert_close(mags.summands.dv, dv)
     assert mags.summands.dq.shape == q.shape and mags.summands.dk.shape == k.shape
