@@ -215,7 +215,10 @@ def test_no_scale_passes_levels_1_to_3_wherever_its_product_stays_finite():
     huge = {name: c for name, c in first.items() if parse_case(name).inputs == "huge"}
     assert {(c.level, c.name) for c in huge.values()} == {(3, "finite")}
     assert all(c.data["raw_product_max"] > c.data["dtype_max"] == 65504 for c in huge.values())
-    assert {c.name for name, c in first.items() if name not in huge} == {"reference"}
+    # elsewhere at L4: the output's reference check, or (a bfloat16 softmax saturated on large scores
+    # either way, its output within bfloat16's rounding bound) a gradient's
+    l4 = {c.name for name, c in first.items() if name not in huge}
+    assert "reference" in l4 and l4 <= {"reference", "grad_q", "grad_k", "grad_v"}
     assert report.details["failures"][0] == {"level": 3, "check": "finite", "cases": len(huge),
                                              "smallest_case": min(huge, key=lambda i: parse_case(i).size)}
 

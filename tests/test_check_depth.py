@@ -514,12 +514,14 @@ def test_a_failure_repeated_across_cases_is_shown_once_with_its_count():
     assert sum(g["cases"] for g in failures) == report.details["cases_failed"] > 20
     table = render(report, "table", 100)
     lines = table.splitlines()
-    listed = [r.name for r in report.rows if any(ln.startswith(r.name) for ln in lines)]
+    # failing rows (a saturated bfloat16 softmax hides the missing scale within its rounding bound: a
+    # precision warning there, listed too)
+    listed = [r.name for r in report.rows if r.status == "fail" and any(ln.startswith(r.name) for ln in lines)]
     assert listed == [g["smallest_case"] for g in sorted(failures, key=lambda g: parse_case(g["smallest_case"]).size)]
     flat = " ".join(table.split())
     for g in failures:
         assert f"and {g['cases'] - 1} more cases whose first finding is the same" in flat or g["cases"] == 1
-    assert len(lines) < 80 and f"{len(report.rows) - report.details['cases_failed']} pass" in table
+    assert len(lines) < 100 and f"{sum(r.status == 'pass' for r in report.rows)} pass" in table
     github = render(report, "github", 100).splitlines()
     assert len([ln for ln in github if ln.startswith("::error")]) <= 3 * len(failures)
     assert len(json.loads(render(report, "json", 100))["rows"]) == len(report.rows)  # JSON keeps every case
