@@ -339,7 +339,8 @@ def _precision_notes(results: Sequence[CaseResult]) -> list[str]:
             continue
         small = min(warned, key=lambda r: r.case.size)
         if len(warned) > 1:
-            what = what.replace("computes", "compute", 1).replace(" is ", " are ", 1)
+            what = what.replace("computes", "compute", 1).removeprefix("is ")
+            what = what if what.startswith("compute") else f"are {what}"
         notes.append(f"{_cases(len(warned))} {what} (warning; smallest {small.case.id}); "
                      "--strict-precision makes it a failure")
     return notes

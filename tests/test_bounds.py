@@ -208,3 +208,13 @@ def test_under_any_a_leak_from_a_forbidden_key_into_a_row_with_an_allowed_key_st
 
     res = check_case(leaky, parse_case("b2-h4kv2-tq5tk5-dh8dv8-pad-empty-rand-f32"), empty_rows="any")
     assert res.check("forbidden_keys").failed
+
+
+def test_the_report_names_half_precision_warnings_apart_from_float64_ones():
+    from attn_ledger.kernelcheck import HALF_PRECISION_WARNING, check_kernel
+
+    report = check_kernel(kernel("precision/fp16_accumulator"), [parse_case(F16_BLOCKED), parse_case(F16_REAL)])
+    notes = [n for n in report.notes if "precise" in n]
+    assert notes == [f"2 cases are {HALF_PRECISION_WARNING.removeprefix('is ')} (warning; smallest {F16_BLOCKED}); "
+                     "--strict-precision makes it a failure"]
+    assert report.verdict == "pass"
