@@ -378,6 +378,9 @@ _REAL_DEFAULT = (
     ("b2-h4kv2-tq1tk257-dh64dv64-lpad128-rand-bf16", "bfloat16 decode with left padding past a 128-key block"),
     ("b2-h4kv2-tq128tk128-dh64dv64-pad-causal-rand-f16", "float16 at a real size with padding and causal"),
     ("b1-h2kv1-tq113tk113-dh64dv64-causal-mask-rand-f64", "float64 at a real size: float32-level precision is named"),
+    ("b2-h4kv2-tq24tk24-dh16dv16-lpad8-causal-rand-f16",
+     "float16, left padding 8 and 4 with is_causal: fully blocked rows (a float32 finfo.min bias is -inf here)"),
+    ("b2-h4kv2-tq24tk24-dh16dv16-lpad8-causal-rand-bf16", "bfloat16, left padding 8 and 4 with is_causal: fully blocked rows"),
 )
 
 # Axes of the full tier's pairwise cases.

@@ -84,11 +84,13 @@ from attn_ledger.kernelref import (  # noqa: F401  (FACTOR re-exported)
     plain_error,
     plain_variants,
     row_diff,
+    suites_view,
     tolerance,
 )
 from attn_ledger.kernelspec import ADAPTERS, Declaration, check_signature, missing_from_error
 from attn_ledger.report import Check, Finding, Report, Row, Status, bounded, counted, find_check, row_status, unjudged
 from attn_ledger.seeding import generator
+from attn_ledger.tolerance import EPS, HALF_PRECISION_RATIO, is_half, tiny
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +102,7 @@ DEFAULT_GRID: tuple[Case, ...] = DEFAULT_TIER
 EMPTY_ROWS = ("zeros", "nan", "any")
 DEVICES = ("cpu", "cuda", "mps", "auto")
 PRECISION_WARNING = "computes at float32 precision in float64"
+HALF_PRECISION_WARNING = "is less precise than a float32-accumulating computation in its dtype"
 
 CHECK_ORDER = (
     (1, "call"), (1, "shape"), (1, "dtype"), (1, "inputs_unchanged"), (1, "grad_call"),
@@ -375,11 +378,10 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
         notes.append(f"{_cases(plan.skipped_total)} skipped: outside the declaration ({why})")
     for g in warnings:
         if g["check"] == "precision":
-            what = PRECISION_WARNING if g["cases"] == 1 else PRECISION_WARNING.replace("computes", "compute", 1)
-        else:
-            what = f"warn{'s' if g['cases'] == 1 else ''} at L{g['level']} {g['check']}"
-        notes.append(f"{_cases(g['cases'])} {what} (warning; smallest {g['smallest_case']})"
-                     + ("; --strict-precision makes it a failure" if g["check"] == "precision" else ""))
+            notes += _precision_notes(results)
+            continue
+        what = f"warn{'s' if g['cases'] == 1 else ''} at L{g['level']} {g['check']}"
+        notes.append(f"{_cases(g['cases'])} {what} (warning; smallest {g['smallest_case']})")
     unreached = [r for r in results if _stopped_by(r) is not None]
     if unreached:
         notes.append(f"{len(unreached)} of {_cases(len(results))} not reached: "
@@ -408,6 +410,23 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
               # two lines joined by a shell continuation: the table wraps a long note, and this stays pasteable
               f"{command} \\", f"    --case {rest}", *python]
     return notes, {"case": small.case.id, "cli": cli, "python": "\n".join(python)}
+
+
+def _precision_notes(results: Sequence[CaseResult]) -> list[str]:
+    """One line for the float64 cases at float32 precision, one for the half-precision cases past the bar."""
+    notes = []
+    for kind, what in (("f64", PRECISION_WARNING), ("half", HALF_PRECISION_WARNING)):
+        warned = [r for r in results if (r.case.dtype == "f64") == (kind == "f64")
+                  and any(c.name == "precision" and c.status == "warn" for c in r.checks)]
+        if not warned:
+            continue
+        small = min(warned, key=lambda r: r.case.size)
+        if len(warned) > 1:
+            what = what.replace("computes", "compute", 1).removeprefix("is ")
+            what = what if what.startswith("compute") else f"are {what}"
+        notes.append(f"{_cases(len(warned))} {what} (warning; smallest {small.case.id}); "
+                     "--strict-precision makes it a failure")
+    return notes
 
 
 def kernel_report(
@@ -649,6 +668,7 @@ class _Setup:
     qk_scale: float
     tol: float = 0.0  # the bound a row may move by where it must stay
     noise: float = 0.0  # the dtype's floor: a move below ten times this is no move at all
+    judge_empty: bool = True  # probes judge rows with no allowed key (the zeros contract); else they hold anything
 
     @property
     def empty(self) -> "Tensor":
@@ -787,42 +807,51 @@ def _setup(case: Case, kernel: _Kernel, q: "Tensor", k: "Tensor", v: "Tensor", r
     gen = generator(case_crc(case) + 7919 * (o.seed + 1))  # the perturbations' own stream
     qk_scale = max(float(q.double().std()) if q.numel() > 1 else 1.0, float(k.double().std()) if k.numel() > 1 else 1.0)
     out = raw.detach().to(device=q.device, dtype=ref_dtype)
-    return _Setup(case, kernel, q, k, v, out, allow, counts, gen, ref_dtype, qk_scale if qk_scale > 0 else 1.0)
+    return _Setup(case, kernel, q, k, v, out, allow, counts, gen, ref_dtype, qk_scale if qk_scale > 0 else 1.0,
+                  judge_empty=o.empty_rows == "zeros")
 
 
 def _references(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
-    """The float64 reference, the plain same-dtype computation (and float32's, for float64 cases), and the
-    output's tolerance; with gradients when ``d_out`` is given."""
+    """The float64 reference, the summands' magnitudes that bound a kernel's error (the rounding rule),
+    the plain same-dtype computation (and float32's, for float64 cases) that sets the probes' tolerance,
+    and the output judged; with gradients when ``d_out`` is given."""
     import torch
 
-    from attn_ledger.kernelref import attention
+    from attn_ledger.kernelref import attention, judge_rounding, magnitudes
 
     case, dt = s.case, s.q.dtype
     scale = case.effective_scale
     ref = attention(s.q, s.k, s.v, s.allow, scale, compute=s.ref_dtype, d_out=d_out)
+    acc = EPS["float32"] / EPS[case.dtype_name] if is_half(case.dtype_name) else 1.0  # half accumulates in float32
+    sub = tiny("float32" if dt == torch.float64 else case.dtype_name)  # the smallest normal of the judged levels
+    mags = magnitudes(s.q, s.k, s.v, s.allow, scale, d_out, accumulate=acc, tiny=sub)
     pl = plain_variants(s.q, s.k, s.v, s.allow, scale, dt, d_out=d_out)
     pl32 = None
     if dt == torch.float64:
         pl32 = plain(s.q, s.k, s.v, s.allow, scale, torch.float32, d_out=d_out)
     vmax = float(s.v.abs().max().double()) if s.v.numel() else 0.0
     plain_err, errors = plain_error({n: c.out for n, c in pl.items()}, ref.out, s.live)
-    tol, facts = tolerance(case.dtype_name, plain_err, vmax)
+    s.tol = tolerance(case.dtype_name, plain_err, vmax)[0]  # the probes' bound: two runs of the kernel
     s.noise = tolerance(case.dtype_name, 0.0, vmax)[0]
-    if len(errors) > 1:
-        facts["plain_errors"] = errors
-    err = max_over(row_diff(s.out, ref.out), s.live)
-    out_precision: dict[str, float] = {}
+    names = ("example", "head", "query")
+    judged = judge_rounding(s.out, ref.out.to(s.ref_dtype), mags, "out", case.dtype_name, s.live, names)
+    out_precision: dict[str, Any] = {}
+    facts = {**judged.parts, **suites_view("out", judged.max_error, errors)}
     if pl32 is not None:  # float64: the reference check is held to the float32 level; precision to float64's
+        at64 = judge_rounding(s.out, ref.out, mags, "out", "float64", s.live, names)
         plain32_err = max_over(row_diff(pl32.out.to(s.ref_dtype), ref.out), s.live)
-        tol32, facts32 = tolerance("float32", plain32_err, vmax)
-        out_precision = {"error": err, "float64_limit": tol, "float32_limit": tol32}
-        facts = {**facts32, "float64": facts}
-        s.tol = tol if err <= tol else tol32  # probes at the level the kernel reaches
-        tol = tol32
-    else:
-        s.tol = tol
-    return {"ref": ref, "plain": pl, "plain32": pl32, "tol": tol, "facts": facts, "err": err,
-            "out_precision": out_precision}
+        judged = judge_rounding(s.out, ref.out, mags, "out", "float32", s.live, names)
+        out_precision = {"error": judged.max_error, "float64_ratio": at64.ratio, "float32_ratio": judged.ratio}
+        facts = {**judged.parts, **suites_view("out", judged.max_error, {"float32": plain32_err}),
+                 "float64": at64.parts}
+        if at64.ratio <= 1.0:
+            s.tol = tolerance("float64", plain_err, vmax)[0]  # probes at the level the kernel reaches
+        else:
+            s.tol = tolerance("float32", plain32_err, vmax)[0]
+    elif is_half(case.dtype_name):
+        out_precision = half_precision(s.out, {n: c.out for n, c in pl.items()}, ref.out, s.live)
+    return {"ref": ref, "mags": mags, "plain": pl, "plain32": pl32, "judged": judged, "facts": facts,
+            "err": judged.max_error, "out_precision": out_precision}
 
 
 def _forward_checks(s: _Setup, refs: dict[str, Any], o: Options) -> list[Check]:
@@ -833,14 +862,14 @@ def _forward_checks(s: _Setup, refs: dict[str, Any], o: Options) -> list[Check]:
 
 
 def _reference_check(s: _Setup, refs: dict[str, Any]) -> Check:
-    """L4: the output against the reference, within the tolerance."""
-    err, tol = refs["err"], refs["tol"]
-    wrong = (row_diff(s.out, refs["ref"].out) > tol) & s.live  # [B, Nh, Tq]
+    """L4: the output against the reference, each element within ``c * eps * M`` (the rounding rule)."""
+    j = refs["judged"]
     data: dict[str, Any] = {"tolerance": refs["facts"]}
-    if err > tol:
-        data.update(_index_decode(s, wrong))
-    return bounded(4, "reference", "max |out - float64 reference|", err, tol,
-                   location=first_row(wrong) if err > tol else None, data=data)
+    failed = j.ratio > 1.0
+    if failed:
+        data.update(_index_decode(s, j.wrong))
+    return bounded(4, "reference", "max |out - float64 reference|", j.max_error, j.limit,
+                   location=first_row(j.wrong) if failed else None, data=data)
 
 
 def _grad_mode_check(s: _Setup, refs: dict[str, Any], out: "Tensor | None", exc: Exception | None,
@@ -860,11 +889,14 @@ def _grad_mode_check(s: _Setup, refs: dict[str, Any], out: "Tensor | None", exc:
     if tuple(out.shape) != tuple(s.out.shape):
         return Check(4, name, "fail", reason=f"the output with grad enabled has shape {list(out.shape)}, "
                      f"expected {list(s.out.shape)}", data={"expected": list(s.out.shape), "got": list(out.shape)})
+    from attn_ledger.kernelref import judge_rounding
+
     got = s.ref(out)
-    err, tol = max_over(row_diff(got, refs["ref"].out), s.live), refs["tol"]
-    wrong = (row_diff(got, refs["ref"].out) > tol) & s.live  # [B, Nh, Tq]
-    return bounded(4, name, measure, err, tol, location=first_row(wrong) if err > tol else None,
-                   data={"tolerance": refs["facts"], "inputs_require_grad": run is not None})
+    level = "float32" if s.case.dtype == "f64" else s.case.dtype_name  # as the reference check is held
+    j = judge_rounding(got, refs["ref"].out.to(s.ref_dtype), refs["mags"], "out", level, s.live,
+                       ("example", "head", "query"))
+    return bounded(4, name, measure, j.max_error, j.limit, location=first_row(j.wrong) if j.ratio > 1.0 else None,
+                   data={"tolerance": j.parts, "inputs_require_grad": run is not None})
 
 
 def _inputs_check(kernel: _Kernel) -> Check:
@@ -878,22 +910,57 @@ def _inputs_check(kernel: _Kernel) -> Check:
                  f"(in {call})", data={"changed": names, "calls": len(changed)})
 
 
-def _precision_check(case: Case, parts: dict[str, dict[str, float]], strict: bool) -> Check:
-    """L4 (float64 cases): the largest error over out, dq, dk, dv as a fraction of its float64-level bound."""
-    if case.dtype != "f64":
-        return unjudged(4, "precision", "not_applicable", "the case is not float64")
+def _precision_check(case: Case, parts: dict[str, dict[str, Any]], strict: bool) -> Check:
+    """L4: how precise the kernel is beyond being correct.
+
+    float64 cases: the largest error / its float64-level bound over out, dq, dk and dv (a kernel
+    within float32's bound but not float64's computes at float32 precision). float16 and bfloat16
+    cases: the output's error / the float32-accumulating plain computation's, against
+    :data:`~attn_ledger.tolerance.HALF_PRECISION_RATIO`. Either warns, or fails with ``strict``.
+    """
+    if case.dtype not in ("f64", "f16", "bf16"):
+        return unjudged(4, "precision", "not_applicable", "the case is float32")
     if not parts:
         return unjudged(4, "precision", "not_reached", "the output was not compared with the reference")
-    ratios = {name: p["error"] / p["float64_limit"] if p["float64_limit"] > 0 else math.inf for name, p in parts.items()}
+    if case.dtype != "f64":
+        p = parts["out"]
+        value, limit = p["ratio"], p["limit"]
+        return bounded(4, "precision", "rms out error / the float32-accumulating plain computation's", value, limit,
+                       warn_only=not strict, location={"tensor": "out"} if value > limit else None,
+                       data={"out": dict(p)})
+    ratios = {name: p["float64_ratio"] for name, p in parts.items()}
     worst = max(ratios, key=lambda n: ratios[n])
     value = ratios[worst]
-    within32 = all(p["error"] <= p["float32_limit"] for p in parts.values())
+    within32 = all(p["float32_ratio"] <= 1.0 for p in parts.values())
     check = bounded(4, "precision", "largest error / its float64-level bound (out, dq, dk, dv)", value, 1.0,
                     warn_only=not strict, location={"tensor": worst} if value > 1.0 else None,
                     data={name: dict(p) for name, p in parts.items()})
     if check.status != "pass" and within32:
         check = replace(check, reason=PRECISION_WARNING)
     return check
+
+
+def half_precision(out: "Tensor", plains: dict[str, "Tensor"], ref: "Tensor", live: "Tensor") -> dict[str, Any]:
+    """The half-precision bar's parts: the root-mean-square error of the kernel's output over rows with an
+    allowed key, the plain computations' (float32-accumulating, scale first and product first: the larger
+    counts, so that either way of writing attention is as precise as it need be), their ratio and the limit."""
+    import torch
+
+    sel = live[..., None].expand_as(ref)  # [B, Nh, Tq, Dv]
+
+    def rms(t: "Tensor") -> float:
+        d = (t.to(ref.dtype) - ref)[sel]
+        return float(d.pow(2).mean().sqrt()) if d.numel() else 0.0
+
+    errors = {name: rms(t) for name, t in plains.items()}
+    finite = [e for e in errors.values() if math.isfinite(e)]
+    plain_rms = max(finite) if finite else math.inf
+    error = rms(out)
+    ratio = error / plain_rms if plain_rms > 0 else (0.0 if error == 0 else math.inf)
+    if not math.isfinite(plain_rms):
+        ratio = 0.0 if math.isfinite(error) else math.inf
+    return {"rms_error": error, "plain_rms_error": plain_rms, "plain_rms_errors": errors, "ratio": ratio,
+            "limit": HALF_PRECISION_RATIO}
 
 
 def _overflow_annotated(case: Case, raw_max: float, checks: list[Check]) -> list[Check]:
@@ -926,7 +993,7 @@ def _grad_judging(s: _Setup, refs: dict[str, Any], o: Options) -> GradJudging:
     else:
         blocked = ~s.allow.any(dim=-2).expand(case.b, 1, case.tk)  # [B, 1, Tk]: no query of the example may use it
     return GradJudging(case.dtype_name, refs["ref"], refs["plain"], refs["plain32"], s.live, q_slices, kv_slices,
-                       blocked, refs["ref"].raw_max * case.effective_scale)
+                       blocked, refs["ref"].raw_max * case.effective_scale, refs["mags"])
 
 
 # --- forward checks ----------------------------------------------------------------------------
@@ -942,12 +1009,15 @@ def _probe(
 ) -> Check:
     """Run the kernel on perturbed inputs: ``stay`` outputs must not move, some ``move`` output must.
 
-    The value is the largest move of a row in ``stay``, judged against the case's tolerance; ``data``
+    The value is the largest move of a row in ``stay`` (rows with no allowed key left out under an
+    empty-row contract other than ``zeros``), judged against the case's tolerance; ``data``
     says what was perturbed and how far the ``move`` rows moved. A probe whose ``move`` rows moved
     no more than ten times the dtype's floor is inconclusive: it proves nothing either way.
     """
     level, tol = LEVEL_OF[name], s.tol
     data: dict[str, Any] = {"perturbed": perturbed}
+    if not s.judge_empty:  # a row with no allowed key may hold anything, moved or not
+        stay = stay & s.live
     try:
         out = s.ref(s.kernel(*args, probe=name))
     except UserCodeError:
@@ -1151,7 +1221,7 @@ def _forbidden_probe(s: _Setup) -> Check:
         if not keys.any():
             continue
         uses = (allow & keys[:, None, None, :]).any(dim=-1).expand(case.b, case.nh, case.tq)  # [B, Nh, Tq]
-        stay = ~uses
+        stay = ~uses if s.judge_empty else ~uses & s.live  # [B, Nh, Tq]
         if not stay.any():
             continue
         k2, v2 = s.k.clone(), s.v.clone()

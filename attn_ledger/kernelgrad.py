@@ -13,11 +13,13 @@ judged here:
 * L3 ``grad_finite``: dq is finite on rows with an allowed key, dk and dv everywhere;
 * L3 ``grad_blocked_keys``: keys no query of an example may use get zero dk and dv;
 * L4 ``grad_q``, ``grad_k``, ``grad_v``: each gradient against the float64 reference's autograd,
-  with the factor rule of the output (:func:`~attn_ledger.kernelref.tolerance`) over the plain
-  computations' gradients (autograd through the plain forward, torch's own in half precision, and
-  the FlashAttention-style backward), plus the rounding every kernel carries from its largest
-  score; the location is the gradient's worst row. In float64 cases the bound is the float32 level, as for the output;
-  how far within the float64 bound each gradient came is returned for the precision check.
+  each element within ``c * eps * M`` (:func:`~attn_ledger.tolerance.rounding`), ``M`` the
+  magnitude of the gradient's summands (:func:`~attn_ledger.kernelref.magnitudes`); the plain
+  computations' errors (autograd through the plain forward, torch's own in half precision, and the
+  FlashAttention-style backward) and the suites' limits over them are reported beside it as data.
+  The location is the element furthest past its bound. In float64 cases the bound is the float32
+  level, as for the output; the float64-level ratio of each gradient is returned for the
+  precision check.
 
 Under an empty-row contract other than ``zeros``, an (example, head) slice with an empty row is
 left out for dq, and an (example, kv head) slice serving such a head for dk and dv.
@@ -28,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from attn_ledger.kernelref import Computed, first_row, max_over, plain_error, row_diff, tolerance, worst_row
+from attn_ledger.kernelref import (Computed, Magnitudes, first_row, judge_rounding, max_over, plain_error, row_diff,
+                                   suites_view, tolerance, worst_row)
 from attn_ledger.report import Check, bounded, counted, unjudged
 
 if TYPE_CHECKING:
@@ -103,6 +106,7 @@ class GradJudging:
     kv_slices: "Tensor"  # [B, Nkv, 1] (example, kv head) slices judged for dk and dv
     blocked: "Tensor"  # [B, 1, Tk] keys no query of the example may use
     score_max: float = 0.0  # the largest |scaled score| (see kernelref.tolerance)
+    mags: Magnitudes | None = None  # the summands' magnitudes (kernelref.magnitudes), with gradients
 
 
 def not_run(status: str, reason: str) -> list[Check]:
@@ -170,28 +174,27 @@ def _blocked(run: GradRun, j: GradJudging) -> Check:
 
 
 def _against_reference(run: GradRun, j: GradJudging, name: str, check_name: str,
-                       where: "Tensor") -> tuple[Check, dict[str, float]]:
-    """L4: one gradient against the float64 reference's, with the output's factor rule."""
+                       where: "Tensor") -> tuple[Check, dict[str, Any]]:
+    """L4: one gradient against the float64 reference's, each element within ``c * eps * M`` (the rounding
+    rule, :func:`~attn_ledger.kernelref.judge_rounding`), with the suites' view beside it as data."""
     ref = getattr(j.ref, name)
     got = run.grads[name]
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    err_rows = row_diff(got, ref)  # [B, N, T]
-    err = max_over(err_rows, where)
-    plain_err, errors = plain_error({n: getattr(c, name) for n, c in j.plain.items()}, ref, where)
-    tol, facts = tolerance(j.dtype, plain_err, scale, j.score_max)
-    if len(errors) > 1:
-        facts["plain_errors"] = errors
-    precision: dict[str, float] = {}
-    if j.plain32 is not None:  # float64: judged at the float32 level; the float64 bound goes to precision
+    names = _ROW_NAMES[name]
+    _, errors = plain_error({n: getattr(c, name) for n, c in j.plain.items()}, ref, where)
+    judged = judge_rounding(got, ref, j.mags, name, j.dtype, where, names)
+    facts = {**judged.parts, **suites_view(name, judged.max_error, errors)}
+    precision: dict[str, Any] = {}
+    if j.plain32 is not None:  # float64: judged at the float32 level; the float64 ratio goes to precision
+        at64 = judged
         plain32_err = max_over(row_diff(getattr(j.plain32, name).to(ref.dtype), ref), where)
-        tol32, facts32 = tolerance("float32", plain32_err, scale, j.score_max)
-        precision = {"error": err, "float64_limit": tol, "float32_limit": tol32}
-        facts = {**facts32, "float64": facts}
-        tol = tol32
-    loc = worst_row(err_rows, where, _ROW_NAMES[name]) if err > tol else None
+        judged = judge_rounding(got, ref, j.mags, name, "float32", where, names)
+        precision = {"error": judged.max_error, "float64_ratio": at64.ratio, "float32_ratio": judged.ratio}
+        facts = {**judged.parts, **suites_view(name, judged.max_error, {"float32": plain32_err}), "float64": at64.parts}
+    failed = judged.ratio > 1.0
     data: dict[str, Any] = {"tolerance": facts}
     if name in run.unused:
         data["unused"] = True
     measure = f"max |{name} - float64 autograd {name}|"
-    reason = f"no gradient reached {name[1]} (the output does not depend on it)" if name in run.unused and err > tol else ""
-    return bounded(4, check_name, measure, err, tol, location=loc, data=data, reason=reason), precision
+    reason = f"no gradient reached {name[1]} (the output does not depend on it)" if name in run.unused and failed else ""
+    return bounded(4, check_name, measure, judged.max_error, judged.limit, location=judged.at if failed else None,
+                   data=data, reason=reason), precision

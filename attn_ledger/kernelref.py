@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from attn_ledger.kernelcases import query_blocks
 from attn_ledger.reference import repeat_kv
-from attn_ledger.tolerance import KERNEL_FACTOR, kernel_bound
+from attn_ledger.tolerance import KERNEL_FACTOR, SUITES, kernel_bound
 
 if TYPE_CHECKING:
     import torch
@@ -205,6 +205,196 @@ def plain_error(variants: dict[str, "Tensor"], ref: "Tensor", where: "Tensor") -
     errors = {name: max_over(row_diff(t.to(ref.dtype), ref), where) for name, t in variants.items()}
     finite = [e for e in errors.values() if math.isfinite(e)]
     return (max(finite) if finite else math.inf), errors
+
+
+# --- the magnitude of the summands (the rounding bound) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Magnitudes:
+    """Per element of out, dq, dk and dv, in float64: what rounding an error is made of.
+
+    ``summands``: ``M``, the magnitude of the quantity's summands with the error the weights carry
+    from the scores folded in; ``underflow``: ``U``, the same products over the weights below the
+    dtype's smallest normal (each set to one, one added to each other factor), plus one for the
+    result's own rounding, so that ``eps * tiny(dtype) * U`` bounds what underflow loses. ``lengths``: how many
+    terms the longest sum behind each quantity adds (Tk for out and dq, the queries a kv head serves
+    for dk and dv): rounding grows with it, as ``sqrt(n)`` in practice (:func:`judge_rounding`).
+    """
+
+    summands: Computed
+    underflow: Computed
+    lengths: tuple[tuple[str, int], ...] = ()  # (quantity, terms in its longest sum)
+    accumulate: float = 1.0  # eps of the accumulating dtype over the case dtype's
+
+    def length(self, quantity: str) -> int:
+        return dict(self.lengths).get(quantity, 1)
+
+
+def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+               d_out: "Tensor | None" = None, accumulate: float = 1.0, tiny: float = 0.0) -> Magnitudes:
+    """The magnitudes ``M`` (and ``U``) of attention's summands, a query block at a time, in float64.
+
+    The forward error of a dot product is at most a multiple of eps times the sum of its terms'
+    absolute values, whatever the order of summation. Carried through attention, with P the
+    float64 weights and ``A = |q| |k|^T scale`` the scores' own magnitude:
+
+    * a weight ``P = exp(s - L)`` errs by ``E = P (|s| + sum_j P |s| + 1 + log Tk + a (A + max_j A))``
+      (eps units): its score rounded to the dtype, the log-sum-exp's error (the weighted mean of
+      the scores'), exp's and the row maximum's own rounding, and the error of accumulating the
+      product (``a`` = ``accumulate``: eps of the dtype it accumulates in over the dtype's eps, 1
+      where both are the same, 2^-13 for float16 accumulating in float32), which a stored
+      log-sum-exp carries too;
+    * ``out = P V``: ``M = (P + E) |V|``;
+    * ``dv = P^T dO``: ``M = (P + E)^T |dO|``;
+    * ``dP = dO V^T``: ``|dP| <= |dO| |V|^T``; ``D = rowsum(P dP)``: ``|D| <= rowsum(P |dP|)``;
+    * ``dS = P (dP - D)``: ``|dS| + err <= (P + E)(|dP| + |D|) + P rowsum(E |dP|)``;
+    * ``dq = dS K scale``: ``M = |dS| |K| scale``; ``dk = dS^T Q scale``: ``M = |dS|^T |Q| scale``,
+      summed over the query heads a kv head serves.
+
+    A sum of n terms rounds about ``sqrt(n)`` times as much as one (Higham and Mary's probabilistic
+    bound; blocked and pairwise orders do better): the score's error takes ``1 + a sqrt(Dh)``, and
+    :func:`judge_rounding` multiplies ``M`` by ``1 + a sqrt(n)``, n the quantity's longest sum.
+
+    Args:
+        q: ``[B, Nh, Tq, Dh]``; k: ``[B, Nkv, Tk, Dh]``; v: ``[B, Nkv, Tk, Dv]``.
+        allow: bool broadcastable to ``[B, Nh, Tq, Tk]`` (True = may attend), or None.
+        scale: the softmax scale.
+        d_out: the upstream gradient ``[B, Nh, Tq, Dv]``, or None (no gradients).
+
+    Returns:
+        :class:`Magnitudes` with ``out`` (and ``dq``, ``dk``, ``dv`` given ``d_out``).
+    """
+    import torch
+
+    f64 = torch.float64
+    b, nh, tq, _ = q.shape
+    tk, nkv = k.shape[-2], k.shape[1]
+    kk = repeat_kv(k.detach().to(f64), nh)  # [B, Nh, Tk, Dh]
+    vv = repeat_kv(v.detach().to(f64), nh)  # [B, Nh, Tk, Dv]
+    ka, va = kk.abs(), vv.abs()
+    grads = d_out is not None
+    m_out, u_out, m_dq, u_dq = [], [], [], []
+    m_dk, u_dk = torch.zeros_like(kk), torch.zeros_like(kk)  # [B, Nh, Tk, Dh] per query head until the end
+    m_dv, u_dv = torch.zeros_like(vv), torch.zeros_like(vv)  # [B, Nh, Tk, Dv]
+    for blk in query_blocks(b, nh, tq, tk):
+        qb = q[:, :, blk].detach().to(f64)  # [B, Nh, rows, Dh]
+        qa = qb.abs()
+        s = torch.matmul(qb, kk.transpose(-2, -1)) * scale  # [B, Nh, rows, Tk]
+        a = torch.matmul(qa, ka.transpose(-2, -1)) * abs(scale)  # [B, Nh, rows, Tk]: |q| |k| scale
+        if allow is None:
+            ok = torch.ones_like(s, dtype=torch.bool)
+        else:
+            ab = allow[..., blk, :] if allow.shape[-2] == tq else allow
+            ok = ab.expand_as(s)
+        live = ok.any(dim=-1, keepdim=True)  # [B, Nh, rows, 1]
+        p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
+        ones = (ok & live & (p < tiny)).to(f64)  # [B, Nh, rows, Tk]: allowed weights below the smallest normal, set to one
+        sa = s.abs()
+        row = (p * sa).sum(dim=-1, keepdim=True) + 1.0 + math.log(max(tk, 1))  # [B, Nh, rows, 1]
+        acc = accumulate * (1.0 + math.sqrt(q.shape[-1]))  # q . k sums Dh products at the accumulating precision
+        row = row + acc * torch.where(ok, a, 0.0).amax(dim=-1, keepdim=True)
+        e = p * (sa + acc * a + row)  # [B, Nh, rows, Tk]: the weights' error from the scores (eps units)
+        w = p + e
+        m_out.append(torch.matmul(w, va))  # [B, Nh, rows, Dv]
+        u_out.append(torch.matmul(ones, va + 1.0))
+        if grads:
+            do = d_out[:, :, blk].detach().to(f64).abs()  # [B, Nh, rows, Dv]
+            mp = torch.matmul(do, va.transpose(-2, -1))  # [B, Nh, rows, Tk]: |dP|
+            md = (p * mp).sum(dim=-1, keepdim=True)  # [B, Nh, rows, 1]: |D|
+            ms = w * (mp + md) + p * (e * mp).sum(dim=-1, keepdim=True)  # [B, Nh, rows, Tk]: |dS| and its error
+            us = ones * (mp + md + 1.0)
+            m_dq.append(torch.matmul(ms, ka) * abs(scale))  # [B, Nh, rows, Dh]
+            u_dq.append(torch.matmul(us, ka + 1.0) * abs(scale))
+            m_dk += torch.matmul(ms.transpose(-2, -1), qa) * abs(scale)  # [B, Nh, Tk, Dh]
+            u_dk += torch.matmul(us.transpose(-2, -1), qa + 1.0) * abs(scale)
+            m_dv += torch.matmul(w.transpose(-2, -1), do)  # [B, Nh, Tk, Dv]
+            u_dv += torch.matmul(ones.transpose(-2, -1), do + 1.0)
+
+    def cat(parts: list["Tensor"], width: int) -> "Tensor":
+        return torch.cat(parts, dim=2) if parts else q.new_zeros(b, nh, 0, width, dtype=f64)
+
+    def per_kv(t: "Tensor") -> "Tensor":
+        return t.reshape(b, nkv, nh // nkv, tk, -1).sum(dim=2)  # [B, Nkv, Tk, D]
+
+    out_m, out_u = cat(m_out, v.shape[-1]), cat(u_out, v.shape[-1]) + 1.0  # + 1: the result's own rounding
+    lengths = (("out", tk), ("dq", tk), ("dk", tq * (nh // nkv)), ("dv", tq * (nh // nkv)))
+    if not grads:
+        return Magnitudes(Computed(out_m), Computed(out_u), lengths, accumulate)
+    return Magnitudes(Computed(out_m, cat(m_dq, q.shape[-1]), per_kv(m_dk), per_kv(m_dv)),
+                      Computed(out_u, cat(u_dq, q.shape[-1]) + 1.0, per_kv(u_dk) + 1.0, per_kv(u_dv) + 1.0),
+                      lengths, accumulate)
+
+
+@dataclass(frozen=True)
+class Bounded:
+    """One quantity judged elementwise by ``|err| <= c * eps * (M + tiny * U)``.
+
+    ``ratio`` is the worst err / bound over the judged elements (inf where an element errs with a
+    zero bound or is NaN against a number); ``wrong`` marks the judged rows [B, N, T] with an element
+    past its bound; ``at`` locates the worst element; ``parts`` are the rule's parts there.
+    """
+
+    max_error: float
+    ratio: float
+    limit: float  # max_error / ratio: value <= limit exactly when every element is within its bound
+    wrong: "Tensor"
+    at: dict[str, int] | None
+    parts: dict[str, Any]
+
+
+def judge_rounding(got: "Tensor", ref: "Tensor", mags: Magnitudes, quantity: str, dtype: str, where: "Tensor",
+                   names: tuple[str, str, str]) -> Bounded:
+    """``got`` against ``ref`` (``[B, N, T, D]``, judged on the rows ``where`` [B|1, N|1, T|1]) by
+    :func:`attn_ledger.tolerance.rounding`, with its parts as data."""
+    import torch
+
+    from attn_ledger.tolerance import rounding, tiny
+
+    c, eps = rounding(quantity, dtype)
+    n = mags.length(quantity)
+    growth = 1.0 + mags.accumulate * math.sqrt(n)  # the sum's own rounding, at the accumulating precision
+    m = getattr(mags.summands, quantity) * growth
+    u = getattr(mags.underflow, quantity)
+    floor = tiny(dtype)
+    bound = c * eps * (m + floor * u)  # [B, N, T, D]
+    both_nan = torch.isnan(got) & torch.isnan(ref)
+    err = torch.nan_to_num((got - ref).abs(), nan=math.inf).masked_fill(both_nan, 0.0)  # [B, N, T, D]
+    ratio = torch.where(bound > 0, err / bound.clamp_min(1e-300), torch.where(err > 0, math.inf, 0.0))
+    sel = where[..., None].expand_as(ratio)
+    ratio = torch.where(sel, ratio, 0.0)
+    err_j = torch.where(sel, err, 0.0)
+    if ratio.numel() == 0 or not bool(sel.any()):
+        return Bounded(0.0, 0.0, 0.0, where.new_zeros(ratio.shape[:-1]), None,
+                       {"rule": "c * eps * M", "c": c, "eps": eps, "dtype": dtype})
+    max_error = float(err_j.max())
+    flat = int(torch.argmax(torch.nan_to_num(ratio, posinf=math.inf)))
+    idx = list(torch.unravel_index(torch.tensor(flat), ratio.shape))
+    idx = [int(i) for i in idx]
+    worst = float(ratio.flatten()[flat])
+    at = {n: i for n, i in zip(names, idx[:3])}
+    e_w, m_w, u_w, b_w = (float(t.flatten()[flat]) for t in (err, m, u, bound))
+    if worst == 0.0:  # nothing erred: the loosest bound judged stands as the limit
+        limit = float(torch.where(sel, bound, 0.0).max())
+    elif math.isinf(worst):
+        limit = b_w
+    else:
+        limit = max_error / worst
+    parts = {"rule": "c * eps * M", "quantity": quantity, "dtype": dtype, "c": c, "eps": eps, "M": m_w,
+             "terms": n, "growth": growth,
+             "underflow": floor * u_w, "bound": b_w, "error": e_w, "ratio": worst, "max_error": max_error,
+             "at": {**at, "dim": idx[3]}}
+    return Bounded(max_error, worst, limit, (ratio > 1).any(dim=-1), at, parts)
+
+
+def suites_view(quantity: str, error: float, plain_errors: dict[str, float]) -> dict[str, Any]:
+    """The kernel suites' view of one error, as data beside the rule: flash-attention's limit (a factor
+    times the plain same-dtype error) and PyTorch's (its fudge factor for the quantity times it)."""
+    finite = [e for e in plain_errors.values() if math.isfinite(e)]
+    plain_err = max(finite) if finite else math.inf
+    view = {name: {"factor": rule["factor"][quantity], "limit": rule["factor"][quantity] * plain_err}
+            for name, rule in SUITES.items()}
+    return {"plain_error": plain_err, "plain_errors": dict(plain_errors), "suites": view}
 
 
 # --- tolerance and distances ------------------------------------------------------------------

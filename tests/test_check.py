@@ -152,11 +152,12 @@ def test_failed_checks_carry_their_facts():
     # batch element 0 is perturbed: example 1 moves, so the leak is located there
     leak = check_case(q_centred_over_batch, parse_case("b2-h4kv2-tq5tk5-dh8dv8-none-rand-f32")).check("batch_isolation")
     assert leak.data["perturbed"]["example"] == 0 and leak.location["example"] == 1
-    # the reference tolerance is FACTOR x the plain same-dtype error + a floor
+    # the reference bound is c x eps x M at each element; the limit is the max error over the worst ratio
     ref = check_case(catalogue.no_scale, parse_case("b2-h4kv2-tq5tk9-dh8dv4-pad-causal-rand-f32")).check("reference")
     tol = ref.data["tolerance"]
-    assert ref.limit == pytest.approx(tol["factor"] * tol["plain_error"] + tol["floor"])
-    assert tol["dtype"] == "float32" and ref.value > 100 * ref.limit
+    assert tol["bound"] == pytest.approx(tol["c"] * tol["eps"] * (tol["M"] + tol["underflow"]))
+    assert ref.limit == pytest.approx(ref.value / tol["ratio"])
+    assert tol["dtype"] == "float32" and ref.value > 100 * ref.limit and tol["ratio"] > 100
 
 
 def test_checks_after_a_failed_call_or_shape_are_not_reached():
@@ -222,7 +223,10 @@ def test_no_scale_passes_levels_1_to_3_wherever_its_product_stays_finite():
     huge = {name: c for name, c in first.items() if parse_case(name).inputs == "huge"}
     assert {(c.level, c.name) for c in huge.values()} == {(3, "finite")}
     assert all(c.data["raw_product_max"] > c.data["dtype_max"] == 65504 for c in huge.values())
-    assert {c.name for name, c in first.items() if name not in huge} == {"reference"}
+    # elsewhere at L4: the output's reference check, or (a bfloat16 softmax saturated on large scores
+    # either way, its output within bfloat16's rounding bound) a gradient's
+    l4 = {c.name for name, c in first.items() if name not in huge}
+    assert "reference" in l4 and l4 <= {"reference", "grad_q", "grad_k", "grad_v"}
     assert report.details["failures"][0] == {"level": 3, "check": "finite", "cases": len(huge),
                                              "smallest_case": min(huge, key=lambda i: parse_case(i).size)}
 

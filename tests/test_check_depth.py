@@ -187,7 +187,7 @@ def test_float16_multiply_then_scale_is_caught_and_says_the_product_overflowed()
     hidden = check_case(kernel("half_multiply_then_scale:hides_nans"), parse_case(HUGE), backward=False)
     ref = hidden.check("reference")
     assert hidden.first_failure.name == "reference" and ref.status == "fail" and hidden.check("finite").passed
-    assert math.isfinite(ref.limit) and ref.value > 10 * ref.limit and ref.data["raw_product_max"] > 65504
+    assert math.isfinite(ref.limit) and ref.value > ref.limit and ref.data["raw_product_max"] > 65504
     # ordinary float16 inputs do not catch it: their raw product stays far inside float16
     assert check_case(kernel("half_multiply_then_scale"), parse_case(HUGE.replace("huge", "rand"))).passed
     good = check_case(sdpa, parse_case(HUGE))
@@ -206,10 +206,12 @@ def test_a_tolerance_is_never_infinite_it_falls_back_to_the_dtype_floor_and_says
     for plain in (math.inf, math.nan):
         tol, facts = kernel_bound("float16", plain, 3.0)
         assert math.isfinite(tol) and tol > 0 and "not finite" in facts["fallback"]
-    # scale 1 on the huge inputs: even the scaled scores leave float16, so no plain computation is finite
+    # scale 1 on the huge inputs: even the scaled scores leave float16, so no plain computation is finite;
+    # the reference check's rounding bound comes from float64 magnitudes and stays finite
     case = parse_case("b1-h2kv2-tq8tk16-dh64dv64-none-huge-f16-s1")
     ref = check_case(sdpa, case).check("reference")
-    assert math.isfinite(ref.limit) and "fallback" in ref.data["tolerance"]
+    assert math.isfinite(ref.limit) and math.isfinite(ref.data["tolerance"]["bound"])
+    assert ref.data["tolerance"]["plain_error"] == math.inf
 
 
 def test_an_unstable_softmax_overflows_on_the_edge_cases():
@@ -373,8 +375,9 @@ def test_an_error_beyond_the_float32_level_is_still_an_l4_failure():
 
     res = check_case(half_inside, parse_case(F64_CASE))
     ref = res.check("reference")
-    assert ref.failed and ref.value > ref.limit == ref.data["tolerance"]["floor"] + 4 * ref.data["tolerance"]["plain_error"]
-    assert ref.data["tolerance"]["dtype"] == "float32"  # judged at the float32 level, and past it
+    tol = ref.data["tolerance"]
+    assert ref.failed and ref.value > ref.limit and tol["ratio"] > 1.0
+    assert tol["dtype"] == "float32" and tol["float64"]["dtype"] == "float64"  # judged at the float32 level, and past it
     assert res.check("precision").status == "warn" and res.check("precision").reason == ""
 
 
@@ -517,12 +520,14 @@ def test_a_failure_repeated_across_cases_is_shown_once_with_its_count():
     assert sum(g["cases"] for g in failures) == report.details["cases_failed"] > 20
     table = render(report, "table", 100)
     lines = table.splitlines()
-    listed = [r.name for r in report.rows if any(ln.startswith(r.name) for ln in lines)]
+    # failing rows (a saturated bfloat16 softmax hides the missing scale within its rounding bound: a
+    # precision warning there, listed too)
+    listed = [r.name for r in report.rows if r.status == "fail" and any(ln.startswith(r.name) for ln in lines)]
     assert listed == [g["smallest_case"] for g in sorted(failures, key=lambda g: parse_case(g["smallest_case"]).size)]
     flat = " ".join(table.split())
     for g in failures:
         assert f"and {g['cases'] - 1} more cases whose first finding is the same" in flat or g["cases"] == 1
-    assert len(lines) < 80 and f"{len(report.rows) - report.details['cases_failed']} pass" in table
+    assert len(lines) < 130 and f"{sum(r.status == 'pass' for r in report.rows)} pass" in table
     github = render(report, "github", 100).splitlines()
     assert len([ln for ln in github if ln.startswith("::error")]) <= 3 * len(failures)
     assert len(json.loads(render(report, "json", 100))["rows"]) == len(report.rows)  # JSON keeps every case

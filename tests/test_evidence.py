@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from attn_ledger import kernelcheck
+from attn_ledger.kernelcases import DEFAULT_TIER
 from attn_ledger.cli import app
 from attn_ledger.errors import InputError
 from attn_ledger.kernelcheck import EVIDENCE, Options, check_case, failed_call, kernel_report, parse_case
@@ -155,7 +156,7 @@ def test_a_normal_kernel_has_no_inconclusive_case():
     result = runner.invoke(app, ["check", GOOD, "--no-backward", "--strict-coverage", "--format", "json"])
     assert result.exit_code == 0, result.stdout[-2000:]
     data = json.loads(result.stdout)
-    assert data["details"]["cases_inconclusive"] == 0 and data["details"]["cases_total"] == 76
+    assert data["details"]["cases_inconclusive"] == 0 and data["details"]["cases_total"] == len(DEFAULT_TIER)
     assert {r["status"] for r in data["rows"]} == {"pass"}
 
 

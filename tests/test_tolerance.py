@@ -42,3 +42,21 @@ def test_observed_core_rules():
     assert tolerance.logit("float32", 9.0) == pytest.approx(10 * tolerance.logit("float32", 0.0))
     assert (tolerance.fitted_scale("float32"), tolerance.fitted_scale(torch.float16)) == (1e-3, 5e-2)
     assert tolerance.GRADCHECK["eps"] < tolerance.GRADCHECK_FLOAT32_INSIDE["eps"]
+
+
+def test_rounding_rule_c_and_eps_per_quantity_and_dtype():
+    for quantity in tolerance.ROUNDING_QUANTITIES:
+        for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            c, eps = tolerance.rounding(quantity, dtype)
+            assert c == tolerance.rounding(quantity, tolerance.dtype_name(dtype))[0] > 0
+            assert eps == torch.finfo(dtype).eps
+    assert tolerance.rounding_c("dv", "float16") > tolerance.rounding_c("dv", "float32")  # dO rounds to float16
+    assert tolerance.tiny("bfloat16") == torch.finfo(torch.bfloat16).tiny
+    with pytest.raises(ValueError, match="quantity"):
+        tolerance.rounding("dx", "float32")
+
+
+def test_the_suites_view_is_kept_as_data():
+    assert tolerance.SUITES["flash_attention"]["factor"] == {"out": 2.0, "dq": 2.0, "dk": 2.0, "dv": 2.0}
+    assert tolerance.SUITES["pytorch"]["factor"] == {"out": 4.0, "dq": 160.0, "dk": 25.0, "dv": 8.0}
+    assert 1.0 < tolerance.HALF_PRECISION_RATIO < 2.0  # correct kernels reach 1.0, a float16 accumulator 2.25

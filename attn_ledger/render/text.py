@@ -81,7 +81,24 @@ def bound_text(check: Check) -> str:
         parts.append(f"{word} {fmt_value(check.limit)}")
     if check.rtol is not None or check.atol is not None:
         parts.append(f"rtol {fmt_value(check.rtol or 0.0)}, atol {fmt_value(check.atol or 0.0)}")
+    rule = rounding_text(check.data.get("tolerance")) if check.status != "pass" and isinstance(check.data, Mapping) else ""
+    if rule:
+        parts.append(rule)
     return ", ".join(parts)
+
+
+def rounding_text(parts: Any) -> str:
+    """``worst element: error 6.3e-06, bound c 2 x eps 1.19e-07 x M 26.3 = 6.27e-06 (error / bound 1.01)``:
+    the rounding rule's parts (``check.data["tolerance"]``) at the element nearest its bound."""
+    if not isinstance(parts, Mapping) or parts.get("rule") != "c * eps * M" or "bound" not in parts:
+        return ""
+    m = fmt_value(parts["M"])
+    under = parts.get("underflow", 0.0)
+    if under and under > 1e-3 * parts["M"]:
+        m = f"({m} + underflow {fmt_value(under)})"
+    return (f"worst element: error {fmt_value(parts['error'])}, bound c {fmt_value(parts['c'])} x eps "
+            f"{fmt_value(parts['eps'])} x M {m} = {fmt_value(parts['bound'])} "
+            f"(error / bound {fmt_value(parts['ratio'])})")
 
 
 def describe(check: Check) -> str:
