@@ -939,7 +939,7 @@ def _forbidden_probe(s: _Setup) -> Check:
         if not keys.any():
             continue
         uses = (allow & keys[:, None, None, :]).any(dim=-1).expand(case.b, case.nh, case.tq)  # [B, Nh, Tq]
-        stay = ~uses
+        stay = ~uses & s.live  # a row with no allowed key answers to empty_rows' contract, not to this probe
         if not stay.any():
             continue
         k2, v2 = s.k.clone(), s.v.clone()
@@ -972,7 +972,7 @@ def _causal_probe(s: _Setup) -> Check:
     before = live.new_zeros(live.shape)
     before[:, :, :c + 1] = True
     return _probe("causal_intervention", "largest move of an output before the changed future", s,
-                  (q2, k2, v2), before, live & ~before, {"queries_from": c + 1, "keys_from": j0, "inputs": "q, k, v"})
+                  (q2, k2, v2), before & live, live & ~before, {"queries_from": c + 1, "keys_from": j0, "inputs": "q, k, v"})
 
 
 def _index_decode(s: _Setup, rows: "Tensor") -> dict[str, Any]:
