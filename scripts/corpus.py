@@ -52,6 +52,11 @@ def markers(path: Path) -> dict[str, Any]:
     return found
 
 
+def _shown(path: Path) -> str:
+    """The path as a reproduction line shows it: relative to the repository where it is inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def corpus_files() -> list[Path]:
     return sorted(p for p in CORPUS.glob("*.py") if not p.name.startswith("_"))
 
@@ -84,7 +89,9 @@ def judge(report: Any, name: str, seed: int, worst: dict[tuple[str, str], dict[s
     (``real_precision``) leaves that check out of ``worst``: its margin there is not a margin."""
     failures, warns = [], []
     ratios: dict[str, dict[str, float]] = {}
+    grads = 0
     for case, c in report.checks():
+        grads += int(c.name == "grad_q" and c.judged)
         item = {"case": case, "check": c.name, "status": c.status, "value": c.value, "limit": c.limit,
                 "seed": seed}
         if c.failed:
@@ -100,7 +107,7 @@ def judge(report: Any, name: str, seed: int, worst: dict[tuple[str, str], dict[s
                           "seed": seed, "value": c.value, "limit": c.limit}
         per_dtype = ratios.setdefault(c.name, {})
         per_dtype[key[1]] = max(per_dtype.get(key[1], 0.0), ratio)
-    return {"failures": failures, "warnings": warns, "ratios": ratios}
+    return {"failures": failures, "warnings": warns, "ratios": ratios, "backward_cases": grads}
 
 
 def run_correct(tier: str, seeds: list[int], only: set[str] | None) -> dict[str, Any]:
@@ -122,17 +129,18 @@ def run_correct(tier: str, seeds: list[int], only: set[str] | None) -> dict[str,
             continue
         fn = load_object(f"{path}:attention")
         decl = declaration(marks.get("DECLARATION", {}), source=f"{path.name} DECLARATION ")
-        entry: dict[str, Any] = {"failures": [], "warnings": [], "seconds": 0.0, "cases": 0,
+        entry: dict[str, Any] = {"failures": [], "warnings": [], "seconds": 0.0, "cases": 0, "backward_cases": 0,
                                  "empty_rows": marks.get("EMPTY_ROWS", "zeros"),
                                  "precision_warning_expected": bool(marks.get("PRECISION_WARNING", False)),
                                  "backward": decl.backward}
         for seed in seeds:
             start = time.perf_counter()
-            report = check_kernel(fn, tier=tier, target=f"{path.relative_to(ROOT)}:attention", seed=seed,
+            report = check_kernel(fn, tier=tier, target=f"{_shown(path)}:attention", seed=seed,
                                   empty_rows=entry["empty_rows"], declaration=decl)
             entry["seconds"] += time.perf_counter() - start
             entry["cases"] += len(report.rows)
             seen = judge(report, name, seed, worst, entry["precision_warning_expected"])
+            entry["backward_cases"] += seen["backward_cases"]
             entry["failures"] += seen["failures"]
             entry["warnings"] += seen["warnings"]
         entry["seconds"] = round(entry["seconds"], 2)
