@@ -145,7 +145,8 @@ def run_correct(tier: str, seeds: list[int], only: set[str] | None) -> dict[str,
             entry["warnings"] += seen["warnings"]
         entry["seconds"] = round(entry["seconds"], 2)
         kernels[name] = entry
-    return {"kernels": kernels, "skipped": skipped, "worst": sorted(worst.values(), key=lambda w: (w["check"], w["dtype"]))}
+    rows = sorted(worst.values(), key=lambda w: (w["check"], w["dtype"]))
+    return {"kernels": kernels, "skipped": skipped, "worst": rows}
 
 
 def run_near(tier: str, seeds: list[int], only: set[str] | None) -> dict[str, Any]:

@@ -139,7 +139,7 @@ def _uniform_empty_rows(q, k, v, *, allow_mask=None, is_causal=False, scale=None
     return torch.softmax(scores, dim=-1) @ v  # [B, Nh, Tq, Dv]
 
 
-@pytest.mark.parametrize("case", ["b1-h3kv3-tq6tk3-dh4dv6-causal-flag-rand-f32",  # Tq > Tk: the first queries see no key
+@pytest.mark.parametrize("case", ["b1-h3kv3-tq6tk3-dh4dv6-causal-flag-rand-f32",  # Tq > Tk: early queries see no key
                                   "b2-h4kv2-tq5tk5-dh8dv8-pad-empty-rand-f32"])
 def test_rows_with_no_allowed_key_answer_to_the_empty_rows_contract_only(case):
     c = parse_case(case)
