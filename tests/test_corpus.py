@@ -96,6 +96,20 @@ def test_every_correct_kernel_passes_the_default_tier_forward_and_backward(runs,
         assert e["backward_cases"] == (len(DEFAULT_TIER) if e["backward"] else 0), name
 
 
+def test_a_capability_the_machine_lacks_is_named_in_the_run(tmp_path):
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("zvector stands for a capability this machine lacks only on x86-64")
+    out = tmp_path / "lacking.json"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "corpus.py"), "--only", "no-such-kernel", "--json", str(out)],
+                          env=_env("zvector"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    cap = json.loads(out.read_text(encoding="utf-8"))["capability"]
+    assert cap["requested"] == "zvector" and cap["fell_back"] and cap["actual"] != "ZVECTOR"
+    assert f"ATEN_CPU_CAPABILITY=zvector asked for, but torch runs at {cap['actual']}: this machine lacks it" in done.stderr
+
+
 def test_a_kernel_whose_package_is_missing_is_listed_as_skipped_not_run(tmp_path, monkeypatch):
     (tmp_path / "needs_nothing_here.py").write_text(
         'REQUIRES = ("attn_ledger_no_such_package",)\nraise SystemExit("imported")\n', encoding="utf-8")
