@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {cap}: torch ran at {c['actual']}{note}, {folded['seconds'][cap]:.0f} s")
     if folded["skipped"]:
         print("- skipped: " + ", ".join(f"{k} ({v})" for k, v in sorted(folded["skipped"].items())))
-    print("\nCorrect kernels, worst error / bound:\n")
+    print("\nCorrect kernels, worst error / bound (checks whose worst is exactly 0, the probes' unmoved rows, "
+          "are left out):\n")
     print(margins_table(folded))
     print("\nNear-threshold faults, smallest over runs of the largest error / bound:\n")
     print(power_table(folded))
