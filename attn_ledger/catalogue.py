@@ -201,6 +201,43 @@ def softmax_overflow(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
     return w @ v
 
 
+# --- near-threshold faults: just past what a correct kernel's rounding can explain ---------------
+
+SCALE_ERROR = 0.01  # the scale off by 1%
+LEAKED_WEIGHT = 1e-3  # the weight a row gives its forbidden keys, taken from its allowed ones
+
+
+def scale_off_by_1pct(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Multiplies the scores by the scale times 1.01 (a rounded constant, a wrong head width)."""
+    return _attend(q, k, v, allow_mask, is_causal, _scale(q, scale) * (1 + SCALE_ERROR))
+
+
+def leaked_weight(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Gives 1e-3 of each row's weight to its forbidden keys (spread evenly), the rest to the allowed ones."""
+    import torch
+
+    k, v = _expand(q, k, v)
+    allow = _allow(q, k, allow_mask, is_causal)
+    scores = (q * _scale(q, scale)) @ k.transpose(-2, -1)  # [B, Nh, Tq, Tk]
+    w = _masked_softmax(scores, allow)  # [B, Nh, Tq, Tk]
+    if allow is not None:
+        blocked = (~allow).expand_as(w).to(w.dtype)  # [B, Nh, Tq, Tk]
+        n_blocked = blocked.sum(dim=-1, keepdim=True)
+        leaks = ((n_blocked > 0) & allow.any(dim=-1, keepdim=True)).to(w.dtype)  # [B, Nh, Tq, 1]
+        w = w * (1 - LEAKED_WEIGHT * leaks) + LEAKED_WEIGHT * leaks * blocked / n_blocked.clamp_min(1)
+    return w @ v  # [B, Nh, Tq, Dv]
+
+
+def softmax_bf16(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Rounds the scores to bfloat16 and takes the softmax there, whatever the input dtype."""
+    import torch
+
+    k, v = _expand(q, k, v)
+    allow = _allow(q, k, allow_mask, is_causal)
+    scores = (q * _scale(q, scale)) @ k.transpose(-2, -1)  # [B, Nh, Tq, Tk]
+    return _masked_softmax(scores.to(torch.bfloat16), allow).to(q.dtype) @ v  # [B, Nh, Tq, Dv]
+
+
 # --- the broken modules -----------------------------------------------------------------
 
 
@@ -256,6 +293,8 @@ class Fault:
         target: the broken kernel function, or the module factory.
         pipeline_fault: the same fault in the built-in pipeline (``run --fault``), if any.
         module_causal: for modules, whether the module is meant to be causal.
+        near_threshold: a fault just past what rounding explains (its margin is printed by
+            ``scripts/margins.py``).
     """
 
     name: str
@@ -264,6 +303,7 @@ class Fault:
     target: Callable[..., Any]
     pipeline_fault: str | None = None
     module_causal: bool = True
+    near_threshold: bool = False
 
 
 CATALOGUE: tuple[Fault, ...] = (
@@ -288,7 +328,15 @@ CATALOGUE: tuple[Fault, ...] = (
     Fault("float-mask-bias", "kernel", "0/1 float allow mask added to the scores as a bias", float_mask_bias),
     Fault("softmax-overflow", "kernel", "hand-written softmax without subtracting the row max", softmax_overflow),
     Fault("scale-ignored", "kernel", "an explicit scale= argument silently replaced by 1/sqrt(Dh)", scale_ignored),
+    Fault("scale-off-1pct", "kernel", "the scale multiplied by 1.01", scale_off_by_1pct, near_threshold=True),
+    Fault("leaked-weight", "kernel", "1e-3 of each row's weight spread over its forbidden keys", leaked_weight,
+          near_threshold=True),
+    Fault("softmax-bf16", "kernel", "softmax taken in bfloat16 whatever the input dtype", softmax_bf16,
+          near_threshold=True),
 )
+
+NEAR_THRESHOLD: tuple[Fault, ...] = tuple(f for f in CATALOGUE if f.near_threshold)
+"""The faults just past what rounding explains, whose margins ``scripts/margins.py`` prints."""
 
 
 def _passes(checks: Iterable[Check]) -> list[dict[str, Any]]:

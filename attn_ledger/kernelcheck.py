@@ -1254,7 +1254,7 @@ def _causal_probe(s: _Setup) -> Check:
     before = live.new_zeros(live.shape)
     before[:, :, :c + 1] = True
     return _probe("causal_intervention", "largest move of an output before the changed future", s,
-                  (q2, k2, v2), before, live & ~before, {"queries_from": c + 1, "keys_from": j0, "inputs": "q, k, v"})
+                  (q2, k2, v2), before & live, live & ~before, {"queries_from": c + 1, "keys_from": j0, "inputs": "q, k, v"})
 
 
 def _index_decode(s: _Setup, rows: "Tensor") -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import pytest
@@ -14,6 +15,7 @@ from attn_ledger.config import FAULTS
 from attn_ledger.kernelcheck import check_case, parse_case
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,10 @@ EXPECTED_BLACK_BOX = {
     "no-scale": (3, "finite"),
     "dropout-at-eval": (4, None),  # eval-mode calls disagree
     "batch-first": (2, "batch_independence"),  # same shape out; examples read as positions
+    # near threshold: just past what rounding explains
+    "scale-off-1pct": (4, "reference"),  # every local invariant holds; only the reference sees it
+    "leaked-weight": (3, None),  # forbidden keys take part, a little
+    "softmax-bf16": (3, None),  # weights rounded to bfloat16 no longer make a convex combination in float32
 }
 
 
@@ -143,3 +149,23 @@ def test_white_box_sees_pipeline_faults_no_later_than_black_box(report, name):
 def test_faults_outside_the_pipeline_have_no_white_box(report):
     assert detected(report, "gqa-repeat").data["white_box"] is None
     assert (report.row("gqa-repeat").fields["ledger level"], report.row("gqa-repeat").fields["ledger stage"]) == (None, "-")
+
+
+def test_near_threshold_faults_are_catalogued_and_written_as_fixtures_alike():
+    import torch
+
+    from attn_ledger.kernelcheck import case_inputs
+    from attn_ledger.userload import load_object
+
+    names = [f.name for f in catalogue.NEAR_THRESHOLD]
+    assert names == ["scale-off-1pct", "leaked-weight", "softmax-bf16"]
+    case = parse_case("b2-h4kv2-tq5tk9-dh8dv4-pad-causal-rand-f32")
+    q, k, v, _ = case_inputs(case, 0, torch.device("cpu"))
+    allow = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    allow[0, ..., :3] = False  # left padding of three keys in the first example
+    for fault in catalogue.NEAR_THRESHOLD:
+        fixture = load_object(f"{ROOT / 'fixtures/kernels/near_threshold.py'}:{fault.target.__name__}")
+        kw = {"allow_mask": allow, "is_causal": True, "scale": 0.3}
+        mine, theirs = fault.target(q, k, v, **kw), fixture(q, k, v, **kw)
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+        assert not torch.equal(mine, catalogue._attend(q, k, v, allow, True, 0.3)), fault.name  # it is a fault
