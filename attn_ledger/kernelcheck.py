@@ -1221,7 +1221,7 @@ def _forbidden_probe(s: _Setup) -> Check:
         if not keys.any():
             continue
         uses = (allow & keys[:, None, None, :]).any(dim=-1).expand(case.b, case.nh, case.tq)  # [B, Nh, Tq]
-        stay = ~uses if s.judge_empty else ~uses & s.live  # [B, Nh, Tq]
+        stay = ~uses & s.live  # a row with no allowed key answers to empty_rows' contract, not to this probe
         if not stay.any():
             continue
         k2, v2 = s.k.clone(), s.v.clone()

@@ -93,7 +93,12 @@ def test_every_correct_kernel_passes_the_default_tier_forward_and_backward(runs,
     assert {n: w for n, w in unexpected.items() if w} == {}
     for name, e in kernels.items():
         assert e["cases"] == len(DEFAULT_TIER), name  # every default-tier case, none skipped
-        assert e["backward_cases"] == (len(DEFAULT_TIER) if e["backward"] else 0), name
+        if not e["backward"]:
+            assert e["backward_cases"] == 0, name
+        elif e["empty_rows"] == "zeros":
+            assert e["backward_cases"] == len(DEFAULT_TIER), name
+        else:  # a case whose every (example, head) slice has an empty row leaves the contract nothing to judge
+            assert len(DEFAULT_TIER) - 8 <= e["backward_cases"] <= len(DEFAULT_TIER), name
 
 
 def test_a_capability_the_machine_lacks_is_named_in_the_run(tmp_path):
