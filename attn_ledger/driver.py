@@ -174,7 +174,11 @@ def _error_facts(exc: Exception) -> dict[str, Any]:
         return {"kind": "user_code", "text": str(exc), "what": exc.what, "data": _plain(exc.data)}
     text = str(exc).strip()
     bases = [c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins"]
-    return {"kind": "raised", "type": type(exc).__name__, "bases": bases,
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    at_call = tb is not None and tb.tb_frame.f_code in (call_forward.__code__, call_with_grad.__code__)
+    return {"kind": "raised", "type": type(exc).__name__, "bases": bases, "at_call": at_call,
             "message": text.splitlines()[0][:200] if text else "(no message)"}
 
 
@@ -355,9 +359,13 @@ def load_local(target: str, field: str) -> LocalKernel:
     """Import the user's function here, with the global state snapshotted before the import."""
     from attn_ledger.userload import load_object
 
+    import torch
+
+    grad = torch.is_grad_enabled()
     baseline = snapshot()
     kernel = LocalKernel(load_object(target, field), baseline)
     kernel.state = state_changes(baseline)  # what the import changed
+    torch.set_grad_enabled(grad)  # reported, not kept: this process goes on judging (every call sets its own mode)
     return kernel
 
 

@@ -112,9 +112,11 @@ def rebuilt_exception(error: dict[str, Any]) -> Exception:
         cls = base if base.__name__ == name else type(name, (base,), {"__module__": "user_code"})
         _REBUILT[(name, base.__name__)] = cls
     try:
-        return cls(error.get("message", ""))
+        exc = cls(error.get("message", ""))
     except Exception:  # a builtin that takes other arguments (UnicodeDecodeError)
-        return type(name, (Exception,), {"__module__": "user_code"})(error.get("message", ""))
+        exc = type(name, (Exception,), {"__module__": "user_code"})(error.get("message", ""))
+    exc.at_call = bool(error.get("at_call", False))  # raised by the call itself, not inside the user's code
+    return exc
 
 
 def outcome(exc: BaseException) -> str:

@@ -1344,6 +1344,8 @@ def check_capabilities(fn: Callable[..., Any], plan: Plan, declaration: Declarat
 def _raised_by_the_call(exc: BaseException) -> bool:
     """True when ``exc`` rose from the call itself (argument binding, or a builtin refusing its arguments),
     not from inside the user's Python code: the innermost frame of its traceback is :class:`_Kernel`'s call."""
+    if getattr(exc, "at_call", False):  # rebuilt from the driver's facts, which looked at the traceback there
+        return True
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next

@@ -140,7 +140,7 @@ def test_prose_quotes_of_check_lines_appear_in_the_page_output():
 
 def test_readme_is_short_and_links_every_page():
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= 300
+    assert len(readme.splitlines()) <= 320  # the check example names each bound's parts (c, eps, M) since the rounding rule
     for name in PAGES:
         assert f"(docs/{name}.md)" in readme, name
     for cmd in COMMANDS:

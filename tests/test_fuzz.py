@@ -638,7 +638,7 @@ def test_a_signal_during_a_hung_check_leaves_no_process_and_no_temporary_directo
 
 # --- hostile kernels: each tries to get a wrong kernel past check, or do more than return -----------
 
-HOSTILE = Path(__file__).resolve().parents[1] / "fixtures" / "hostile"
+HOSTILE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "hostile"
 # name -> the check built to catch it (tests/test_judge.py shows it is that check, on one case)
 JUDGE_KERNELS = {"judge_subclass": "reference", "judge_patched_softmax": "reference",
                  "judge_patch_check_case": "reference", "judge_patch_reference": "reference",
@@ -654,7 +654,7 @@ JUDGE_CASES = ["b2-h4kv2-tq5tk9-dh8dv4-pad-rand-f32", "b2-h4kv2-tq5tk5-dh8dv8-ca
 def test_fuzz_hostile_kernels_never_pass(name, case, seed, backward):
     STATS["examples hostile kernels"] += 1
     backward = backward or name == "judge_detached"  # declared inference-only, a detached output is what it says
-    args = ["check", f"{HOSTILE / name}.py:attention", "--case", case, "--seed", str(seed), "--format", "json",
+    args = ["check", f"{HOSTILE_DIR / name}.py:attention", "--case", case, "--seed", str(seed), "--format", "json",
             "--timeout", "60", *([] if backward else ["--no-backward"])]
     r = runner.invoke(app, args)
     doc = check_outcome(r, {1}, (name, case, seed, backward))
