@@ -90,12 +90,12 @@ def state_changes(before: dict[str, Any], callables: bool = True) -> dict[str, A
     after = snapshot() if callables else {"flags": _flags(), "ids": {}}
     flags = {n: [before["flags"][n], v] for n, v in after["flags"].items() if before["flags"].get(n) != v}
     replaced = sorted(n for n, i in after["ids"].items() if n in before["ids"] and before["ids"][n] != i)
-    out: dict[str, Any] = {}
-    if flags:
-        out["flags"] = flags
-    if replaced:
-        out["replaced"] = replaced
-    return out
+    return _state(flags, replaced)
+
+
+def _state(flags: dict[str, Any], replaced: list[str]) -> dict[str, Any]:
+    """Changed flags and replaced callables as one record, empty parts left out."""
+    return {k: v for k, v in (("flags", flags), ("replaced", replaced)) if v}
 
 
 # --- what a call returned -------------------------------------------------------------------------
@@ -347,12 +347,7 @@ def merge_state(seen: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """Every change seen so far: a flag keeps its first change, replaced callables are the union."""
     flags = {**new.get("flags", {}), **seen.get("flags", {})}
     replaced = sorted(set(seen.get("replaced", ())) | set(new.get("replaced", ())))
-    out: dict[str, Any] = {}
-    if flags:
-        out["flags"] = flags
-    if replaced:
-        out["replaced"] = replaced
-    return out
+    return _state(flags, replaced)
 
 
 def load_local(target: str, field: str) -> LocalKernel:
