@@ -12,7 +12,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from attn_ledger.engine import relations as mask_relations
 from attn_ledger.errors import ConfigError, InputError, clip, did_you_mean, shown, shown_path
@@ -114,7 +115,8 @@ class RunConfig(BaseModel):
     num_heads: int = Field(3, ge=1, strict=True)
     num_kv_heads: Optional[int] = Field(None, ge=1, strict=True)
     value_dim: Optional[int] = Field(None, ge=1, strict=True, description="Dv, the per-head value width (default Dh)")
-    mask: str = Field("causal", max_length=MAX_MASK_CHARS, strict=True)
+    mask: InstanceOf[mask_relations.RelationSpec] = Field(mask_relations.CAUSAL,
+                                                         description="relation names joined by '+'")
     valid_lengths: Optional[list[Annotated[int, Field(strict=True)]]] = None
     padding_side: Literal["right", "left"] = "right"
     window: Optional[int] = Field(None, ge=1, le=MAX_POSITION, strict=True)
@@ -129,13 +131,27 @@ class RunConfig(BaseModel):
     block_size: Optional[int] = Field(None, ge=1, le=MAX_POSITION, strict=True)
     keep_grids: bool = Field(False, strict=True)
 
-    @field_validator("mask")
+    # the relation ``mask`` names, with the parameters its names use: set once, when the config is made
+    _relation: mask_relations.RelationSpec = PrivateAttr(mask_relations.CAUSAL)
+
+    @field_validator("mask", mode="before")
     @classmethod
-    def _few_parts(cls, mask: str) -> str:
+    def _parse_mask(cls, mask: Any) -> Any:
+        """Text becomes a :class:`~attn_ledger.engine.relations.RelationSpec` here, parsed once; a spec stays as it is."""
+        if isinstance(mask, mask_relations.RelationSpec):
+            return mask
+        if not isinstance(mask, str):
+            raise PydanticCustomError("string_type", "Input should be a valid string")
+        if len(mask) > MAX_MASK_CHARS:
+            raise PydanticCustomError("string_too_long", "String should have at most {max_length} characters",
+                                      {"max_length": MAX_MASK_CHARS})
         parts = mask.count("+") + 1
         if parts > MAX_MASK_PARTS:
             raise ValueError(f"mask: got {parts} relations joined by '+', expected at most {MAX_MASK_PARTS}")
-        return mask
+        try:
+            return mask_relations.parse(mask)
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
     grad: bool = Field(False, strict=True)
     grad_output: Optional[str] = Field(None, max_length=4096, description="ones, identity or a tensor file (with grad)")
     replay: bool = Field(False, strict=True)
@@ -165,9 +181,10 @@ class RunConfig(BaseModel):
                 f"num_kv_heads must divide num_heads: num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads}"
             )
         try:
-            mask_relations.parse(self.mask, tq=self.tq, tk=self.tk, batch_size=self.batch_size,
-                            valid_lengths=self.valid_lengths, padding_side=self.padding_side, window=self.window,
-                            prefix_len=self.prefix_len, segment_lengths=self.segment_lengths)
+            self._relation = mask_relations.bind(
+                self.mask, tq=self.tq, tk=self.tk, batch_size=self.batch_size, valid_lengths=self.valid_lengths,
+                padding_side=self.padding_side, window=self.window, prefix_len=self.prefix_len,
+                segment_lengths=self.segment_lengths)
         except InputError as exc:
             raise ValueError(str(exc)) from None
         if self.device not in ("cpu", "cuda", "mps", "auto") and not self.device.startswith("cuda:"):
@@ -183,7 +200,7 @@ class RunConfig(BaseModel):
         for key, relation in KEY_NEEDS.items():
             value = getattr(self, key)
             if relation not in relations and key in given and value is not None:
-                raise UnusedKey(key, value, relation, self.mask)
+                raise UnusedKey(key, value, relation, str(self.mask))
         for key in ("window", "prefix_len"):
             value = getattr(self, key)
             if value is not None and value > self.tk:
@@ -227,8 +244,14 @@ class RunConfig(BaseModel):
         return (1.0 / math.sqrt(self.dh) if self.scale is None else self.scale) / (self.temperature or 1.0)
 
     @property
+    def relation(self) -> mask_relations.RelationSpec:
+        """The relation the mask names, with its parameters (validated against the sizes when the config was made)."""
+        return self._relation
+
+    @property
     def relations(self) -> list[str]:
-        return mask_relations.split_names(self.mask)
+        """The mask's relation names (``["none"]`` for no relation)."""
+        return list(self.mask.names) or ["none"]
 
     @property
     def tq(self) -> int:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from attn_ledger.config import RunConfig
-    from attn_ledger.engine.relations import Relation
+    from attn_ledger.engine.relations import Relation, RelationSpec
 
 __all__ = ["CONFIG_STAGES", "TENSOR_STAGES", "SDPA_BACKENDS", "ProgressFn", "ledger_on_qkv", "resolve_backends",
            "run_ledger", "run_ledger_tensors"]
@@ -88,7 +88,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     cfg = config
     device, dtype = inputs.resolve_device(cfg.device), inputs.torch_dtype(cfg.dtype)
     b, tq, tk, nh = cfg.batch_size, cfg.tq, cfg.tk, cfg.num_heads
-    relation = relations.build(relations.from_config(cfg), b, nh, tq, tk, device)
+    relation = relations.build(cfg.relation, b, nh, tq, tk, device)
     ops = with_softcap(ops or ops_for(cfg.fault), cfg.softcap)
     spec = cfg.rope_spec
     rows = Rows()
@@ -170,7 +170,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     *,
     allow_mask: "Tensor | None" = None,
     key_valid: "Tensor | None" = None,
-    mask: str = "none",
+    mask: "str | RelationSpec" = "none",
     window: int | None = None,
     prefix_len: int | None = None,
     scores: "Tensor | None" = None,
@@ -201,7 +201,9 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         allow_mask: bool ``[Tq, Tk]``, ``[B, Tq, Tk]`` or ``[B, Nh, Tq, Tk]``, True = may attend.
         key_valid: bool ``[B, Tk]``, True = a real key (placed as ``[B, 1, 1, Tk]``).
         mask: relations to add by name, joined by ``+``: ``causal`` (bottom-right),
-            ``causal-top-left``, ``sliding-window`` (with ``window``), ``prefix-lm`` (with ``prefix_len``).
+            ``causal-top-left``, ``sliding-window`` (with ``window``), ``prefix-lm`` (with ``prefix_len``);
+            or a :class:`~attn_ledger.engine.relations.RelationSpec` parsed already (its own window and prefix_len
+            apply where those arguments are None).
         scores, weights, out: the user's own intermediates (scores scaled, before masking),
             shaped like the derived grid / context; each is compared with the reference, and
             one of another shape is an L1 finding (``user_*_shape``) at its stage.
@@ -236,7 +238,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     b, nh, tq, dh = q.shape
     tk, dv = k.shape[2], v.shape[-1]
     relations.check_saved(allow_mask, key_valid, b, nh, tq, tk)
-    spec = relations.parse(mask, tq=tq, tk=tk, window=window, prefix_len=prefix_len, allowed=relations.TENSOR_RELATIONS)
+    spec = relations.resolve(mask, tq=tq, tk=tk, window=window, prefix_len=prefix_len, allowed=relations.TENSOR_RELATIONS)
     relation = relations.build(spec, b, nh, tq, tk, q.device, allow_mask, key_valid)
     if empty_rows not in ("error", "zeros"):
         raise InputError(f"empty_rows: got {empty_rows!r}, expected 'error' or 'zeros'")
@@ -287,7 +289,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
 def run_ledger_tensors(
     path: "str | os.PathLike[str] | Mapping[str, Tensor]",
     *,
-    mask: str = "none",
+    mask: "str | RelationSpec" = "none",
     window: int | None = None,
     prefix_len: int | None = None,
     empty_rows: str = "error",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from attn_ledger.engine.relations import NO_RELATION, RelationSpec
 from attn_ledger.errors import InputError, ResourceError, shown
 
 
@@ -332,7 +333,7 @@ def estimate_attention(b: int, nh: int, nkv: int, tq: int, tk: int, dh: int, dv:
 
 
 def estimate_tensors(found: "Mapping[str, Any]", *, dtype: str | None = None, block_size: int | None = None,
-                     keep_grids: bool = False, mask: str = "none", grad: bool = False,
+                     keep_grids: bool = False, mask: "RelationSpec" = NO_RELATION, grad: bool = False,
                      what: str = "run --tensors") -> Estimate | None:
     """``run --tensors`` on tensors already loaded: None when q, k, v are missing or cannot be
     attention inputs (the ledger's own validation then says why, before allocating)."""
@@ -345,9 +346,7 @@ def estimate_tensors(found: "Mapping[str, Any]", *, dtype: str | None = None, bl
     dv = v4[-1]
     itemsize = ITEMSIZE.get(dtype or "", q.element_size())
     given = [n for n in ("scores", "weights", "out") if n in found]
-    relations = {x.strip() for x in mask.split("+")} - {"none"}
-    exact_causal = relations in ({"causal-top-left"}, *([{"causal"}] if tq == tk else []))
-    masked = "allow_mask" in found or "key_valid" in found or bool(relations and not exact_causal)
+    masked = "allow_mask" in found or "key_valid" in found or mask.masked(tq, tk)
     est = estimate_attention(b, nh, nkv, tq, tk, dh, dv, itemsize, block_size=block_size, keep_grids=keep_grids,
                              given=given, masked=masked, grad=grad,
                              what=f"{what} B={b} Nh={nh} Tq={tq} Tk={tk} Dh={dh} Dv={dv}{' --grad' if grad else ''}")
@@ -368,8 +367,7 @@ def estimate_run(cfg: Any, *, what: str | None = None) -> Estimate:
     weights = e * (nh * dh + nkv * dh + nkv * dv + nh * dv)
     largest_weight = e * max(nh * dh, nkv * dv, nh * dv)
     probe = min(b, 2) * tq  # the head split/merge round trip runs on at most two examples, in float64
-    exact_causal = [x for x in cfg.relations if x != "none"] in (["causal-top-left"], *([["causal"]] if tq == tk else []))
-    masked = any(x != "none" for x in cfg.relations) and not exact_causal
+    masked = cfg.relation.masked(tq, tk)
     held, transient, ref_rows = _grid_stage(b, nh, nkv, tq, tk, dh, dv, s, block_size=cfg.block_size,
                                             keep_grids=cfg.keep_grids, masked=masked, ref_cast=False)
     projections = max(tokens * e * r, 2 * largest_weight * r,

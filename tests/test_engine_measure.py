@@ -83,7 +83,7 @@ def _execution(ops=HEALTHY, shape=(1, 2, 40, 8), block_size=10):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
     b, nh, tq, _ = shape
-    rel = relations.build(relations.parse("causal", tq=tq, tk=tq), b, nh, tq, tq)
+    rel = relations.build(relations.resolve("causal", tq=tq, tk=tq), b, nh, tq, tq)
     plan = PL.make_plan(b, nh, tq, tq, rel, block_size=block_size)
     return Execution(plan, rel, ops, q, k, v, (q, k, v), scale=8 ** -0.5, ref_scale=8 ** -0.5, empty_zero=False), plan
 

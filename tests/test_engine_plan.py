@@ -24,7 +24,7 @@ def no_attention(monkeypatch):
 
 
 def _relation(mask="causal", b=1, nh=8, tq=512, tk=512, **params):
-    spec = relations.parse(mask, tq=tq, tk=tk, batch_size=b, **params)
+    spec = relations.resolve(mask, tq=tq, tk=tk, batch_size=b, **params)
     return relations.build(spec, b, nh, tq, tk)
 
 

@@ -29,7 +29,7 @@ BAD = [
 @pytest.mark.parametrize("mask,params,message", BAD, ids=[f"{m}{p}" for m, p, _ in BAD])
 def test_config_and_tensors_reject_a_relation_with_the_same_line(mask, params, message):
     with pytest.raises(InputError) as direct:
-        relations.parse(mask, tq=4, tk=4, **params)
+        relations.resolve(mask, tq=4, tk=4, **params)
     assert str(direct.value).startswith(message)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
@@ -45,30 +45,30 @@ def test_config_and_tensors_reject_a_relation_with_the_same_line(mask, params, m
 
 def test_tensors_accept_only_relations_that_need_no_lengths():
     with pytest.raises(InputError, match="expected relations from none, causal, causal-top-left, sliding-window, prefix-lm"):
-        relations.parse("padding", tq=4, tk=4, valid_lengths=[4], allowed=relations.TENSOR_RELATIONS)
-    spec = relations.parse("causal+sliding-window", tq=4, tk=6, window=2, allowed=relations.TENSOR_RELATIONS)
+        relations.resolve("padding", tq=4, tk=4, valid_lengths=[4], allowed=relations.TENSOR_RELATIONS)
+    spec = relations.resolve("causal+sliding-window", tq=4, tk=6, window=2, allowed=relations.TENSOR_RELATIONS)
     assert spec.names == ("causal", "sliding-window") and spec.window == 2
 
 
 def test_padding_and_segments_parameters():
     with pytest.raises(InputError, match=r"valid_lengths: got 1 lengths \[5\], expected batch_size=2"):
-        relations.parse("padding", tq=5, tk=5, batch_size=2, valid_lengths=[5])
+        relations.resolve("padding", tq=5, tk=5, batch_size=2, valid_lengths=[5])
     with pytest.raises(InputError, match="valid_lengths: got 9, expected a key count between 0 and key_len=5"):
-        relations.parse("padding", tq=5, tk=5, batch_size=2, valid_lengths=[9, 1])
+        relations.resolve("padding", tq=5, tk=5, batch_size=2, valid_lengths=[9, 1])
     with pytest.raises(InputError, match="needs self-attention"):
-        relations.parse("segments", tq=4, tk=5, segment_lengths=[5])
-    spec = relations.parse("segments", tq=5, tk=5, segment_lengths=[2, 3])
+        relations.resolve("segments", tq=4, tk=5, segment_lengths=[5])
+    spec = relations.resolve("segments", tq=5, tk=5, segment_lengths=[2, 3])
     assert spec.segment_lengths == (2, 3)
 
 
 def test_built_relations_name_and_shortcut():
-    rel = relations.build(relations.parse("causal", tq=5, tk=5), 1, 1, 5, 5)
+    rel = relations.build(relations.resolve("causal", tq=5, tk=5), 1, 1, 5, 5)
     assert (rel.name, rel.top_left_causal) == ("causal", True)
-    rel = relations.build(relations.parse("causal", tq=3, tk=5), 1, 1, 3, 5)
+    rel = relations.build(relations.resolve("causal", tq=3, tk=5), 1, 1, 3, 5)
     assert (rel.name, rel.top_left_causal) == ("causal (bottom-right)", False)
     assert rel.block(0, 3)[0, 0].sum(dim=-1).tolist() == [3, 4, 5]
     saved = torch.ones(5, 5, dtype=torch.bool).tril()
-    rel = relations.build(relations.parse("causal", tq=5, tk=5), 1, 1, 5, 5, allow_mask=saved)
+    rel = relations.build(relations.resolve("causal", tq=5, tk=5), 1, 1, 5, 5, allow_mask=saved)
     assert (rel.name, rel.top_left_causal) == ("allow_mask [5, 5] + causal", False)
 
 
@@ -81,12 +81,12 @@ def test_saved_relation_tensors_are_checked_by_named_axes():
 
 
 def test_view_of_a_relation_that_differs_by_example():
-    rel = relations.build(relations.parse("causal+padding", tq=5, tk=5, batch_size=2, valid_lengths=[5, 3]), 2, 3, 5, 5)
+    rel = relations.build(relations.resolve("causal+padding", tq=5, tk=5, batch_size=2, valid_lengths=[5, 3]), 2, 3, 5, 5)
     assert relations.varies(rel, 5) is True
     allow, b, h = relations.view(rel, 5, 1, 2)
     assert (b, h) == (1, 0)  # padding is the same for every head
     assert allow.sum(dim=-1).tolist() == [1, 2, 3, 3, 3]
-    assert relations.varies(relations.build(relations.parse("causal", tq=5, tk=5), 2, 3, 5, 5), 5) is False
+    assert relations.varies(relations.build(relations.resolve("causal", tq=5, tk=5), 2, 3, 5, 5), 5) is False
 
 
 def test_cli_tensors_mask_error_is_one_line_exit_2(tmp_path: Path):

@@ -124,6 +124,7 @@ def run(  # long by its options (typer reads them from the signature); the body 
             return run_ledger(cfg, keep_going=keep_going, progress=progress, backends=backends)
 
     def _on_tensors(sizes, positions, budget, progress):
+        from attn_ledger.engine import relations
         from attn_ledger.errors import InputError
         from attn_ledger.ledger import run_ledger_tensors
         from attn_ledger.limits import estimate_tensors
@@ -136,17 +137,17 @@ def run(  # long by its options (typer reads them from the signature); the body 
         opt.refuse_given({**sizes, "--valid-lengths": valid_lengths, "--seed": seed,
                           "--input": input_kind.value if input_kind else None},
                          "with --tensors (the file sets every size and holds the inputs)")
-        relations = [r.strip() for r in (mask or "none").split("+")]
+        spec = relations.parse(mask, relations.TENSOR_RELATIONS)  # the mask's one parse on this path
         for option, relation in (("--window", "sliding-window"), ("--prefix-len", "prefix-lm")):
-            if positions[option] is not None and relation not in relations:
+            if positions[option] is not None and relation not in spec.names:
                 raise InputError(f"{option}: got {positions[option]}, expected it only with a mask that includes "
                                  f"{relation!r} (the mask is {(mask or 'none')!r})")
         found = load_tensor_file(tensors, "tensors", max_memory=budget)
         opt.guard(estimate_tensors(found, dtype=dtype.value if dtype else None, block_size=positions["--block-size"],
-                                   keep_grids=keep_grids, mask=mask or "none", grad=grad), budget, progress=progress)
+                                   keep_grids=keep_grids, mask=spec, grad=grad), budget, progress=progress)
         with progress:
             return run_ledger_tensors(
-                found, mask=mask or "none", window=positions["--window"], prefix_len=positions["--prefix-len"],
+                found, mask=spec, window=positions["--window"], prefix_len=positions["--prefix-len"],
                 empty_rows=(empty_rows.value if empty_rows else "error"), dtype=dtype.value if dtype else None,
                 device=device or "cpu", block_size=positions["--block-size"], keep_grids=keep_grids,
                 keep_going=keep_going, progress=progress, backends=backends, source=str(tensors), scale=scale,

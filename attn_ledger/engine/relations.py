@@ -4,9 +4,11 @@ A relation says which (query, key) pairs may interact, in allow polarity. It is 
 by name (``causal``, ``causal-top-left``, ``padding``, ``sliding-window``, ``prefix-lm``,
 ``segments``, ``none``, joined by ``+``) with its parameters, from a config, from CLI
 options or beside saved tensors, and by saved tensors (``allow_mask``, ``key_valid``).
-Every one of those paths goes through :func:`parse` (names and parameters) and
-:func:`check_saved` (tensors), so each input is validated once, the same way, with one
-line naming the field, the value and what was expected.
+Every one of those paths holds a :class:`RelationSpec`: its text is read once, by
+:func:`parse`, its parameters are checked against the sizes once, by :func:`bind`, and
+saved tensors by :func:`check_saved`, so each input is validated once, the same way, with
+one line naming the field, the value and what was expected. Nothing here imports torch
+at module level.
 
 :func:`build` turns a validated :class:`RelationSpec` (and any saved tensors) into a
 :class:`Relation`, which produces the allow tensor one block of query rows at a time.
@@ -14,10 +16,10 @@ line naming the field, the value and what was expected.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from attn_ledger.errors import InputError, did_you_mean
+from attn_ledger.errors import InputError, did_you_mean, field_error
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -25,19 +27,29 @@ if TYPE_CHECKING:
 RELATIONS = ("none", "causal", "causal-top-left", "padding", "sliding-window", "prefix-lm", "segments")
 # Relations that can be named beside saved tensors: padding and segments come as key_valid / allow_mask there.
 TENSOR_RELATIONS = ("none", "causal", "causal-top-left", "sliding-window", "prefix-lm")
+# A kernel case's blocked run of keys (``gapSxL``): a relation of the case vocabulary only, never named by run.
+KEY_GAP = "key-gap"
 PADDING_SIDES = ("right", "left")
+# Relations that let a query use no key past its own position (bottom-right alignment for causal and the window).
+_CAUSAL_NAMES = ("causal", "causal-top-left", "sliding-window")
 
 
 @dataclass(frozen=True)
 class RelationSpec:
     """A relation as named, with the parameters its names use: validated, no tensors yet.
 
+    The one value every input path holds: a config's ``mask``, run's options, the names given
+    beside saved tensors, a kernel case's mask token and the module check's declaration.
+    ``str(spec)`` is its canonical text (``"causal+padding"``, ``"none"``), which :func:`parse`
+    reads back into the same names.
+
     Attributes:
-        names: the named relations, combined by AND, in the order given (``none`` dropped).
+        names: the named relations (the kinds), combined by AND, in the order given (``none`` dropped).
         valid_lengths: real keys per example (``padding``), padded on ``padding_side``.
         window: keys up to and including the query's own position (``sliding-window``).
         prefix_len: keys every query sees (``prefix-lm``).
         segment_lengths: consecutive positions per segment (``segments``).
+        key_gap: ``(start, length)`` of keys blocked for every query (:data:`KEY_GAP`, kernel cases only).
     """
 
     names: tuple[str, ...] = ()
@@ -46,36 +58,47 @@ class RelationSpec:
     window: int | None = None
     prefix_len: int | None = None
     segment_lengths: tuple[int, ...] | None = None
+    key_gap: tuple[int, int] | None = None
+
+    def __str__(self) -> str:
+        return "+".join(self.names) or "none"
+
+    @property
+    def alignment(self) -> str | None:
+        """How the causal part is aligned when Tq != Tk: ``bottom-right``, ``top-left``, or None (no causal part)."""
+        if "causal-top-left" in self.names:
+            return "top-left"
+        return "bottom-right" if "causal" in self.names else None
+
+    @property
+    def causal(self) -> bool:
+        """No query uses a key past its own position (a causal part or a sliding window)."""
+        return any(n in _CAUSAL_NAMES for n in self.names)
+
+    def exact_causal(self, tq: int, tk: int) -> bool:
+        """Exactly "key j <= query i" for every batch and head: one causal part, top-left, or bottom-right with Tq == Tk."""
+        return list(self.names) in (["causal-top-left"], *([["causal"]] if tq == tk else []))
+
+    def masked(self, tq: int, tk: int) -> bool:
+        """Some named part blocks keys in a way the causal shortcut does not cover."""
+        return bool(self.names) and not self.exact_causal(tq, tk)
 
 
-def split_names(mask: str | None) -> list[str]:
-    """``"causal+padding"`` -> ``["causal", "padding"]`` (an empty mask is ``["none"]``)."""
-    return [part.strip() for part in (mask or "none").split("+")]
+NO_RELATION = RelationSpec()
+CAUSAL = RelationSpec(("causal",))
 
 
-def parse(
-    mask: str | None,
-    *,
-    tq: int,
-    tk: int,
-    batch_size: int | None = None,
-    valid_lengths: Sequence[int] | None = None,
-    padding_side: str = "right",
-    window: int | None = None,
-    prefix_len: int | None = None,
-    segment_lengths: Sequence[int] | None = None,
-    allowed: tuple[str, ...] = RELATIONS,
-) -> RelationSpec:
-    """Parse and validate a mask string and the parameters it uses.
+def parse(mask: str | None, allowed: tuple[str, ...] = RELATIONS) -> RelationSpec:
+    """The one parser of relation text: names from ``allowed`` joined by ``+`` (empty or None: ``none``).
 
-    Args:
-        mask: relation names from ``allowed`` joined by ``+``.
-        tq, tk: query and key positions; batch_size: B, which ``valid_lengths`` must match.
+    Every path that reads a relation as text comes here once, so ``run --mask causal`` parses
+    its mask once (tests/test_relation_spec.py counts it). The parameters the names use are
+    checked against the sizes by :func:`bind`.
 
     Raises:
-        InputError: one line naming the field, the value and what was expected.
+        InputError: one line naming the field (``mask``), the value and what was expected.
     """
-    names = split_names(mask)
+    names = [part.strip() for part in (mask or "none").split("+")]
     for name in names:
         if name not in allowed:
             raise InputError(f"mask: got {mask!r}, expected relations from {', '.join(allowed)} joined by '+'"
@@ -86,6 +109,48 @@ def parse(
         raise InputError(f"mask: got {mask!r}, expected one causal alignment, not both")
     if len(set(names)) != len(names):
         raise InputError(f"mask: got {mask!r}, expected each relation once")
+    return RelationSpec(names=tuple(n for n in names if n != "none"))
+
+
+def held(mask: "str | RelationSpec | None", allowed: tuple[str, ...] = RELATIONS) -> RelationSpec:
+    """``mask`` as a :class:`RelationSpec`: text is parsed (once, here); a spec is held to ``allowed`` as it is."""
+    if not isinstance(mask, RelationSpec):
+        return parse(mask, allowed)
+    for name in mask.names:
+        if name not in allowed:
+            raise InputError(f"mask: got {str(mask)!r}, expected relations from {', '.join(allowed)} joined by '+'"
+                             + did_you_mean(name, allowed))
+    return mask
+
+
+def bind(
+    spec: RelationSpec,
+    *,
+    tq: int,
+    tk: int,
+    batch_size: int | None = None,
+    valid_lengths: Sequence[int] | None = None,
+    padding_side: str | None = None,
+    window: int | None = None,
+    prefix_len: int | None = None,
+    segment_lengths: Sequence[int] | None = None,
+) -> RelationSpec:
+    """``spec`` with the parameters its names use, each checked against the sizes.
+
+    A parameter left None keeps the one ``spec`` holds already.
+
+    Args:
+        tq, tk: query and key positions; batch_size: B, which ``valid_lengths`` must match.
+
+    Raises:
+        InputError: one line naming the field, the value and what was expected.
+    """
+    names = list(spec.names)
+    valid_lengths = spec.valid_lengths if valid_lengths is None else valid_lengths
+    padding_side = spec.padding_side if padding_side is None else padding_side
+    window = spec.window if window is None else window
+    prefix_len = spec.prefix_len if prefix_len is None else prefix_len
+    segment_lengths = spec.segment_lengths if segment_lengths is None else segment_lengths
     _check_padding(names, tk, batch_size, valid_lengths, padding_side)
     if "sliding-window" in names:
         if window is None:
@@ -102,14 +167,35 @@ def parse(
             raise InputError(f"mask: 'segments' needs self-attention, got query_len={tq}, key_len={tk}")
         if not segment_lengths or sum(segment_lengths) != tk or min(segment_lengths) < 1:
             raise InputError(f"segment_lengths: got {_listed(segment_lengths)}, expected positive lengths summing to seq_len={tk}")
-    return RelationSpec(
-        names=tuple(n for n in names if n != "none"),
+    return replace(
+        spec,
         valid_lengths=None if valid_lengths is None else tuple(valid_lengths),
         padding_side=padding_side,
         window=window,
         prefix_len=prefix_len,
         segment_lengths=None if segment_lengths is None else tuple(segment_lengths),
     )
+
+
+def resolve(mask: "str | RelationSpec | None", *, tq: int, tk: int, allowed: tuple[str, ...] = RELATIONS,
+            **params: Any) -> RelationSpec:
+    """:func:`held` then :func:`bind`: the relation ``mask`` names with its parameters (``params``: :func:`bind`'s)."""
+    return bind(held(mask, allowed), tq=tq, tk=tk, **params)
+
+
+def module_relation(causal: bool = True, window: int | None = None) -> RelationSpec:
+    """The relation the module check declares: causal (bottom-right), a sliding window, or none.
+
+    Raises:
+        InputError: ``window`` is not an integer >= 1, or is given without ``causal``.
+    """
+    if window is None:
+        return CAUSAL if causal else NO_RELATION
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise field_error("window", window, "an integer >= 1")
+    if not causal:
+        raise field_error("window", window, "a causal module (a sliding window is causal)")
+    return RelationSpec(("sliding-window",), window=window)
 
 
 def _check_padding(names: list[str], tk: int, batch_size: int | None, valid_lengths: Sequence[int] | None,
@@ -130,16 +216,6 @@ def _check_padding(names: list[str], tk: int, batch_size: int | None, valid_leng
 
 def _listed(values: Sequence[int] | None) -> Any:
     return None if values is None else list(values)
-
-
-def from_config(cfg: Any) -> RelationSpec:
-    """The relation a validated :class:`~attn_ledger.config.RunConfig` names (parsed once already, when it was made).
-
-    The config is not imported here: it imports this module to validate its mask.
-    """
-    return parse(cfg.mask, tq=cfg.tq, tk=cfg.tk, batch_size=cfg.batch_size, valid_lengths=cfg.valid_lengths,
-                 padding_side=cfg.padding_side, window=cfg.window, prefix_len=cfg.prefix_len,
-                 segment_lengths=cfg.segment_lengths)
 
 
 def check_saved(allow_mask: "Tensor | None", key_valid: "Tensor | None", b: int, nh: int, tq: int, tk: int) -> None:
@@ -199,8 +275,7 @@ def build(spec: RelationSpec, b: int, nh: int, tq: int, tk: int, device: Any = N
         part, label = _named_part(spec, name, tq, tk, device)
         parts.append(part)
         names.append(label)
-    exact_causal = allow_mask is None and key_valid is None and (
-        list(spec.names) in (["causal-top-left"], *([["causal"]] if tq == tk else [])))  # an empty relation is not causal
+    exact_causal = allow_mask is None and key_valid is None and spec.exact_causal(tq, tk)  # an empty relation is not causal
     return Relation(" + ".join(names) or "none", tuple(parts), top_left_causal=exact_causal)
 
 

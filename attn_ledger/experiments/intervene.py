@@ -352,7 +352,7 @@ def _builtin_subject(cfg: Any, dtype: "torch.dtype", with_controls: bool) -> tup
 
     relations = cfg.relations
     if relations not in (["none"], *[[m] for m in _CAUSAL_MASKS]):
-        raise InputError(f"mask: got {cfg.mask!r}, expected causal or none for intervene (the built-in module has no other mask)")
+        raise InputError(f"mask: got {str(cfg.mask)!r}, expected causal or none for intervene (the built-in module has no other mask)")
     causal = relations[0] in _CAUSAL_MASKS
     module = BuiltinAttention(cfg.embed_dim, cfg.num_heads, causal=causal, fault=cfg.fault, seed=cfg.seed, dtype=dtype)
     subject = "built-in pipeline" + (f", fault {cfg.fault}" if cfg.fault else "") + ("" if causal else ", mask none")
