@@ -1,0 +1,180 @@
+"""One relation value, parsed once: every path that reads a relation holds a RelationSpec."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from attn_ledger.cli import app
+from attn_ledger.config import load_config
+from attn_ledger.engine import relations
+from attn_ledger.engine.relations import RelationSpec
+from attn_ledger.errors import ConfigError, InputError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def parses(monkeypatch) -> list[object]:
+    """Every text :func:`relations.parse` reads, in order (the real parser still answers)."""
+    seen: list[object] = []
+    real = relations.parse
+
+    def counting(mask, *args, **kwargs):
+        seen.append(mask)
+        return real(mask, *args, **kwargs)
+
+    monkeypatch.setattr(relations, "parse", counting)
+    return seen
+
+
+def test_run_mask_causal_parses_the_mask_once(parses):
+    r = CliRunner().invoke(app, ["run", "--mask", "causal", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert parses == ["causal"]
+
+
+def test_run_mask_with_parameters_parses_once(parses):
+    r = CliRunner().invoke(app, ["run", "--mask", "causal+padding", "--valid-lengths", "5,3", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert parses == ["causal+padding"]
+
+
+def test_run_tensors_mask_parses_once(parses, tmp_path: Path):
+    import torch
+
+    from attn_ledger.tensorio import save_tensor_file
+
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "qkv.pt"
+    save_tensor_file({n: torch.randn(1, 2, 4, 8, generator=g) for n in "qkv"}, path)
+    r = CliRunner().invoke(app, ["run", "--tensors", str(path), "--mask", "sliding-window", "--window", "2",
+                                 "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert parses == ["sliding-window"]
+
+
+def test_the_counter_sees_a_second_parse(parses):
+    """The fixture counts what it should: parsing the config's mask text again shows up as a second call."""
+    cfg = load_config(overrides={"mask": "causal"})
+    relations.parse(str(cfg.mask))
+    assert parses == ["causal", "causal"]
+
+
+def test_config_holds_the_spec_and_its_parameters():
+    cfg = load_config(overrides={"mask": "causal+sliding-window", "window": 2})
+    assert cfg.mask == RelationSpec(("causal", "sliding-window"))
+    assert cfg.relation == RelationSpec(("causal", "sliding-window"), window=2)
+    assert cfg.relation.alignment == "bottom-right" and cfg.relation.causal
+    # a spec made already is taken as it is, and a copy keeps the relation
+    again = load_config(overrides={"mask": cfg.mask, "window": 2})
+    assert again.relation == cfg.relation
+    assert cfg.model_copy(update={"keep_grids": True}).relation == cfg.relation
+
+
+def _masks_in_docs() -> set[str]:
+    """The relation texts the docs show: ``--mask X`` and ``mask = "X"`` (polarity's mask files left out)."""
+    found: set[str] = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        for m in re.finditer(r"--mask[ =]([A-Za-z+-]+)\b(?![./])|\bmask ?= ?\"([^\"]*)\"", text):
+            value = m.group(1) or m.group(2)
+            if all(part in relations.RELATIONS for part in value.split("+")):
+                found.add(value)
+    return found
+
+
+ROUND_TRIP = sorted({*relations.RELATIONS, "causal+padding", "causal+padding+sliding-window", "causal+sliding-window",
+                     "padding+causal", "causal-top-left+padding", "prefix-lm+padding", "segments+causal",
+                     *_masks_in_docs()})
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_canonical_text_reads_back(text):
+    spec = relations.parse(text)
+    assert str(spec) == text
+    assert relations.parse(str(spec)) == spec
+
+
+def test_docs_show_relations():
+    assert {"causal", "causal+padding"} <= _masks_in_docs()
+
+
+def test_text_is_canonical_after_parsing():
+    assert str(relations.parse(" causal + padding ")) == "causal+padding"
+    assert str(relations.parse("")) == str(relations.parse(None)) == "none"
+    assert relations.parse("causal-top-left").alignment == "top-left"
+    assert relations.parse("none").alignment is None and not relations.parse("prefix-lm").causal
+
+
+BAD_TEXT = [
+    ("causal+diagonal", "mask: got 'causal+diagonal', expected relations from none, causal, causal-top-left, padding, "
+                        "sliding-window, prefix-lm, segments joined by '+'"),
+    ("casual", "mask: got 'casual', expected relations from none, causal, causal-top-left, padding, sliding-window, "
+               "prefix-lm, segments joined by '+'; did you mean 'causal'?"),
+    ("none+padding", "mask: got 'none+padding', expected 'none' alone"),
+    ("causal+causal-top-left", "mask: got 'causal+causal-top-left', expected one causal alignment, not both"),
+    ("padding+padding", "mask: got 'padding+padding', expected each relation once"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_TEXT, ids=[t for t, _ in BAD_TEXT])
+def test_bad_text_is_one_field_named_line(text, message):
+    with pytest.raises(InputError) as direct:
+        relations.parse(text)
+    assert str(direct.value) == message
+    with pytest.raises(ConfigError) as from_config:
+        load_config(overrides={"mask": text})
+    assert str(from_config.value) == message
+    r = CliRunner().invoke(app, ["run", "--mask", text])
+    assert r.exit_code == 2
+    assert r.output.strip().splitlines() == [f"error: {message}"]
+
+
+BAD_PARAMS = [
+    ("sliding-window", {}, "window: got none, expected a window length for mask 'sliding-window'"),
+    ("padding", {"valid_lengths": [5]}, "valid_lengths: got 1 lengths [5], expected batch_size=2"),
+    ("padding", {"valid_lengths": [5, 9]}, "valid_lengths: got 9, expected a key count between 0 and key_len=5"),
+    ("segments", {"segment_lengths": [2, 2]}, "segment_lengths: got [2, 2], expected positive lengths summing to seq_len=5"),
+    ("prefix-lm", {}, "prefix_len: got none, expected a prefix length for mask 'prefix-lm'"),
+]
+
+
+@pytest.mark.parametrize("text,params,message", BAD_PARAMS, ids=[f"{t}{p}" for t, p, _ in BAD_PARAMS])
+def test_bad_parameters_name_their_field(text, params, message):
+    with pytest.raises(InputError) as bound:
+        relations.bind(relations.parse(text), tq=5, tk=5, batch_size=2, **params)
+    assert str(bound.value) == message
+    with pytest.raises(ConfigError) as from_config:
+        load_config(overrides={"mask": text, **params})
+    assert str(from_config.value) == message
+
+
+def test_a_spec_is_held_to_the_names_its_path_takes():
+    spec = relations.parse("padding")
+    with pytest.raises(InputError, match="mask: got 'padding', expected relations from none, causal, causal-top-left, "
+                                         "sliding-window, prefix-lm joined by"):
+        relations.held(spec, relations.TENSOR_RELATIONS)
+    assert relations.held(relations.CAUSAL, relations.TENSOR_RELATIONS) is relations.CAUSAL
+
+
+def test_module_relation_and_its_errors():
+    assert relations.module_relation() == relations.CAUSAL
+    assert relations.module_relation(False) == relations.NO_RELATION
+    assert relations.module_relation(True, 4) == RelationSpec(("sliding-window",), window=4)
+    with pytest.raises(InputError, match=r"^window: got 0, expected an integer >= 1$"):
+        relations.module_relation(True, 0)
+    with pytest.raises(InputError, match=r"^window: got 3, expected a causal module \(a sliding window is causal\)$"):
+        relations.module_relation(False, 3)
+
+
+def test_relations_import_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, attn_ledger.engine.relations; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
