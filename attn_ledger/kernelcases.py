@@ -38,8 +38,10 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+from attn_ledger.engine.relations import CAUSAL, KEY_GAP, NO_RELATION, RelationSpec
 from attn_ledger.errors import InputError, shown
 
 if TYPE_CHECKING:
@@ -112,20 +114,29 @@ class Case:
     def dtype_name(self) -> str:
         return DTYPES[self.dtype]
 
+    @cached_property
+    def _parsed_mask(self) -> tuple[RelationSpec, bool]:
+        return case_relation(self.mask, self.b, self.tk)  # read once per case, when first asked
+
+    @property
+    def relation(self) -> RelationSpec:
+        """The relation the mask token names, with its lengths for this case's B and Tk."""
+        return self._parsed_mask[0]
+
     @property
     def causal_flag(self) -> bool:
-        """The call passes ``is_causal=True``."""
-        return self.mask in ("causal-flag", "pad-causal") or self.mask.endswith("-causal") and self.mask[:1] in "lg"
+        """The call passes ``is_causal=True`` (for the relation's causal part)."""
+        return self._parsed_mask[1]
 
     @property
     def uses_mask(self) -> bool:
-        """The call passes a bool ``allow_mask``."""
-        return self.mask not in ("none", "causal-flag")
+        """The call passes a bool ``allow_mask``: some part of the relation is not carried by the flag."""
+        return bool(set(self.relation.names) - ({"causal"} if self.causal_flag else set()))
 
     @property
     def causal(self) -> bool:
         """The relation is causal (by the flag or by the mask)."""
-        return self.causal_flag or self.mask == "causal-mask"
+        return "causal" in self.relation.names
 
     @property
     def effective_scale(self) -> float:
@@ -133,21 +144,26 @@ class Case:
 
     def left_padding(self) -> list[int]:
         """Blocked leading keys per example for ``lpadN`` (``N >> b``), else zeros."""
-        m = _LPAD_RE.match(self.mask)
-        n = int(m.group(1)) if m else 0
-        return [n >> i for i in range(self.b)]
+        rel = self.relation
+        if rel.padding_side != "left" or rel.valid_lengths is None:
+            return [0] * self.b
+        return [self.tk - n for n in rel.valid_lengths]
 
     def gap(self) -> tuple[int, int] | None:
         """``(start, length)`` of the blocked run for ``gapSxL``."""
-        m = _GAP_RE.match(self.mask)
-        return (int(m.group(1)), int(m.group(2))) if m else None
+        return self.relation.key_gap
 
     def lengths(self) -> list[int]:
         """Real keys per example for the right-padding relations."""
-        lens = [max(1, self.tk - 1 - 2 * i) for i in range(self.b)]
-        if self.mask == "pad-empty":
-            lens[-1] = 0
-        return lens
+        rel = self.relation
+        if rel.padding_side == "right" and rel.valid_lengths is not None:
+            return list(rel.valid_lengths)
+        return _right_padding(self.b, self.tk)
+
+    @property
+    def right_padded(self) -> bool:
+        """The relation pads keys on the right (``pad``, ``pad-causal``, ``pad-empty``)."""
+        return self.relation.padding_side == "right" and self.relation.valid_lengths is not None
 
     def memory_bytes(self) -> int:
         """A bound on what checking this case holds at once: inputs, outputs, gradients and probe copies
@@ -158,15 +174,18 @@ class Case:
     def call_text(self, name: str = "attention") -> str:
         """The keyword arguments of the call, as a reader would write them."""
         args = []
-        if self.mask == "causal-mask":
-            args.append("allow_mask=causal[Tq, Tk]")
-        elif self.mask in ("pad", "pad-causal", "pad-empty"):
+        gap = self.gap()
+        if not self.uses_mask:
+            pass
+        elif self.right_padded:
             args.append(f"allow_mask=key_padding(lengths={self.lengths()})[B, 1, 1, Tk]")
-        elif self.mask.startswith("lpad"):
+        elif self.relation.padding_side == "left":
             args.append(f"allow_mask=left_padding({self.left_padding()})[B, 1, 1, Tk]")
-        elif self.mask.startswith("gap"):
-            s, n = self.gap()  # type: ignore[misc]
+        elif gap is not None:
+            s, n = gap
             args.append(f"allow_mask=keys_blocked({s}..{s + n - 1})[1, 1, 1, Tk]")
+        else:
+            args.append("allow_mask=causal[Tq, Tk]")
         if self.causal_flag:
             args.append("is_causal=True")
         if self.scale is not None:
@@ -179,6 +198,43 @@ class Case:
             "Dh": self.dh, "Dv": self.dv, "mask": self.mask, "inputs": self.inputs,
             "dtype": self.dtype_name, "scale": self.scale, "elements": self.size,
         }
+
+
+def _right_padding(b: int, tk: int, empty_last: bool = False) -> list[int]:
+    """Real keys per example for ``pad``: Tk - 1, Tk - 3, ... (at least 1); ``pad-empty``: the last example none."""
+    lens = [max(1, tk - 1 - 2 * i) for i in range(b)]
+    if empty_last and lens:
+        lens[-1] = 0
+    return lens
+
+
+def case_relation(token: str, b: int, tk: int) -> tuple[RelationSpec, bool]:
+    """A mask token (see the module docstring) as the relation it names for B and Tk, and whether the call
+    passes its causal part as ``is_causal=True``: the one reader of the token vocabulary.
+
+    ``gapSxL`` is the relation ``key-gap``, which only kernel cases name.
+
+    Raises:
+        InputError: the token is none of the mask tokens.
+    """
+    if token == "none":
+        return NO_RELATION, False
+    if token in ("causal-flag", "causal-mask"):
+        return CAUSAL, token == "causal-flag"
+    if token in ("pad", "pad-causal", "pad-empty"):
+        flag = token == "pad-causal"
+        lens = _right_padding(b, tk, empty_last=token == "pad-empty")
+        return RelationSpec(("causal",) * flag + ("padding",), valid_lengths=tuple(lens)), flag
+    lpad, gap = _LPAD_RE.match(token), _GAP_RE.match(token)
+    if lpad:
+        n, flag = int(lpad.group(1)), lpad.group(2) is not None
+        lens = tuple(tk - (n >> i) for i in range(b))
+        return RelationSpec(("causal",) * flag + ("padding",), valid_lengths=lens, padding_side="left"), flag
+    if gap:
+        flag = gap.group(3) is not None
+        return RelationSpec(("causal",) * flag + (KEY_GAP,), key_gap=(int(gap.group(1)), int(gap.group(2)))), flag
+    raise InputError(f"mask: got {shown(token)}, expected one of {', '.join(BASE_MASKS)}, lpadN[-causal] or "
+                     "gapSxL[-causal]")
 
 
 def parse_case(case_id: str) -> Case:
@@ -235,10 +291,11 @@ def validate(case: Case, case_id: str | None = None) -> None:
             raise InputError(f"case {name!r}: {axis}={value}, expected between 1 and {LIMITS[axis]}")
     if case.nh % case.nkv:
         raise InputError(f"case {name!r}: Nkv must divide Nh: Nkv={case.nkv}, Nh={case.nh}")
-    if case.mask == "pad-empty" and case.b < 2:
+    rel = case.relation
+    if case.right_padded and 0 in rel.valid_lengths and case.b < 2:  # type: ignore[operator]
         raise InputError(f"case {name!r}: mask 'pad-empty' needs B >= 2, got B={case.b}")
     lead = case.left_padding()[0]
-    if case.mask.startswith("lpad") and not 1 <= lead < case.tk:
+    if rel.padding_side == "left" and not 1 <= lead < case.tk:
         raise InputError(f"case {name!r}: left padding {lead} must leave a key: expected 1 <= N < Tk={case.tk}")
     gap = case.gap()
     if gap is not None and not (gap[0] >= 1 and gap[1] >= 1 and gap[0] + gap[1] < case.tk):
@@ -400,12 +457,10 @@ _FULL_COST = 1 << 26  # B * Nh * Tq * Tk * (Dh + Dv) at most: keeps one full-tie
 
 def _full_valid(p: Mapping[str, Any]) -> bool:
     tq, tk = p.get("lengths", (1, 1 << 20))
-    mask = p.get("mask", "none")
-    lp = _LPAD_RE.match(mask)
-    gp = _GAP_RE.match(mask)
-    if lp and "lengths" in p and int(lp.group(1)) >= tk:
-        return False
-    if gp and "lengths" in p and int(gp.group(1)) + int(gp.group(2)) >= tk:
+    rel, _ = case_relation(p.get("mask", "none"), 1, tk)
+    if rel.padding_side == "left" and "lengths" in p and rel.valid_lengths[0] <= 0:  # type: ignore[index]
+        return False  # lpadN with N >= Tk
+    if rel.key_gap is not None and "lengths" in p and sum(rel.key_gap) >= tk:
         return False
     if p.get("inputs") == "index" and p.get("dtype") in ("f16", "bf16"):
         return False  # half precision cannot tell index-encoded values apart at real sizes
@@ -428,10 +483,11 @@ def _features(c: Case) -> str:
         parts.append(f"T = {c.tq}")
     parts.append("MQA" if c.nkv == 1 and c.nh > 1 else ("GQA" if c.nkv < c.nh else "MHA"))
     parts.append(f"Dh {c.dh}" + (f", Dv {c.dv}" if c.dv != c.dh else ""))
-    if c.mask.startswith("lpad"):
+    gap = c.gap()
+    if c.relation.padding_side == "left":
         parts.append(f"left padding {c.left_padding()[0]}" + (" with is_causal" if c.causal_flag else ""))
-    elif c.mask.startswith("gap"):
-        s, n = c.gap()  # type: ignore[misc]
+    elif gap is not None:
+        s, n = gap
         parts.append(f"{n} blocked keys from key {s}" + (" with is_causal" if c.causal_flag else ""))
     else:
         parts.append(f"mask {c.mask}")
@@ -560,11 +616,11 @@ def allow_argument(case: Case, device: Any = None) -> "Tensor | None":
 
     from attn_ledger import masks
 
-    if case.mask == "causal-mask":
-        return masks.causal(case.tq, case.tk, "bottom-right", device=device)  # [Tq, Tk]
-    if case.mask in ("pad", "pad-causal", "pad-empty"):
+    if not case.uses_mask:
+        return None
+    if case.right_padded:
         return masks.key_padding(masks.valid_from_lengths(case.lengths(), case.tk, device=device))  # [B, 1, 1, Tk]
-    if case.mask.startswith("lpad"):
+    if case.relation.padding_side == "left":
         j = torch.arange(case.tk, device=device)
         lead = torch.tensor(case.left_padding(), device=device)[:, None]
         return (j[None, :] >= lead)[:, None, None, :]  # [B, 1, 1, Tk]
@@ -572,7 +628,7 @@ def allow_argument(case: Case, device: Any = None) -> "Tensor | None":
     if gap is not None:
         j = torch.arange(case.tk, device=device)
         return ((j < gap[0]) | (j >= gap[0] + gap[1]))[None, None, None, :]  # [1, 1, 1, Tk]
-    return None
+    return masks.causal(case.tq, case.tk, "bottom-right", device=device)  # [Tq, Tk]: the causal part as a mask
 
 
 def case_inputs(case: Case | str, seed: int = 0, device: Any = None) -> tuple["Tensor", "Tensor", "Tensor", dict[str, Any]]:
