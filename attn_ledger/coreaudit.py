@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from attn_ledger.corefit import BiasFit, ScoreFit, compare_relations, fit_scores, recognise_bias, relation_of
+from attn_ledger.engine.relations import CAUSAL, RelationSpec
 from attn_ledger.errors import field_error
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.headtrace import Located, kv_heads_from_widths, layout_of, locate, pairing, trace_vectors
@@ -78,30 +79,35 @@ class Declared:
     """What the module is meant to compute.
 
     Attributes:
-        causal: each query uses keys up to its own position.
-        window: with ``causal``, only the last ``window`` keys up to the query (sliding window).
+        relation: causal (each query uses keys up to its own position), a sliding window (only the last
+            ``window`` keys up to the query), or none; made by :func:`~attn_ledger.engine.relations.module_relation`.
         scale: the design's own softmax scale; None means 1/sqrt(Dh).
         softcap: the scaled scores are soft-capped, ``softcap * tanh(s / softcap)``, before
             the mask (Gemma 2's ``attn_logit_softcapping``); None means no cap.
     """
 
-    causal: bool = True
-    window: int | None = None
+    relation: RelationSpec = CAUSAL
     scale: float | None = None
     softcap: float | None = None
 
     def __post_init__(self) -> None:
-        if self.window is not None:
-            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-                raise field_error("window", self.window, "an integer >= 1")
-            if not self.causal:
-                raise field_error("window", self.window, "a causal module (a sliding window is causal)")
+        if self.relation.names not in ((), ("causal",), ("sliding-window",)) or (
+                self.relation.names == ("sliding-window",) and self.relation.window is None):
+            raise field_error("relation", str(self.relation), "causal, sliding-window (with its window) or none")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
                                        or not math.isfinite(self.scale) or self.scale <= 0):
             raise field_error("scale", self.scale, "a finite number > 0")
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
                                          or not math.isfinite(self.softcap) or self.softcap <= 0):
             raise field_error("softcap", self.softcap, "a finite number > 0")
+
+    @property
+    def causal(self) -> bool:
+        return self.relation.causal
+
+    @property
+    def window(self) -> int | None:
+        return self.relation.window
 
     @property
     def text(self) -> str:

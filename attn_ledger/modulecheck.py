@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from attn_ledger import decodecheck
 from attn_ledger.coreaudit import AXIS_CHECKS, CORE_CHECKS, Audit, Declared, audit_core
+from attn_ledger.engine.relations import module_relation
 from attn_ledger.errors import field_error
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.intervention import (
@@ -506,7 +507,7 @@ def stopped_module_report(subject: str, sizes: dict[str, int], causal: bool, rea
     """
     called = Check(1, "call", "fail", reason=reason, data=data)
     rest = [_not_reached(level, name, "the check stopped at a call that did not return") for level, name in _expected(causal)]
-    declared = Declared(causal=causal, window=window, scale=scale, softcap=softcap)
+    declared = Declared(module_relation(causal, window), scale=scale, softcap=softcap)
     return _module_report([called, *rest], subject, sizes, declared, None, dtype, training_on_entry, stopped=True)
 
 
@@ -528,7 +529,7 @@ def _declared(embed_dim: int, num_heads: int, batch_size: int, seq_len: int, cau
     if decode is not None and not causal:
         raise field_error("decode", getattr(decode, "__name__", "decode"),
                           "a causal module (decode parity compares with the causal forward)")
-    return Declared(causal=causal, window=window, scale=None if scale is None else float(scale),
+    return Declared(module_relation(causal, window), scale=None if scale is None else float(scale),
                     softcap=float(softcap) if isinstance(softcap, int) and not isinstance(softcap, bool) else softcap)
 
 

@@ -178,3 +178,25 @@ def test_relations_import_no_torch():
     code = "import sys, attn_ledger.engine.relations; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_module_declaration_holds_the_relation():
+    from attn_ledger.coreaudit import Declared
+
+    window = Declared(relations.module_relation(True, 4))
+    assert (window.relation, window.causal, window.window, window.text) == (
+        RelationSpec(("sliding-window",), window=4), True, 4, "sliding window 4")
+    assert window.allow(4, 4).sum(dim=-1).tolist() == [1, 2, 3, 4]
+    assert (Declared().causal, Declared().text) == (True, "causal")
+    open_ = Declared(relations.module_relation(False))
+    assert (open_.causal, open_.window, open_.text) == (False, None, "bidirectional")
+    with pytest.raises(InputError, match=r"^relation: got 'prefix-lm', expected causal, sliding-window"):
+        Declared(RelationSpec(("prefix-lm",), prefix_len=2))
+
+
+def test_module_window_without_causal_is_one_line_exit_2():
+    module = str(ROOT / "fixtures" / "modules" / "attention_modules.py") + ":CausalMHA"
+    r = CliRunner().invoke(app, ["check", "--module", module, "--embed-dim", "12", "--heads", "3", "--no-causal",
+                                 "--window", "3"])
+    assert r.exit_code == 2
+    assert r.output.strip().splitlines() == ["error: window: got 3, expected a causal module (a sliding window is causal)"]
