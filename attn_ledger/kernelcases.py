@@ -129,9 +129,14 @@ class Case:
         return self._parsed_mask[1]
 
     @property
+    def arguments(self) -> tuple[str, ...]:
+        """How the call passes its relation, in the declaration's mask kinds (:func:`argument_kinds`)."""
+        return argument_kinds(self.relation, self.causal_flag)
+
+    @property
     def uses_mask(self) -> bool:
         """The call passes a bool ``allow_mask``: some part of the relation is not carried by the flag."""
-        return bool(set(self.relation.names) - ({"causal"} if self.causal_flag else set()))
+        return "mask" in self.arguments
 
     @property
     def causal(self) -> bool:
@@ -206,6 +211,14 @@ def _right_padding(b: int, tk: int, empty_last: bool = False) -> list[int]:
     if empty_last and lens:
         lens[-1] = 0
     return lens
+
+
+def argument_kinds(relation: RelationSpec, causal_flag: bool) -> tuple[str, ...]:
+    """The kernel protocol's mask kinds a call of ``relation`` uses: ``causal`` (``is_causal=True`` carries
+    the causal part), ``mask`` (a bool ``allow_mask`` carries the rest), or ``none`` (neither)."""
+    kinds = (("causal",) if causal_flag else ()) + (
+        ("mask",) if set(relation.names) - ({"causal"} if causal_flag else set()) else ())
+    return kinds or ("none",)
 
 
 def case_relation(token: str, b: int, tk: int) -> tuple[RelationSpec, bool]:

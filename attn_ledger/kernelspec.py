@@ -62,12 +62,10 @@ class Declaration:
         """Why the case is outside the declaration (a short phrase that counts cases), or None."""
         if case.dtype_name not in self.dtypes:
             return f"dtype {case.dtype_name}"
-        if case.uses_mask and "mask" not in self.masks:
-            return "allow_mask"
-        if case.causal_flag and "causal" not in self.masks:
-            return "is_causal"
-        if not case.uses_mask and not case.causal_flag and "none" not in self.masks:
-            return "no mask"
+        kinds = case.arguments  # read from the case's relation, never from its id
+        for kind, phrase in (("mask", "allow_mask"), ("causal", "is_causal"), ("none", "no mask")):
+            if kind in kinds and kind not in self.masks:
+                return phrase
         if case.nkv != case.nh and not self.gqa:
             return "GQA"
         if case.dv != case.dh and not self.distinct_dv:
