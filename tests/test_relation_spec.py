@@ -200,3 +200,51 @@ def test_module_window_without_causal_is_one_line_exit_2():
                                  "--window", "3"])
     assert r.exit_code == 2
     assert r.output.strip().splitlines() == ["error: window: got 3, expected a causal module (a sliding window is causal)"]
+
+
+CASE_MASKS = [  # token, B, Tk -> the relation's text, its lengths, the padded side, the blocked run, the flag, the kinds
+    ("none", 2, 9, "none", None, "right", None, False, ("none",)),
+    ("causal-flag", 2, 9, "causal", None, "right", None, True, ("causal",)),
+    ("causal-mask", 2, 9, "causal", None, "right", None, False, ("mask",)),
+    ("pad", 2, 9, "padding", (8, 6), "right", None, False, ("mask",)),
+    ("pad-causal", 2, 9, "causal+padding", (8, 6), "right", None, True, ("causal", "mask")),
+    ("pad-empty", 3, 9, "padding", (8, 6, 0), "right", None, False, ("mask",)),
+    ("lpad4", 2, 9, "padding", (5, 7), "left", None, False, ("mask",)),
+    ("lpad4-causal", 2, 9, "causal+padding", (5, 7), "left", None, True, ("causal", "mask")),
+    ("gap2x3", 2, 9, "key-gap", None, "right", (2, 3), False, ("mask",)),
+    ("gap2x3-causal", 2, 9, "causal+key-gap", None, "right", (2, 3), True, ("causal", "mask")),
+]
+
+
+@pytest.mark.parametrize("token,b,tk,text,lengths,side,gap,flag,kinds", CASE_MASKS, ids=[c[0] for c in CASE_MASKS])
+def test_a_case_mask_token_is_a_relation(token, b, tk, text, lengths, side, gap, flag, kinds):
+    from attn_ledger.kernelcases import Case, argument_kinds, case_relation
+
+    spec, causal_flag = case_relation(token, b, tk)
+    assert (str(spec), spec.valid_lengths, spec.padding_side, spec.key_gap, causal_flag) == (text, lengths, side, gap, flag)
+    assert argument_kinds(spec, causal_flag) == kinds
+    case = Case(b, 2, 2, 4, tk, 8, 8, mask=token)
+    assert (case.relation, case.causal_flag, case.uses_mask) == (spec, flag, "mask" in kinds)
+
+
+def test_a_bad_case_mask_token_names_its_field():
+    from attn_ledger.kernelcases import case_relation
+
+    with pytest.raises(InputError, match=r"^mask: got 'lpad', expected one of none, causal-flag, causal-mask, pad, "
+                                         r"pad-causal, pad-empty, lpadN\[-causal\] or gapSxL\[-causal\]$"):
+        case_relation("lpad", 2, 9)
+
+
+def test_a_case_reads_its_mask_token_once(monkeypatch):
+    from attn_ledger import kernelcases
+    from attn_ledger.kernelspec import Declaration
+
+    seen: list[str] = []
+    real = kernelcases.case_relation
+    monkeypatch.setattr(kernelcases, "case_relation", lambda token, b, tk: (seen.append(token), real(token, b, tk))[1])
+    case = kernelcases.parse_case("b2-h4kv2-tq24tk24-dh16dv16-lpad8-causal-rand-f32")
+    kernelcases.case_inputs(case)
+    assert case.call_text() == "attention(q, k, v, allow_mask=left_padding([8, 4])[B, 1, 1, Tk], is_causal=True)"
+    assert Declaration(masks=("none", "mask")).outside(case) == "is_causal"
+    assert (case.causal, case.left_padding(), case.gap(), case.to_json()["mask"]) == (True, [8, 4], None, "lpad8-causal")
+    assert seen == ["lpad8-causal"]
