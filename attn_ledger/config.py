@@ -101,6 +101,9 @@ class RunConfig(BaseModel):
     (all in allow polarity): ``none``, ``causal`` (bottom-right aligned), ``causal-top-left``,
     ``padding`` (needs ``valid_lengths``), ``sliding-window`` (needs ``window``),
     ``prefix-lm`` (needs ``prefix_len``), ``segments`` (needs ``segment_lengths``).
+    The text is parsed once, as the config is made: ``mask`` holds the
+    :class:`~attn_ledger.engine.relations.RelationSpec` (``str(config.mask)`` gives the text back) and
+    ``relation`` the same relation with its parameters, checked against the sizes.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=True)
