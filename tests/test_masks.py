@@ -8,6 +8,7 @@ import torch
 from attn_ledger import masks
 from attn_ledger.config import load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
+from attn_ledger.render.notes import notes_text
 
 
 def allowed_set(t: torch.Tensor) -> set[tuple[int, int]]:
@@ -136,7 +137,7 @@ def test_relations_combine_by_and():
     led = run_ledger(load_config(overrides={"mask": "causal+padding", "valid_lengths": [5, 3], "keep_grids": True}))
     got = torch.isfinite(led.tensors["masked_scores"][1, 0])
     assert allowed_set(got) == {(i, j) for i in range(5) for j in range(5) if j <= i and j < 3}
-    assert any("[1, 2, 3, 4, 5]" in n for n in led.notes)
+    assert any("[1, 2, 3, 4, 5]" in n for n in notes_text(led))
 
 
 def test_segments_through_the_ledger():
@@ -151,9 +152,9 @@ def test_top_left_mask_in_a_decode_step_is_named_and_diverges_from_bottom_right_
     tl = masks.causal(2, 6, "top-left")
     br = masks.causal(2, 6, "bottom-right")
     led = ledger_on_qkv(q, k, v, allow_mask=tl)
-    assert any("top-left" in n for n in led.notes)
+    assert any("top-left" in n for n in notes_text(led))
     led = ledger_on_qkv(q, k, v, allow_mask=br)
-    assert any("bottom-right" in n for n in led.notes)
+    assert any("bottom-right" in n for n in notes_text(led))
     # an output computed top-left, judged against the bottom-right relation, fails at L4
     import torch.nn.functional as F
 

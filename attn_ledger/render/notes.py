@@ -1,0 +1,146 @@
+"""The sentences and pictures of notes, written from their data (:class:`~attn_ledger.report.Note`).
+
+A report's notes (and a row's note) are data where the words follow from facts: the relation
+shown and its allowed keys per query, the plan's blocks and sample, the score scale, the call that
+reproduces a finding. :func:`note_text` writes any of them; a note that is still words is its own
+text. Every view (table, Markdown, JUnit, GitHub, HTML, and the JSON's ``notes`` strings) writes
+notes through here, so they read the same everywhere.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any, Callable, Mapping
+
+from attn_ledger.report import Note, Report
+
+
+def _which(d: Mapping[str, Any]) -> str:
+    return f"b={d['example']}, h={d['head']}" + ("; the example of the first finding" if d.get("at_divergence") else "")
+
+
+def _allowed_keys(d: Mapping[str, Any]) -> str:
+    return f"allowed keys per query ({_which(d)}): {list(d['counts'])}"
+
+
+def relation_picture(allow: list[list[bool]]) -> str:
+    """A text picture of a ``[Tq, Tk]`` relation, queries as rows and keys as columns (``1`` may attend)."""
+    tk = len(allow[0]) if allow else 0
+    lines = ["      " + " ".join(f"k{j:<2d}"[:3] for j in range(tk))]
+    for i, row in enumerate(allow):
+        lines.append(f"q{i:<3d}  " + " ".join(" 1 " if a else " . " for a in row))
+    return "\n".join(lines)
+
+
+def _relation_picture(d: Mapping[str, Any]) -> str:
+    return f"intended relation ({_which(d)}), queries as rows, keys as columns:\n" + relation_picture(d["allow"])
+
+
+def _values(d: Mapping[str, Any]) -> str:
+    rows = "[" + ", ".join("[" + ", ".join(f"{x:.6f}" for x in row) + "]" for row in d["values"]) + "]"
+    return f"{d['stage']} (b={d['example']}, h={d['head']}): {rows}"
+
+
+def _score_scale(d: Mapping[str, Any]) -> str:
+    return (f"score scale S/tau = {d['S']:.6g}/{d['temperature']:g} = {d['effective']:.6g} "
+            f"(default 1/sqrt(Dh) = {d['default']:.6g}), used by the pipeline, the float64 "
+            "reference and SDPA alike")
+
+
+def _softcap(d: Mapping[str, Any]) -> str:
+    return (f"soft-cap C = {d['C']:g}: the scaled scores become C * tanh(s / C) before the mask, in the "
+            "pipeline and the float64 reference; SDPA, which has no cap, gets the capped scores as its "
+            "additive mask")
+
+
+def _backends_unavailable(d: Mapping[str, Any]) -> str:
+    return "SDPA backends not available here: " + ", ".join(
+        f"{u['backend']},{u['dtype']} ({u['reason']})" for u in d["unavailable"])
+
+
+def _query_blocks(d: Mapping[str, Any]) -> str:
+    return f"score-grid stages ran in {d['blocks']} query blocks of {d['rows']} rows"
+
+
+def _reference_sample(d: Mapping[str, Any]) -> str:
+    shown = ", ".join(f"{r0}..{r1 - 1}" for r0, r1 in d["spans"])
+    return (f"{d['dtype']} reference on a sample of {d['rows']} of {d['tq']} query rows (rows {shown}); "
+            "SDPA on all rows")
+
+
+def _loose_range(d: Mapping[str, Any]) -> str:
+    return (f"context in_value_range: blocks over 2^{d['entries_log2']} (query, key, value-width) entries compare "
+            "each row with the value range of all the block's keys, a looser bound than the keys that row may use")
+
+
+def _scores_std_rows(d: Mapping[str, Any]) -> str:
+    return f"scores std over the {d['rows']} query rows the float64 reference sampled"
+
+
+def cli_line(d: Mapping[str, Any]) -> str:
+    """``attn-ledger check TARGET --case ID [options]``, quoted for a shell: pasted, it runs attn-ledger
+    on that target and nothing else, whatever the target's path holds (``$(...)``, spaces, a newline)."""
+    return f"{_check_command(d['target'])} --case {shlex.quote(d['case'])}{_options(d)}"
+
+
+def _check_command(target: str) -> str:
+    return f"attn-ledger check {shlex.quote(target)}"
+
+
+def _options(d: Mapping[str, Any]) -> str:
+    return "".join(f" {a}" for a in d["options"])  # option names and values attn-ledger itself wrote
+
+
+def python_lines(d: Mapping[str, Any]) -> list[str]:
+    """The Python lines that rerun one case of ``attn-ledger check``."""
+    seed, device = d.get("seed") or 0, d.get("device", "cpu")
+    extra = (f", seed={seed}" if seed else "") + (f", device={device!r}" if device != "cpu" else "")
+    lines = ["from attn_ledger.kernelcheck import case_inputs", f"q, k, v, kw = case_inputs({d['case']!r}{extra})"]
+    if d.get("dropped"):
+        lines.append(f"kw = {{key: val for key, val in kw.items() if key not in {tuple(d['dropped'])!r}}}")
+    lines.append(f"out = {d['function']}(q, k, v, **kw)")
+    return lines
+
+
+def reproduce_lines(d: Mapping[str, Any]) -> list[str]:
+    """The notes that reproduce a check's smallest failing case: its call, then the CLI line (split in two
+    by a shell continuation, so that a table wrapping a long note leaves it pasteable) and the Python lines."""
+    rest = cli_line(d)[len(_check_command(d["target"])) + len(" --case "):]  # the target may hold " --case "
+    return [f"its call: {d['call']}", "reproduce it:", f"{_check_command(d['target'])} \\", f"    --case {rest}",
+            *python_lines(d)]
+
+
+TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "allowed_keys": _allowed_keys,
+    "relation_picture": _relation_picture,
+    "values": _values,
+    "score_scale": _score_scale,
+    "softcap": _softcap,
+    "backends_unavailable": _backends_unavailable,
+    "query_blocks": _query_blocks,
+    "reference_sample": _reference_sample,
+    "loose_range": _loose_range,
+    "scores_std_rows": _scores_std_rows,
+}
+LINES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
+    "reproduce": reproduce_lines,  # one note that reads as several lines
+}
+
+
+def note_lines(note: "str | Note") -> list[str]:
+    """A note as the lines a reader sees (one for most kinds; a picture keeps its line breaks in one)."""
+    if isinstance(note, str):
+        return [note]
+    if note.kind in LINES:
+        return LINES[note.kind](note.data)
+    return [TEXT[note.kind](note.data)]
+
+
+def note_text(note: "str | Note") -> str:
+    """A note as one text (its lines joined by line breaks); ``""`` for no note."""
+    return "\n".join(note_lines(note)) if note else ""
+
+
+def notes_text(report: Report) -> list[str]:
+    """Every note of the report as the lines the views print, in order (the JSON's ``notes``)."""
+    return [line for note in report.notes for line in note_lines(note)]
