@@ -41,6 +41,22 @@ def _values(d: Mapping[str, Any]) -> str:
     return f"{d['stage']} (b={d['example']}, h={d['head']}): {rows}"
 
 
+def _given_input(d: Mapping[str, Any]) -> str:
+    return (f"q {d['q']}, k {d['k']}, v {d['v']}" + (" (one head: Nh=1 inserted)" if d["one_head"] else "")
+            + "; batch, widths, token counts and finite values validated on load"
+            + (f"; query head h reads kv head h // {d['group']}" if d["group"] != 1 else ""))
+
+
+def _config_input(d: Mapping[str, Any]) -> str:
+    return (f"E == Nh*Dh: {d['E']} == {d['Nh']}*{d['Dh']} (validated with the config)"
+            + (f"; keys/values from x_kv [B,Tk,E] {d['x_kv']}" if d.get("x_kv") is not None else ""))
+
+
+def _probe(d: Mapping[str, Any]) -> str:
+    return ("probe [B', Nh', Tq', Tk']: the first examples, heads and positions as they entered the scores stage, "
+            "with the relation there")
+
+
 def _score_scale(d: Mapping[str, Any]) -> str:
     return (f"score scale S/tau = {d['S']:.6g}/{d['temperature']:g} = {d['effective']:.6g} "
             f"(default 1/sqrt(Dh) = {d['default']:.6g}), used by the pipeline, the float64 "
@@ -111,6 +127,9 @@ def reproduce_lines(d: Mapping[str, Any]) -> list[str]:
 
 
 TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "given_input": _given_input,
+    "config_input": _config_input,
+    "probe": _probe,
     "allowed_keys": _allowed_keys,
     "relation_picture": _relation_picture,
     "values": _values,
