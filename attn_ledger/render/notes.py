@@ -57,6 +57,15 @@ def _probe(d: Mapping[str, Any]) -> str:
             "with the relation there")
 
 
+SEED_WORDS = {"ones": "ones (every entry 1)", "identity": "identity (I on each head's [Tq, Dv] block)",
+              "saved": "the saved grad_out", "saved_wrong_shape": "ones (every entry 1; the saved grad_out has the wrong shape)"}
+
+
+def _grad_seed(d: Mapping[str, Any]) -> str:
+    words = f"from {d['path']}" if d["seed"] == "file" else SEED_WORDS[d["seed"]]
+    return f"O-bar seeded on the {d['on']}: {words}"
+
+
 def _score_scale(d: Mapping[str, Any]) -> str:
     return (f"score scale S/tau = {d['S']:.6g}/{d['temperature']:g} = {d['effective']:.6g} "
             f"(default 1/sqrt(Dh) = {d['default']:.6g}), used by the pipeline, the float64 "
@@ -130,6 +139,7 @@ TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "given_input": _given_input,
     "config_input": _config_input,
     "probe": _probe,
+    "grad_seed": _grad_seed,
     "allowed_keys": _allowed_keys,
     "relation_picture": _relation_picture,
     "values": _values,
