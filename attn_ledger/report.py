@@ -167,7 +167,7 @@ class Row:
     shape: tuple[int, ...] | None = None
     axes: str = ""
     fields: Mapping[str, Any] = field(default_factory=dict)
-    note: "str | Note" = ""
+    note: str | Note = ""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -277,13 +277,13 @@ class Report:
     rows: tuple[Row, ...]
     first_finding: Finding | None = field(default=_DEFAULT)  # type: ignore[assignment]
     coverage: Coverage | None = None
-    notes: "tuple[str | Note, ...]" = ()
+    notes: tuple[str | Note, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)
     unit: Unit = "check"
     row_label: str = "row"
     show_passing: bool = True
     fold_rows: bool = False
-    heatmaps: "Mapping[str, Heatmap]" = field(default_factory=dict, repr=False, compare=False)
+    heatmaps: Mapping[str, Heatmap] = field(default_factory=dict, repr=False, compare=False)
     tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -345,14 +345,14 @@ class HeatMark:
 class HeatLevel:
     """One example's grid, every head, pooled by ``(queries, keys)`` per drawn cell.
 
-    ``values[h][i][j]``: the weight (``weights``) or an index into the mask categories
-    (``mask``); ``marked[h][i][j]``: indices into :attr:`Heatmap.marks` of the checks that
-    point at the cell; ``marked_rows[h][i]``: those that point at query row ``i``.
+    ``values[h][i][j]``: the weight (``weights``) or an index into :data:`MASK_CATEGORIES`
+    (``mask``); ``marked[h][i][j]``: the checks that point at the cell, as a set of bits (bit
+    ``k`` set: ``Heatmap.marks[k]``); ``marked_rows[h][i]``: those that point at query row ``i``.
     """
 
     values: list[list[list[float]]]
-    marked: list[list[list[tuple[int, ...]]]]
-    marked_rows: list[list[tuple[int, ...]]]
+    marked: list[list[list[int]]]
+    marked_rows: list[list[int]]
 
 
 @dataclass(frozen=True)

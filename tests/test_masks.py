@@ -8,7 +8,7 @@ import torch
 from attn_ledger import masks
 from attn_ledger.config import load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
-from attn_ledger.render.notes import notes_text
+from attn_ledger.render.notes import note_text, notes_text, relation_picture
 
 
 def allowed_set(t: torch.Tensor) -> set[tuple[int, int]]:
@@ -108,11 +108,16 @@ def test_api_conversions_name_the_destination():
 
 
 def test_picture_has_queries_as_rows():
-    pic = masks.picture(masks.causal(2, 4, "bottom-right"))
+    pic = relation_picture(masks.causal(2, 4, "bottom-right").tolist())
     lines = pic.splitlines()
     assert lines[0].split() == ["k0", "k1", "k2", "k3"]
     assert lines[1].split() == ["q0", "1", "1", "1", "."]
-    assert masks.picture(torch.ones(40, 40, dtype=torch.bool)) is None
+
+
+def test_the_picture_is_drawn_up_to_16_queries_and_keys():
+    assert "masked_scores" not in {r.name for r in run_ledger(load_config(overrides={"seq_len": 17})).rows
+                                   if r.note}
+    assert note_text(run_ledger(load_config(overrides={"seq_len": 16})).row("masked_scores").note).count("\n") == 17
 
 
 # --- through the ledger --------------------------------------------------------------------

@@ -44,27 +44,27 @@ def chosen_example(report: Report) -> tuple[int, dict[str, Any]]:
     return 0, {"by": "none"}
 
 
-def _pool(t: "Tensor", qp: int, kp: int, fill: float) -> "Tensor":
-    """Block-wise max of ``[Nh, Tq, Tk]`` over ``qp x kp`` blocks (edges padded with ``fill``)."""
+def _pool(t: "Tensor", qp: int, kp: int) -> "Tensor":
+    """Block-wise max of ``[Nh, Tq, Tk]`` over ``qp x kp`` blocks, the blocks at the edges cut short
+    (a max pool with ``ceil_mode``: what lies past the edge takes no part)."""
+    import torch
     import torch.nn.functional as F
 
     if (qp, kp) == (1, 1):
         return t
-    nh, tq, tk = t.shape
-    rq, rk = -(-tq // qp), -(-tk // kp)
-    padded = F.pad(t, (0, rk * kp - tk, 0, rq * qp - tq), value=fill)  # [Nh, rq*qp, rk*kp]
-    return padded.reshape(nh, rq, qp, rk, kp).amax(dim=(2, 4))  # [Nh, rq, rk]
+    x = t if t.dtype in (torch.float32, torch.float64) else t.float()  # exact for every value these grids hold
+    return F.max_pool2d(x[None], (qp, kp), (qp, kp), ceil_mode=True)[0]  # [Nh, ceil(Tq/qp), ceil(Tk/kp)]
 
 
 def _pool_rows(t: "Tensor", qp: int) -> "Tensor":
-    """Any-of over blocks of ``qp`` query rows of ``[Nh, Tq]`` bools."""
+    """Any-of over blocks of ``qp`` query rows of ``[Nh, Tq]`` marks (0 or 1)."""
     import torch.nn.functional as F
 
     if qp == 1:
         return t
     nh, tq = t.shape
     rq = -(-tq // qp)
-    return F.pad(t, (0, rq * qp - tq), value=False).reshape(nh, rq, qp).any(dim=2)
+    return F.pad(t, (0, rq * qp - tq), value=0).reshape(nh, rq, qp).any(dim=2)
 
 
 def _marks(report: Report, example: int, tq: int, tk: int) -> list[tuple[HeatMark, "Tensor"]]:
@@ -101,28 +101,25 @@ def _mask_values(t: Any, grid: "Tensor", example: int) -> tuple["Tensor", bool]:
     return cat, intended_only
 
 
-def _level(values: "Tensor", fill: float, marks: list[tuple[HeatMark, "Tensor"]], qp: int, kp: int) -> HeatLevel:
-    """The example's grid ``[Nh, Tq, Tk]`` pooled by ``qp x kp``, with the marks of each drawn cell and row."""
+def _marked(marks: list[tuple[HeatMark, "Tensor"]], nh: int, tq: int, tk: int, qp: int, kp: int) -> tuple[list, list]:
+    """The marks pooled by ``qp x kp``: per drawn cell, and per drawn query row, a set of bits (bit k: marks[k])."""
     import torch
 
-    nh, tq, tk = values.shape
-    pooled = _pool(values, qp, kp, fill)  # [Nh, rows, cols]
-    grid = pooled.double().tolist() if values.is_floating_point() else pooled.tolist()
     rq, rk = -(-tq // qp), -(-tk // kp)
-    cells: list[list[list[tuple[int, ...]]]] = [[[() for _ in range(rk)] for _ in range(rq)] for _ in range(nh)]
-    rows: list[list[tuple[int, ...]]] = [[() for _ in range(rq)] for _ in range(nh)]
+    cells = torch.zeros(nh, rq, rk, dtype=torch.int64)  # [Nh, rows, cols]
+    rows = torch.zeros(nh, rq, dtype=torch.int64)  # [Nh, rows]
     for idx, (mk, m) in enumerate(marks):
         if mk.rows:
-            for h, i in _pool_rows(m, qp).nonzero().tolist():
-                rows[h][i] += (idx,)
+            rows |= _pool_rows(m, qp).long() << idx
         else:
-            for h, i, j in _pool(m.to(torch.uint8), qp, kp, 0).nonzero().tolist():
-                cells[h][i][j] += (idx,)
-    return HeatLevel(grid, cells, rows)
+            cells |= (_pool(m, qp, kp) > 0).long() << idx
+    return cells.tolist(), rows.tolist()
 
 
-def heatmap(report: Report, kind: str) -> Heatmap | None:
-    """The heatmap of ``kind`` (``weights`` or ``mask``) from the report's kept grids; None when none were kept."""
+def heatmap(report: Report, kind: str, marked: dict | None = None) -> Heatmap | None:
+    """The heatmap of ``kind`` (``weights`` or ``mask``) from the report's kept grids; None when none were kept.
+    ``marked``: the marks pooled so far, by example and pooling, shared between the two kinds."""
+    marked = {} if marked is None else marked
     t = report.tensors
     if kind == "weights":
         source = "given weights" if _grid(t.get("user_weights")) else "weights"
@@ -137,11 +134,19 @@ def heatmap(report: Report, kind: str) -> Heatmap | None:
     example = min(example, b - 1)
     marks = _marks(report, example, tq, tk)
     if kind == "weights":
-        values, fill, intended_only = grid[example], float("-inf"), False  # [Nh, Tq, Tk]
+        values, intended_only = grid[example], False  # [Nh, Tq, Tk]
     else:
-        (values, intended_only), fill = _mask_values(t, grid, example), -1
+        values, intended_only = _mask_values(t, grid, example)
+    values = values if values.is_floating_point() else values.float()  # pooled as floats: convert once, not per level
+    marks = [(mk, m.float()) for mk, m in marks]
     pools = sorted({(-(-tq // n), -(-tk // n)) for n in HEATMAP_LIMITS})
-    levels = {p: _level(values, fill, marks, *p) for p in pools}
+    levels = {}
+    for p in pools:
+        pooled = _pool(values, *p)  # [Nh, rows, cols]
+        grid = pooled.int().tolist() if kind == "mask" else pooled.double().tolist()
+        if (example, p) not in marked:  # the same for both kinds: pooled once
+            marked[(example, p)] = _marked(marks, nh, tq, tk, *p)
+        levels[p] = HeatLevel(grid, *marked[(example, p)])
     return Heatmap(kind, source, example, b, chosen, tq, tk, tuple(mk for mk, _ in marks), levels, intended_only)
 
 
@@ -149,5 +154,6 @@ def with_heatmaps(report: Report) -> Report:
     """The report with :attr:`~attn_ledger.report.Report.heatmaps` filled from its kept grids."""
     from dataclasses import replace
 
-    found = {kind: h for kind in ("mask", "weights") if (h := heatmap(report, kind)) is not None}
+    marked: dict = {}
+    found = {kind: h for kind in ("mask", "weights") if (h := heatmap(report, kind, marked)) is not None}
     return replace(report, heatmaps=found) if found else report

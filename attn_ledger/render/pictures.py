@@ -133,7 +133,11 @@ def build_picture(report: Report, kind: Kind, limit: int) -> Picture | NotDrawn:
     for mk in data.marks:
         stage, _, name = mk.key.partition(".")
         marks.append(Mark(mk.key, stage, report.check(stage, name), mk.rows, mk.count))
-    heads = tuple(HeadGrid(h, level.values[h], level.marked[h], level.marked_rows[h]) for h in range(len(level.values)))
+    def which(bits: int) -> tuple[int, ...]:
+        return tuple(k for k in range(len(marks)) if bits >> k & 1)
+
+    heads = tuple(HeadGrid(h, level.values[h], [[which(b) for b in row] for row in level.marked[h]],
+                           [which(b) for b in level.marked_rows[h]]) for h in range(len(level.values)))
     return Picture(kind, data.source, data.example, data.examples, why_text(data.chosen), data.tq, data.tk, pool,
                    heads, tuple(marks), data.intended_only)
 
