@@ -17,7 +17,7 @@ from attn_ledger.config import load_config
 from attn_ledger.kernelcheck import check_kernel, parse_case
 from attn_ledger.ledger import run_ledger
 from attn_ledger.render import render
-from attn_ledger.render.jsondoc import report_json, schema
+from attn_ledger.render.jsondoc import schema
 from attn_ledger.render.notes import note_text, notes_text
 from attn_ledger.report import Heatmap, Note, Report, Row
 from attn_ledger.userload import load_object

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 from attn_ledger.render.text import describe
-from attn_ledger.report import HEATMAP_LIMITS, MASK_CATEGORIES, Check, Report
+from attn_ledger.report import HEATMAP_LIMITS, Check, Report
+from attn_ledger.report import MASK_CATEGORIES  # noqa: F401 - the views read the categories from here
 
 Kind = Literal["weights", "mask"]
 MASK_MEANING = {
