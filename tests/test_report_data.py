@@ -176,3 +176,11 @@ def test_a_stage_record_that_is_not_plain_is_caught():
         pass
 
     assert not _plain({"values": [[Opaque()]]})
+
+
+def test_notes_as_data_cross_the_worker_boundary(checked):
+    from attn_ledger.worker import decode, encode
+
+    back = decode(encode(checked))
+    assert back == checked and notes_text(back) == notes_text(checked)
+    assert any(isinstance(n, Note) for n in back.notes)
