@@ -401,10 +401,8 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
                          f"{len(inconclusive)} inconclusive")
         return notes, None
     repro = reproduction_data(small.case, target, options=o, declaration=d)
-    verb = "fails" if len(failing) == 1 else "fail"
-    notes.append(f"{len(failing)} of {_cases(len(results))} {verb}; the first finding is the smallest failing case")
-    for g in failures:
-        notes.append(f"L{g['level']} {g['check']} fails first in {_cases(g['cases'])} (smallest {g['smallest_case']})")
+    notes.append(Note("cases_failed", {"failed": len(failing), "cases": len(results)}))
+    notes += [Note("fails_first", g) for g in failures]
     notes.append(Note("reproduce", repro))  # its call, then the CLI and Python lines, written by the renderers
     return notes, repro
 

@@ -102,6 +102,19 @@ def _scores_std_rows(d: Mapping[str, Any]) -> str:
     return f"scores std over the {d['rows']} query rows the float64 reference sampled"
 
 
+def _cases(n: int) -> str:
+    return f"{n} case" if n == 1 else f"{n} cases"
+
+
+def _cases_failed(d: Mapping[str, Any]) -> str:
+    verb = "fails" if d["failed"] == 1 else "fail"
+    return f"{d['failed']} of {_cases(d['cases'])} {verb}; the first finding is the smallest failing case"
+
+
+def _fails_first(d: Mapping[str, Any]) -> str:
+    return f"L{d['level']} {d['check']} fails first in {_cases(d['cases'])} (smallest {d['smallest_case']})"
+
+
 def cli_line(d: Mapping[str, Any]) -> str:
     """``attn-ledger check TARGET --case ID [options]``, quoted for a shell: pasted, it runs attn-ledger
     on that target and nothing else, whatever the target's path holds (``$(...)``, spaces, a newline)."""
@@ -140,6 +153,8 @@ TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "config_input": _config_input,
     "probe": _probe,
     "grad_seed": _grad_seed,
+    "cases_failed": _cases_failed,
+    "fails_first": _fails_first,
     "allowed_keys": _allowed_keys,
     "relation_picture": _relation_picture,
     "values": _values,
