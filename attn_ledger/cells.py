@@ -5,7 +5,8 @@ says how many pairs went wrong but not which. Where the whole grids were kept (s
 runs, or ``--keep-grids``), :func:`locate` finds them again from the kept tensors and the
 check's own limit: each failing grid check gets the first such cell as its ``location``
 (``example``, ``head``, ``query`` and, for a cell, ``key``), and the report's
-``tensors["marks"]`` holds the cells themselves for the pictures to mark.
+``tensors["marks"]`` holds the cells themselves, from which :mod:`attn_ledger.engine.heatmaps` marks
+the heatmaps.
 
 A mark is a bool tensor: ``[B, Nh, Tq, Tk]`` for checks about (query, key) pairs, or
 ``[B, Nh, Tq]`` for checks about whole query rows. Its key is ``"stage.check"``.

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shlex
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -88,7 +87,7 @@ from attn_ledger.kernelref import (  # noqa: F401  (FACTOR re-exported)
     tolerance,
 )
 from attn_ledger.kernelspec import ADAPTERS, Declaration, check_signature, missing_from_error
-from attn_ledger.report import Check, Finding, Report, Row, Status, bounded, counted, find_check, row_status, unjudged
+from attn_ledger.report import Check, Finding, Note, Report, Row, Status, bounded, counted, find_check, row_status, unjudged
 from attn_ledger.seeding import generator
 from attn_ledger.tolerance import EPS, HALF_PRECISION_RATIO, is_half, tiny
 
@@ -269,6 +268,36 @@ def smallest_failing(results: Iterable[CaseResult]) -> CaseResult | None:
     return min(failing, key=lambda r: (r.case.size, r.first_failure.level, r.case.id))  # type: ignore[union-attr]
 
 
+def reproduction_data(case: Case, target: str, *, options: Options | None = None,
+                      declaration: Declaration | None = None, empty_rows: str | None = None,
+                      seed: int | None = None) -> dict[str, Any]:
+    """What reruns one case of ``attn-ledger check TARGET``, as data: the target, the case, the options
+    that differ from the defaults, the seed and device, the keywords the declaration drops, and the call.
+    :func:`attn_ledger.render.notes.cli_line` and :func:`~attn_ledger.render.notes.python_lines` write it."""
+    o = options or Options()
+    o = replace(o, empty_rows=empty_rows or o.empty_rows, seed=o.seed if seed is None else seed)
+    d = declaration or Declaration()
+    opts: list[str] = []
+    if o.seed:
+        opts += ["--seed", str(o.seed)]
+    if o.empty_rows != "zeros":
+        opts += ["--empty-rows", o.empty_rows]
+    if d.masks != Declaration().masks:
+        opts += ["--masks", ",".join(d.masks)]
+    if not (o.backward and d.backward):
+        opts.append("--no-backward")
+    if o.strict_precision:
+        opts.append("--strict-precision")
+    if o.strict_coverage:
+        opts.append("--strict-coverage")
+    if o.device != "cpu":
+        opts += ["--device", o.device]
+    name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
+    return {"case": case.id, "target": target, "options": opts, "seed": o.seed, "device": o.device,
+            "dropped": [k for k in ("allow_mask", "is_causal") if k not in d.protocol_keywords()],
+            "function": name, "call": case.call_text(name)}
+
+
 def reproduction(case: Case, target: str, *, options: Options | None = None,
                  declaration: Declaration | None = None, empty_rows: str | None = None,
                  seed: int | None = None) -> tuple[str, tuple[str, ...]]:
@@ -277,37 +306,10 @@ def reproduction(case: Case, target: str, *, options: Options | None = None,
     The CLI line is quoted for a shell (``shlex.quote``): pasted, it runs attn-ledger on that
     target and nothing else, whatever the target's path holds (``$(...)``, spaces, a newline).
     """
-    o = options or Options()
-    o = replace(o, empty_rows=empty_rows or o.empty_rows, seed=o.seed if seed is None else seed)
-    d = declaration or Declaration()
-    opts = ""
-    if o.seed:
-        opts += f" --seed {o.seed}"
-    if o.empty_rows != "zeros":
-        opts += f" --empty-rows {o.empty_rows}"
-    if d.masks != Declaration().masks:
-        opts += f" --masks {','.join(d.masks)}"
-    if not (o.backward and d.backward):
-        opts += " --no-backward"
-    if o.strict_precision:
-        opts += " --strict-precision"
-    if o.strict_coverage:
-        opts += " --strict-coverage"
-    if o.device != "cpu":
-        opts += f" --device {o.device}"
-    cli = f"{_check_command(target)} --case {shlex.quote(case.id)}{opts}"
-    name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
-    extra = (f", seed={o.seed}" if o.seed else "") + (f", device={o.device!r}" if o.device != "cpu" else "")
-    python = ["from attn_ledger.kernelcheck import case_inputs", f"q, k, v, kw = case_inputs({case.id!r}{extra})"]
-    dropped = [k for k in ("allow_mask", "is_causal") if k not in d.protocol_keywords()]
-    if dropped:
-        python.append(f"kw = {{key: val for key, val in kw.items() if key not in {tuple(dropped)!r}}}")
-    python.append(f"out = {name}(q, k, v, **kw)")
-    return cli, tuple(python)
+    from attn_ledger.render.notes import cli_line, python_lines
 
-
-def _check_command(target: str) -> str:
-    return f"attn-ledger check {shlex.quote(target)}"
+    data = reproduction_data(case, target, options=options, declaration=declaration, empty_rows=empty_rows, seed=seed)
+    return cli_line(data), tuple(python_lines(data))
 
 
 def _decode_text(decode: dict[str, Any]) -> str:
@@ -369,10 +371,10 @@ class Plan:
 
 def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], small: CaseResult | None,
                   failures: list[dict[str, Any]], warnings: list[dict[str, Any]], inconclusive: Sequence[CaseResult],
-                  plan: Plan, target: str, o: Options, d: Declaration) -> tuple[list[str], dict[str, str] | None]:
+                  plan: Plan, target: str, o: Options, d: Declaration) -> tuple[list[str | Note], dict[str, Any] | None]:
     """The lines under the table (skips, warnings, each distinct failure, the reproduction), and the
     reproduction of the smallest failing case as data."""
-    notes = list(plan.notes)
+    notes: list[str | Note] = list(plan.notes)
     if plan.skipped:
         why = ", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items())
         notes.append(f"{_cases(plan.skipped_total)} skipped: outside the declaration ({why})")
@@ -398,18 +400,11 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
             notes.append(f"{passed} of {_cases(len(results))} pass{'es' if passed == 1 else ''}; "
                          f"{len(inconclusive)} inconclusive")
         return notes, None
-    cli, python = reproduction(small.case, target, options=o, declaration=d)
-    command = _check_command(target)
-    rest = cli[len(command) + len(" --case "):]  # the target may hold " --case " itself
-    verb = "fails" if len(failing) == 1 else "fail"
-    notes.append(f"{len(failing)} of {_cases(len(results))} {verb}; the first finding is the smallest failing case")
-    for g in failures:
-        notes.append(f"L{g['level']} {g['check']} fails first in {_cases(g['cases'])} (smallest {g['smallest_case']})")
-    notes += [f"its call: {small.case.call_text(target.rsplit(':', 1)[-1] if ':' in target else 'attention')}",
-              "reproduce it:",
-              # two lines joined by a shell continuation: the table wraps a long note, and this stays pasteable
-              f"{command} \\", f"    --case {rest}", *python]
-    return notes, {"case": small.case.id, "cli": cli, "python": "\n".join(python)}
+    repro = reproduction_data(small.case, target, options=o, declaration=d)
+    notes.append(Note("cases_failed", {"failed": len(failing), "cases": len(results)}))
+    notes += [Note("fails_first", g) for g in failures]
+    notes.append(Note("reproduce", repro))  # its call, then the CLI and Python lines, written by the renderers
+    return notes, repro
 
 
 def _precision_notes(results: Sequence[CaseResult]) -> list[str]:

@@ -105,15 +105,3 @@ def to_mha_bool(allow: "torch.Tensor") -> "torch.Tensor":
     """``nn.MultiheadAttention`` (attn_mask and key_padding_mask): a boolean True is blocked."""
     return ~allow
 
-
-def picture(allow_2d: "torch.Tensor", max_size: int = 16) -> str | None:
-    """A text picture of a ``[Tq, Tk]`` relation, queries as rows and keys as columns."""
-    tq, tk = allow_2d.shape
-    if tq > max_size or tk > max_size:
-        return None
-    head = "      " + " ".join(f"k{j:<2d}"[:3] for j in range(tk))
-    lines = [head]
-    for i in range(tq):
-        cells = " ".join(" 1 " if bool(allow_2d[i, j]) else " . " for j in range(tk))
-        lines.append(f"q{i:<3d}  {cells}")
-    return "\n".join(lines)

@@ -10,7 +10,9 @@ are rendered from the fields by :mod:`attn_ledger.render`. Every command builds 
 * a :class:`Row` groups the checks of one stage (``run``), one case (``check``), one
   fault (``faults``), or one row of an experiment;
 * a :class:`Report` holds the rows in order, and its :class:`Finding` headline: the first
-  failing check, which every command's JSON carries as ``first_finding``.
+  failing check, which every command's JSON carries as ``first_finding``;
+* a :class:`Note` is a line (or a picture) a reader needs, held as data: what kind of
+  line it is and the facts it is written from (the relation, the allowed counts, the call).
 
 One status vocabulary (:data:`STATUSES`) and one verdict vocabulary (``pass``, ``fail``,
 ``error``) serve every command. ``error`` belongs to exit status 3 only: an internal
@@ -133,6 +135,20 @@ def _holds(value: float | int, op: Op, limit: float | int) -> bool:
 
 
 @dataclass(frozen=True)
+class Note:
+    """A note as data: ``kind`` names the sentence (or picture) a renderer writes from ``data``.
+
+    Attributes:
+        kind: which note it is (``"allowed_keys"``, ``"relation_picture"``, ``"reproduce"``, ...);
+            :func:`attn_ledger.render.notes.note_text` knows every kind.
+        data: the facts, as plain values (numbers, lists, names), JSON-ready.
+    """
+
+    kind: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Row:
     """One stage, case, fault or experiment row, with its checks in order.
 
@@ -142,7 +158,7 @@ class Row:
         checks: its checks.
         shape, axes: the stage tensor's shape and what its axes mean (ledger rows).
         fields: further columns as plain values (numbers stay numbers).
-        note: a line a reader needs about this row.
+        note: what a reader needs about this row: a :class:`Note`, or words.
     """
 
     name: str
@@ -151,7 +167,7 @@ class Row:
     shape: tuple[int, ...] | None = None
     axes: str = ""
     fields: Mapping[str, Any] = field(default_factory=dict)
-    note: str = ""
+    note: str | Note = ""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -242,7 +258,7 @@ class Report:
         first_finding: the headline; computed from ``rows`` unless the command chooses one
             (``check`` names its smallest failing case).
         coverage: set where the verdict rests on fewer checks than usual.
-        notes: lines a reader needs (sampling, reproduction, ...).
+        notes: lines a reader needs (sampling, reproduction, ...): :class:`Note` data, or words.
         details: the command's own facts, JSON-ready (plain values only).
         unit: what one test case is in JUnit output: one ``check`` or one ``row``.
         row_label: what a row is called in tables (``stage``, ``case``, ``fault``, ...).
@@ -251,6 +267,8 @@ class Report:
         fold_rows: tables list only the rows that did not pass, one row for each distinct
             first finding (the first such row in order, with the count of the others), and
             count the rest (reports over hundreds of cases).
+        heatmaps: what the heatmaps draw, as plain data (:class:`Heatmap` by kind, ``weights`` and
+            ``mask``), taken from the kept grids when the report is built.
         tensors: small intermediates kept for inspection by library users (never rendered).
     """
 
@@ -259,12 +277,13 @@ class Report:
     rows: tuple[Row, ...]
     first_finding: Finding | None = field(default=_DEFAULT)  # type: ignore[assignment]
     coverage: Coverage | None = None
-    notes: tuple[str, ...] = ()
+    notes: tuple[str | Note, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)
     unit: Unit = "check"
     row_label: str = "row"
     show_passing: bool = True
     fold_rows: bool = False
+    heatmaps: Mapping[str, Heatmap] = field(default_factory=dict, repr=False, compare=False)
     tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -300,3 +319,65 @@ class Report:
 
     def failures(self) -> list[tuple[str, Check]]:
         return [(r, c) for r, c in self.checks() if c.failed]
+
+
+# Mask categories of a heatmap cell, in order of severity (a pooled cell shows the most severe of its cells).
+MASK_CATEGORIES = ("forbidden", "allowed", "dropped", "leaked")
+HEATMAP_LIMITS = range(4, 65)  # the cells a side a view may draw (terminal 4 to 32, HTML 64): one pooling each
+
+
+@dataclass(frozen=True)
+class HeatMark:
+    """One failing check that points at cells (or whole query rows) of a heatmap's grid.
+
+    Attributes:
+        key: ``"stage.check"``, the check it stands for.
+        rows: True when it points at whole query rows; False at (query, key) cells.
+        count: marked cells (or rows) in the example drawn, over every head.
+    """
+
+    key: str
+    rows: bool
+    count: int
+
+
+@dataclass(frozen=True)
+class HeatLevel:
+    """One example's grid, every head, pooled by ``(queries, keys)`` per drawn cell.
+
+    ``values[h][i][j]``: the weight (``weights``) or an index into :data:`MASK_CATEGORIES`
+    (``mask``); ``marked[h][i][j]``: the checks that point at the cell, as a set of bits (bit
+    ``k`` set: ``Heatmap.marks[k]``); ``marked_rows[h][i]``: those that point at query row ``i``.
+    """
+
+    values: list[list[list[float]]]
+    marked: list[list[list[int]]]
+    marked_rows: list[list[int]]
+
+
+@dataclass(frozen=True)
+class Heatmap:
+    """What a heatmap draws of one example, as plain data, at every pooling a view may ask for.
+
+    Attributes:
+        kind: ``weights`` or ``mask``.
+        source: what the values are: ``weights``, ``given weights`` or ``mask``.
+        example, examples: the example drawn, of how many.
+        chosen: why this example: ``{"by": "finding", "row", "check"}``, ``{"by": "mark", "key"}``,
+            ``{"by": "off_grid", "row", "check"}`` (the finding is on no score grid) or ``{"by": "none"}``.
+        tq, tk: the grid's queries and keys.
+        marks: the failing checks that point at cells of the example drawn.
+        levels: the grid by ``(queries, keys)`` pooled into one cell; ``(1, 1)`` draws every cell.
+        intended_only: mask: the pipeline's masked scores were not kept, only the relation is drawn.
+    """
+
+    kind: str
+    source: str
+    example: int
+    examples: int
+    chosen: Mapping[str, Any]
+    tq: int
+    tk: int
+    marks: tuple[HeatMark, ...]
+    levels: Mapping[tuple[int, int], HeatLevel]
+    intended_only: bool = False

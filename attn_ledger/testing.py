@@ -141,6 +141,7 @@ def diagnosis(report: "Report", max_cases: int = 3) -> str:
     smallest case), the failing checks of the smallest failing cases of different failures (at most
     ``max_cases``), and the lines that reproduce the smallest one."""
     from attn_ledger.kernelcheck import parse_case
+    from attn_ledger.render.notes import cli_line, note_text, python_lines
     from attn_ledger.render.text import STATUS_WORD, describe
 
     d = report.details
@@ -173,11 +174,11 @@ def diagnosis(report: "Report", max_cases: int = 3) -> str:
                 mark = "FIRST" if c is head else STATUS_WORD[c.status]
                 lines.append(f"  L{c.level} {c.name:<20} {mark:<12} {describe(c)}")
         if row.note:  # where index inputs decode the first wrong row's source
-            lines.append(f"  {row.note}")
+            lines.append(f"  {note_text(row.note)}")
     if len(shown) > max_cases:
         lines.append(f"\n... and {len(shown) - max_cases} more distinct failures")
     repro = d["reproduce"]
-    lines += ["", "reproduce:", f"  {repro['cli']}"] + [f"  {ln}" for ln in repro["python"].splitlines()]
+    lines += ["", "reproduce:", f"  {cli_line(repro)}"] + [f"  {ln}" for ln in python_lines(repro)]
     return "\n".join(lines)
 
 
@@ -281,6 +282,7 @@ def _module_reproduction(spec: str, embed_dim: int, num_heads: int, options: dic
 def module_diagnosis(report: "Report", reproduce: dict[str, str] | None = None) -> str:
     """Plain text from a ``check --module`` report: the first finding, every check that failed,
     warned or could not be judged, what was observed, the coverage, and the reproduction."""
+    from attn_ledger.render.notes import notes_text
     from attn_ledger.render.text import STATUS_WORD, describe
 
     d = report.details
@@ -295,7 +297,7 @@ def module_diagnosis(report: "Report", reproduce: dict[str, str] | None = None) 
         if c.failed or c.status in ("warn", "inconclusive"):
             mark = "FIRST" if first is not None and c is first.check else STATUS_WORD[c.status]
             lines.append(f"  {row:<11} L{c.level} {c.name:<28} {mark:<12} {describe(c)}")
-    lines += [f"  {n}" for n in report.notes]
+    lines += [f"  {n}" for n in notes_text(report)]
     if report.coverage is not None:
         lines.append(f"  coverage: {report.coverage.scope}: {report.coverage.reason}")
     if reproduce:

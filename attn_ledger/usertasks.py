@@ -50,7 +50,7 @@ from attn_ledger.kernelcheck import (
 )
 from attn_ledger.kernelspec import declaration
 from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, check_built_module, stopped_module_report
-from attn_ledger.report import Check, Coverage, Finding, Report, Row
+from attn_ledger.report import Check, Coverage, Finding, Note, Report, Row
 from attn_ledger.seeding import manual_seed
 from attn_ledger.userload import load_object
 
@@ -204,5 +204,5 @@ TASKS: dict[str, Task | ParentTask] = {
     "intervene_module": Task(_module_setup, _intervene_run, _intervene_stopped, _only, _intervene_stopped, _never),
 }
 
-RESULT_TYPES: tuple[type, ...] = (Check, Row, Finding, Coverage, Report, Case, CaseResult)
+RESULT_TYPES: tuple[type, ...] = (Check, Row, Finding, Coverage, Note, Report, Case, CaseResult)
 """The only classes a worker's result may be rebuilt into (a plan and a unit are plain data)."""

@@ -16,6 +16,7 @@ from attn_ledger.cli import app
 from attn_ledger.config import load_config
 from attn_ledger.engine.backward import GRADCHECK_TOL
 from attn_ledger.ledger import config_stages, ledger_on_qkv, run_ledger, tensor_stages
+from attn_ledger.render.notes import note_text, notes_text
 
 runner = CliRunner()
 SEED000 = "fixtures/tensors/seed000.safetensors"
@@ -245,7 +246,7 @@ def test_streamed_backward_equals_the_one_block_backward():
     whole = ledger_on_qkv(q, k, v, mask="causal", grad=True)
     blocked = ledger_on_qkv(q, k, v, mask="causal", grad=True, block_size=32)
     assert whole.first_finding is None and blocked.first_finding is None
-    assert any("3 query blocks" in n for n in blocked.notes)
+    assert any("3 query blocks" in n for n in notes_text(blocked))
     for name in ("grad_q", "grad_k", "grad_values"):
         torch.testing.assert_close(blocked.tensors[name], whole.tensors[name], rtol=1e-12, atol=1e-12)
 
@@ -338,7 +339,7 @@ def test_identity_seed_on_a_config_where_tq_equals_dv():
     from attn_ledger.engine.inputs import grad_seed
 
     led = run_ledger(load_config(overrides={"grad": True, "grad_output": "identity", "seq_len": 4}))
-    assert led.first_finding is None and "identity" in led.row("grad_context").note
+    assert led.first_finding is None and "identity" in note_text(led.row("grad_context").note)
     seed = grad_seed("identity", (2, 4, 12), torch.float32, torch.device("cpu"), heads=3)  # [B, Tq, E]
     heads = seed.reshape(2, 4, 3, 4).transpose(1, 2)  # [B, Nh, Tq, Dv]
     assert torch.equal(heads, torch.eye(4).expand(2, 3, 4, 4))

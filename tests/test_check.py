@@ -26,7 +26,7 @@ from attn_ledger.kernelcheck import (
     parse_case,
 )
 from attn_ledger.render import render
-from attn_ledger.render.jsondoc import schema
+from attn_ledger.render.jsondoc import report_json, schema
 from attn_ledger.userload import load_object
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,15 +244,18 @@ def test_first_finding_is_the_smallest_failing_case():
     assert first.check == report.check(ids[1], "reference")
     d = report.details
     assert (d["cases_total"], d["cases_failed"], d["first_level"]) == (3, 2, 4)
-    assert d["reproduce"] == {
+    repro = report_json(report)["details"]["reproduce"]  # the data, and the lines written from it
+    assert {k: repro[k] for k in ("case", "cli", "python")} == {
         "case": ids[1],
         "cli": f"attn-ledger check k.py:attention --case {ids[1]}",
         "python": f"from attn_ledger.kernelcheck import case_inputs\nq, k, v, kw = case_inputs({ids[1]!r})\n"
                   "out = attention(q, k, v, **kw)",
     }
-    seeded = check_kernel(fn, [parse_case(ids[1])], target="k.py:attention", seed=3, empty_rows="nan")
-    assert seeded.details["reproduce"]["cli"].endswith(f"--case {ids[1]} --seed 3 --empty-rows nan")
-    assert f"case_inputs({ids[1]!r}, seed=3)" in seeded.details["reproduce"]["python"]
+    assert (d["reproduce"]["case"], d["reproduce"]["options"], d["reproduce"]["call"]) == (
+        ids[1], [], "attention(q, k, v, is_causal=True)")
+    seeded = report_json(check_kernel(fn, [parse_case(ids[1])], target="k.py:attention", seed=3, empty_rows="nan"))
+    assert seeded["details"]["reproduce"]["cli"].endswith(f"--case {ids[1]} --seed 3 --empty-rows nan")
+    assert f"case_inputs({ids[1]!r}, seed=3)" in seeded["details"]["reproduce"]["python"]
 
 
 def test_empty_row_contract_is_stated_not_silent():

@@ -97,7 +97,9 @@ def test_strict_coverage_makes_a_case_without_evidence_the_finding():
     d = report.details
     assert (d["cases_failed"], d["cases_inconclusive"], d["first_level"]) == (1, 0, 4)
     assert d["failures"] == [{"level": 4, "check": EVIDENCE, "cases": 1, "smallest_case": T1}]
-    assert d["reproduce"]["cli"] == f"attn-ledger check k.py:attention --case {T1} --no-backward --strict-coverage"
+    assert d["reproduce"]["options"] == ["--no-backward", "--strict-coverage"]
+    assert report_json(report)["details"]["reproduce"]["cli"] == \
+        f"attn-ledger check k.py:attention --case {T1} --no-backward --strict-coverage"
     jsonschema.validate(report_json(report), schema())
 
 

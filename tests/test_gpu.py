@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from attn_ledger.cli import app
 from attn_ledger.config import load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger, run_ledger_tensors
+from attn_ledger.render.notes import notes_text
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -46,7 +47,7 @@ def test_streamed_blocks_on_cuda():
     q, k, v = _qkv((1, 8, 1024, 64))
     led = ledger_on_qkv(q, k, v, mask="causal", block_size=128)
     assert led.first_finding is None, led.first_finding
-    assert any("query blocks" in n for n in led.notes)
+    assert any("query blocks" in n for n in notes_text(led))
 
 
 @cuda

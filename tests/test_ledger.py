@@ -9,6 +9,7 @@ import torch
 
 from attn_ledger.config import load_config
 from attn_ledger.ledger import config_stages, ledger_on_qkv, run_ledger, run_ledger_tensors, tensor_stages
+from attn_ledger.render.notes import note_text, notes_text
 
 # The table: where each deliberate fault must first be caught (stage, highest allowed level).
 FAULT_TABLE = [
@@ -169,7 +170,7 @@ def test_cross_attention_uses_bottom_right_causal():
     allowed = torch.isfinite(led.tensors["masked_scores"][0, 0])
     expected = torch.tensor([[j <= i + 4 for j in range(7)] for i in range(3)])
     assert torch.equal(allowed, expected)
-    assert any("[5, 6, 7]" in n for n in led.notes)
+    assert any("[5, 6, 7]" in n for n in notes_text(led))
 
 
 def test_gqa_pairing_probe_runs_and_reports_pairs():
@@ -180,8 +181,8 @@ def test_gqa_pairing_probe_runs_and_reports_pairs():
 
 def test_mask_row_shows_counts_and_picture():
     led = ledger()
-    assert "q4     1   1   1   1   1" in led.row("masked_scores").note
-    assert "allowed keys per query (b=0, h=0): [1, 2, 3, 4, 5]" in led.notes
+    assert "q4     1   1   1   1   1" in note_text(led.row("masked_scores").note)
+    assert "allowed keys per query (b=0, h=0): [1, 2, 3, 4, 5]" in notes_text(led)
 
 
 # --- tensors mode -------------------------------------------------------------------------
@@ -203,8 +204,8 @@ def test_seed000_fixture_reproduces_the_worked_numbers():
     assert torch.allclose(out, torch.tensor([[1.028332, 2.915004], [2.998303, -2.994908]], dtype=out.dtype), atol=1e-6)
     scores = led.tensors["scores"][0, 0]
     assert torch.allclose(scores, torch.tensor([[0.0, 4.242641], [4.242641, -2.828427]], dtype=scores.dtype), atol=1e-6)
-    assert "[[0.014166, 0.985834], [0.999151, 0.000849]]" in led.row("weights").note
-    assert "[[1.028332, 2.915004], [2.998303, -2.994908]]" in led.row("context").note
+    assert "[[0.014166, 0.985834], [0.999151, 0.000849]]" in note_text(led.row("weights").note)
+    assert "[[1.028332, 2.915004], [2.998303, -2.994908]]" in note_text(led.row("context").note)
 
 
 def test_seed000_boundaries():
@@ -240,7 +241,7 @@ def test_user_out_with_top_left_decode_mask_fails_at_context_level_4():
     led = run_ledger_tensors("fixtures/tensors/decode_topleft_out.safetensors")
     d = led.first_finding
     assert (d.row, d.level, d.name) == ("context", 4, "user_out_matches_reference")
-    assert any("bottom-right" in n for n in led.notes)
+    assert any("bottom-right" in n for n in notes_text(led))
 
 
 def test_user_checks_pass_on_correct_intermediates():
@@ -296,7 +297,7 @@ def test_saved_mask_alignment_is_named():
     q, k, v = torch.randn(1, 1, 2, 4, generator=g), torch.randn(1, 1, 5, 4, generator=g), torch.randn(1, 1, 5, 4, generator=g)
     tl = torch.ones(2, 5, dtype=torch.bool).tril()
     led = ledger_on_qkv(q, k, v, allow_mask=tl)
-    assert any("top-left" in n for n in led.notes)
+    assert any("top-left" in n for n in notes_text(led))
 
 
 def test_tensor_mode_causal_relation_by_name():
@@ -389,7 +390,7 @@ def test_mask_picture_and_counts_follow_the_example_that_diverged(monkeypatch):
     shown = led.details["relation_shown"]
     assert (shown["example"], shown["head"], shown["at_divergence"]) == (1, 0, True)
     assert shown["allowed_keys_per_query"] == [1, 2, 3, 3, 3]
-    picture = led.row("masked_scores").note.splitlines()
+    picture = note_text(led.row("masked_scores").note).splitlines()
     assert picture[-1].split() == ["q4", "1", "1", "1", ".", "."]  # keys 3 and 4 are padding in example 1
 
 

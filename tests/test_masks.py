@@ -8,6 +8,7 @@ import torch
 from attn_ledger import masks
 from attn_ledger.config import load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
+from attn_ledger.render.notes import note_text, notes_text, relation_picture
 
 
 def allowed_set(t: torch.Tensor) -> set[tuple[int, int]]:
@@ -107,11 +108,16 @@ def test_api_conversions_name_the_destination():
 
 
 def test_picture_has_queries_as_rows():
-    pic = masks.picture(masks.causal(2, 4, "bottom-right"))
+    pic = relation_picture(masks.causal(2, 4, "bottom-right").tolist())
     lines = pic.splitlines()
     assert lines[0].split() == ["k0", "k1", "k2", "k3"]
     assert lines[1].split() == ["q0", "1", "1", "1", "."]
-    assert masks.picture(torch.ones(40, 40, dtype=torch.bool)) is None
+
+
+def test_the_picture_is_drawn_up_to_16_queries_and_keys():
+    assert "masked_scores" not in {r.name for r in run_ledger(load_config(overrides={"seq_len": 17})).rows
+                                   if r.note}
+    assert note_text(run_ledger(load_config(overrides={"seq_len": 16})).row("masked_scores").note).count("\n") == 17
 
 
 # --- through the ledger --------------------------------------------------------------------
@@ -136,7 +142,7 @@ def test_relations_combine_by_and():
     led = run_ledger(load_config(overrides={"mask": "causal+padding", "valid_lengths": [5, 3], "keep_grids": True}))
     got = torch.isfinite(led.tensors["masked_scores"][1, 0])
     assert allowed_set(got) == {(i, j) for i in range(5) for j in range(5) if j <= i and j < 3}
-    assert any("[1, 2, 3, 4, 5]" in n for n in led.notes)
+    assert any("[1, 2, 3, 4, 5]" in n for n in notes_text(led))
 
 
 def test_segments_through_the_ledger():
@@ -151,9 +157,9 @@ def test_top_left_mask_in_a_decode_step_is_named_and_diverges_from_bottom_right_
     tl = masks.causal(2, 6, "top-left")
     br = masks.causal(2, 6, "bottom-right")
     led = ledger_on_qkv(q, k, v, allow_mask=tl)
-    assert any("top-left" in n for n in led.notes)
+    assert any("top-left" in n for n in notes_text(led))
     led = ledger_on_qkv(q, k, v, allow_mask=br)
-    assert any("bottom-right" in n for n in led.notes)
+    assert any("bottom-right" in n for n in notes_text(led))
     # an output computed top-left, judged against the bottom-right relation, fails at L4
     import torch.nn.functional as F
 

@@ -16,6 +16,7 @@ from attn_ledger.config import PROPERTY_FAULTS, load_config
 from attn_ledger.engine.properties import PROPERTIES
 from attn_ledger.ledger import config_stages, ledger_on_qkv, run_ledger
 from attn_ledger.render.jsondoc import schema
+from attn_ledger.render.notes import note_text, notes_text
 
 runner = CliRunner()
 
@@ -190,7 +191,7 @@ def test_healthy_rope_passes_and_the_reference_rotates_too():
 def test_rope_with_cross_attention_puts_query_i_at_i_plus_tk_minus_tq():
     led = ledger(rope="half", query_len=3, key_len=7)
     assert led.first_finding is None
-    assert "i+4 (i + Tk - Tq)" in led.row("rope").note
+    assert "i+4 (i + Tk - Tq)" in note_text(led.row("rope").note)
     f = ledger(rope="half", query_len=3, key_len=7, fault="rope-query-offset").first_finding
     assert (f.row, f.name) == ("rope", "rotary_positions")
 
@@ -215,7 +216,7 @@ def test_rope_on_saved_tensors_says_it_rotated_them():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
     led = ledger_on_qkv(q, k, v, mask="causal", rope="half")
-    assert led.first_finding is None and "the saved q and k rotated" in led.row("rope").note
+    assert led.first_finding is None and "the saved q and k rotated" in note_text(led.row("rope").note)
     assert [r.name for r in led.rows][:3] == ["input", "rope", "scores"]
 
 
@@ -232,7 +233,7 @@ def test_scale_and_temperature_set_one_scale_for_pipeline_and_references():
     led = ledger(scale=0.5, temperature=2.0)
     assert led.first_finding is None
     assert led.details["scale"] == {"S": 0.5, "temperature": 2.0, "effective": 0.25, "default": 0.5}
-    assert any("S/tau" in n and "0.25" in n for n in led.notes)
+    assert any("S/tau" in n and "0.25" in n for n in notes_text(led))
     plain = ledger(keep_grids=True)
     sharp = ledger(keep_grids=True, temperature=0.5)
     assert torch.allclose(sharp.tensors["scores"], plain.tensors["scores"] * 2, atol=1e-6)

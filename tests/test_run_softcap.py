@@ -19,6 +19,7 @@ from attn_ledger.config import load_config
 from attn_ledger.engine.execute import sdpa_capped
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
 from attn_ledger.reference import reference_stages
+from attn_ledger.render.notes import notes_text
 
 runner = CliRunner()
 
@@ -38,7 +39,7 @@ def test_a_soft_capped_pipeline_passes_with_the_cap_stated(overrides):
     report = run_ledger(load_config(overrides={"softcap": 2.0, **overrides}))
     assert report.exit_code == 0, failing(report)
     assert "softcap=2" in report.title and report.details["softcap"] == 2.0
-    assert any(n.startswith("soft-cap C = 2: the scaled scores become C * tanh(s / C)") for n in report.notes)
+    assert any(n.startswith("soft-cap C = 2: the scaled scores become C * tanh(s / C)") for n in notes_text(report))
 
 
 def test_the_scores_stage_holds_the_capped_scores():

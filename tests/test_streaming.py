@@ -20,6 +20,7 @@ from attn_ledger.engine import plan as PL
 from attn_ledger.engine.judge import Tally
 from attn_ledger.engine.relations import Relation
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
+from attn_ledger.render.notes import notes_text
 
 BASE = {"batch_size": 1, "seq_len": 190, "embed_dim": 16, "num_heads": 2}  # grid 72200 > SMALL_GRID
 BLOCKS = [1, 3, None]
@@ -68,11 +69,11 @@ def test_block_size_does_not_change_the_diagnosis(name, extra):
 
 def test_block_choice_and_streaming_note():
     led = run_ledger(load_config(overrides={**BASE, "block_size": 3}))
-    assert any(n.startswith("score-grid stages ran in 64 query blocks of 3 rows") for n in led.notes)
+    assert any(n.startswith("score-grid stages ran in 64 query blocks of 3 rows") for n in notes_text(led))
     led = run_ledger(load_config(overrides=BASE))  # above SMALL_GRID: at least MIN_BLOCKS even blocks
-    assert any(n.startswith("score-grid stages ran in 4 query blocks of 48 rows") for n in led.notes)
+    assert any(n.startswith("score-grid stages ran in 4 query blocks of 48 rows") for n in notes_text(led))
     led = run_ledger(load_config(overrides={**BASE, "seq_len": 100}))  # 20000 entries: one block, kept whole
-    assert not any("query blocks" in n for n in led.notes)
+    assert not any("query blocks" in n for n in notes_text(led))
     assert PL.choose_blocks(1, 8, 8192, 8192, None)[:2] == [(0, 64), (64, 128)]  # BLOCK_TARGET entries a block
     assert PL.choose_blocks(1, 64, 8192, 8192, None)[:2] == [(0, 32), (32, 64)]  # MIN_BLOCK_ROWS
 
@@ -123,7 +124,7 @@ def test_float64_reference_on_a_sample_of_blocks_is_noted(monkeypatch):
     q, k, v = _qkv((1, 2, 190, 8))
     led = ledger_on_qkv(q, k, v, mask="causal", block_size=10)
     assert led.first_finding is None
-    note = next(n for n in led.notes if n.startswith("float64 reference on a sample"))
+    note = next(n for n in notes_text(led) if n.startswith("float64 reference on a sample"))
     assert note.startswith("float64 reference on a sample of 18 of 190 query rows (rows 0..5, 94..99, 184..189)")
     assert note.endswith("SDPA on all rows")
     assert led.check("context", "matches_reference").status == "pass"
@@ -298,7 +299,7 @@ def test_value_range_on_large_blocks_is_noted_and_still_fails_an_output_outside_
     cfg = load_config(overrides={**BASE, "seq_len": 400, "block_size": 64})
     healthy = run_ledger(cfg)
     assert healthy.check("context", "in_value_range").status == "pass"
-    assert any(n.startswith("context in_value_range: blocks over 2^18") for n in healthy.notes)
+    assert any(n.startswith("context in_value_range: blocks over 2^18") for n in notes_text(healthy))
     def shifted_on_wide_blocks(w, v):  # only blocks whose check takes the looser, block-wide range
         return P.mix_values(w, v) + (100.0 if w.shape[-1] > 320 else 0.0)
 
@@ -306,7 +307,7 @@ def test_value_range_on_large_blocks_is_noted_and_still_fails_an_output_outside_
     shifted = run_ledger(cfg, keep_going=True)
     assert shifted.check("context", "in_value_range").status == "fail"
     small = run_ledger(load_config(overrides={**BASE, "seq_len": 8}))
-    assert not any(n.startswith("context in_value_range") for n in small.notes)
+    assert not any(n.startswith("context in_value_range") for n in notes_text(small))
 
 
 def test_returned_tensors_are_ordinary_tensors():

@@ -1,8 +1,8 @@
 """Assembling the ledger: per-stage checks become report rows with statuses, the first failing stage the finding.
 
 Also what the rows show beside the checks: the relation's allowed keys per query and its picture
-(for the example of the first finding where examples differ), and small stage tensors as nested
-lists in the JSON.
+(for the example of the first finding where examples differ), as note data; the heatmaps' data
+(:mod:`attn_ledger.engine.heatmaps`); and small stage tensors as nested lists in the JSON.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from attn_ledger import checks as C
 from attn_ledger import stages
 from attn_ledger.cells import locate
 from attn_ledger.engine import relations
+from attn_ledger.engine.heatmaps import with_heatmaps
 from attn_ledger.engine.measure import Where
 from attn_ledger.engine.relations import Relation
 from attn_ledger.engine.rows import Rows
-from attn_ledger.report import Report, Row, unjudged
+from attn_ledger.report import Note, Report, Row, unjudged
 
 AXES = stages.axes(stages.PIPELINE)
 TENSOR_AXES = stages.axes(stages.TENSORS)
@@ -62,16 +63,15 @@ def finish(command: str, title: str, order: tuple[str, ...], rows: Rows, keep_go
                          fields=rows.fields.get(stage, {}), note=note))
         if stage in rows.raised or (diverged and not keep_going):
             stopped = True
-    return locate(Report(command, title, tuple(found), notes=tuple(rows.notes), details=meta, unit="check",
-                         row_label="stage", tensors=rows.tensors), empty_zero)
+    located = locate(Report(command, title, tuple(found), notes=tuple(rows.notes), details=meta, unit="check",
+                            row_label="stage", tensors=rows.tensors), empty_zero)
+    return with_heatmaps(located)
 
 
 def _show_relation(rows: Rows, order: tuple[str, ...], meta: dict[str, Any], relation: Relation, tq: int,
                    tk: int) -> None:
-    """The relation's allowed keys per query and its picture, for example 0, or, where examples (or
-    heads) differ, for the one of the first finding, saying so."""
-    from attn_ledger.masks import picture
-
+    """The relation's allowed keys per query and its picture (as data: the renderers write them), for
+    example 0, or, where examples (or heads) differ, for the one of the first finding, saying so."""
     if "masked_scores" in rows.checks:
         rows.fields.setdefault("masked_scores", {}).update(_allowed_pairs(relation, tq, tk))
     if not relation.parts or tq > COUNTS_MAX or not ("scores" in rows.checks or "scores" in rows.raised):
@@ -85,11 +85,10 @@ def _show_relation(rows: Rows, order: tuple[str, ...], meta: dict[str, Any], rel
     if "masked_scores" in rows.fields:
         rows.fields["masked_scores"]["allowed"] = sum(counts)
     meta["relation_shown"] = {"example": b, "head": h, "allowed_keys_per_query": counts, "at_divergence": at_divergence}
-    which = f"b={b}, h={h}" + ("; the example of the first finding" if at_divergence else "")
-    rows.notes.append(f"allowed keys per query ({which}): {counts}")
+    shown = {"example": b, "head": h, "at_divergence": at_divergence}
+    rows.notes.append(Note("allowed_keys", {**shown, "counts": counts}))
     if tq <= PICTURE_MAX and tk <= PICTURE_MAX and "masked_scores" in rows.checks:
-        rows.row_notes["masked_scores"] = (f"intended relation ({which}), queries as rows, keys as columns:\n"
-                                           + (picture(allow) or ""))
+        rows.row_notes["masked_scores"] = Note("relation_picture", {**shown, "allow": [[bool(a) for a in row] for row in allow.tolist()]})
 
 
 def _allowed_pairs(relation: Relation, tq: int, tk: int) -> dict[str, int]:

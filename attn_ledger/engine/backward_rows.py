@@ -18,7 +18,7 @@ from attn_ledger import tolerance
 from attn_ledger.engine.backward import GRADCHECK_ENTRIES, Backward, Rotation, gradcheck
 from attn_ledger.engine.judge import AXES, Tally, judge_backward
 from attn_ledger.engine.rows import Rows
-from attn_ledger.report import Check, unjudged
+from attn_ledger.report import Check, Note, unjudged
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -109,7 +109,7 @@ def _replayed(ops: Any, fwd: Forward, go: "Tensor", first: Backward) -> Check:
 
 # --- saved tensors: the seed and the user's own gradients ---------------------------------------------
 
-def context_row(rows: Rows, go: "Tensor", source: str, given_broken: Any = None) -> None:
+def context_row(rows: Rows, go: "Tensor", source: dict[str, Any], given_broken: Any = None) -> None:
     """``grad_context`` for saved tensors: the seed itself, its shape and finite values."""
     b, nh, tq, dv = go.shape
     checks = [C.shape_check(go.shape, (b, nh, tq, dv), AXES["grad_context"]),
@@ -118,7 +118,8 @@ def context_row(rows: Rows, go: "Tensor", source: str, given_broken: Any = None)
         checks.append(C.shape_check(given_broken.shape, given_broken.expected,
                                     "given grad_out " + ("[B,Tq,Dv]" if len(given_broken.expected) == 3 else "[B,Nh,Tq,Dv]"),
                                     "user_grad_out_shape"))
-    rows.stage("grad_context", tuple(go.shape), checks, f"O-bar seeded on the context: {source}")
+    rows.stage("grad_context", tuple(go.shape), checks)
+    rows.row_notes["grad_context"] = Note("grad_seed", {"on": "context", **source})
     rows.tensors["grad_context"] = go
 
 
@@ -167,7 +168,7 @@ def _agree(name: str, got: "Tensor", want: "Tensor", rtol: float, atol: float, a
 # --- the built-in pipeline: the output's O-bar, projections and input ------------------------------------
 
 def config_context_row(rows: Rows, ops: Any, go_out: "Tensor", wo: "Tensor", nh: int, dv: int,
-                       ref: "dict[str, Tensor]", plan: "Plan", source: str) -> "Tensor | None":
+                       ref: "dict[str, Tensor]", plan: "Plan", source: dict[str, Any]) -> "Tensor | None":
     """``grad_context`` for the built-in pipeline: ``O-bar`` of the output back through the output projection and merge."""
     import torch
 
@@ -185,7 +186,8 @@ def config_context_row(rows: Rows, ops: Any, go_out: "Tensor", wo: "Tensor", nh:
         rtol, atol = tolerance.reference(go.dtype)
         checks.append(_agree("matches_reference", got, ref["grad_context"], rtol, atol,
                              f"float64 autograd ({sampled_words(plan)})"))
-    rows.stage("grad_context", tuple(go.shape), checks, f"O-bar seeded on the output: {source}")
+    rows.stage("grad_context", tuple(go.shape), checks)
+    rows.row_notes["grad_context"] = Note("grad_seed", {"on": "output", **source})
     rows.tensors["grad_context"] = go
     return go if tuple(go.shape) == want else None
 
@@ -230,13 +232,13 @@ def config_rows(rows: Rows, ops: Any, run: Backward, inp: Any, go_out: "Tensor",
 
 # --- the two orchestrations: the built-in pipeline, and given q, k, v ----------------------------------------
 
-def seed_words(value: Any) -> str:
-    """How ``O-bar`` was seeded, for the ``grad_context`` row's note."""
+def seed_data(value: Any) -> dict[str, Any]:
+    """How ``O-bar`` was seeded, for the ``grad_context`` row's note: ``ones``, ``identity`` or a ``file``."""
     if value is None or value == "ones":
-        return "ones (every entry 1)"
+        return {"seed": "ones", "path": None}
     if value == "identity":
-        return "identity (I on each head's [Tq, Dv] block)"
-    return f"from {value}"
+        return {"seed": "identity", "path": None}
+    return {"seed": "file", "path": str(value)}
 
 
 def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merged: "Tensor", relation: "Relation",
@@ -257,7 +259,7 @@ def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merg
                                     allow_mask=sample_allow(relation, plan.reference_spans, cfg.tk),
                                     scale=fwd.sdpa_scale, empty_rows="zeros" if fwd.empty_zero else "nan",
                                     rope=rot, dtype=reference_dtype(inp.x.device))
-    go = config_context_row(rows, ops, go_out, w.wo, cfg.num_heads, cfg.dv, ref, plan, seed_words(cfg.grad_output))
+    go = config_context_row(rows, ops, go_out, w.wo, cfg.num_heads, cfg.dv, ref, plan, seed_data(cfg.grad_output))
     if go is None or (rows.failed() and not keep_going):
         return
     run = core_backward(rows, ops, fwd, go, ref, replay=cfg.replay)
@@ -288,8 +290,8 @@ def tensor_backward(rows: Rows, fwd: Forward, grad_output: Any, grads: "dict[str
     seeded = seed_broken is None
     value = given.get("grad_out", grad_output)
     go = inputs.grad_seed(value, shapes["grad_context"], q_in.dtype, q_in.device, one_head=one_head)
-    source = ("the saved grad_out" if "grad_out" in given else
-              "ones (every entry 1; the saved grad_out has the wrong shape)" if not seeded else seed_words(grad_output))
+    source = ({"seed": "saved", "path": None} if "grad_out" in given else
+              {"seed": "saved_wrong_shape", "path": None} if not seeded else seed_data(grad_output))
     context_row(rows, go, source, seed_broken)
     plan = fwd.plan
     picked = sample_rows(plan.reference_spans, q_in.device)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from attn_ledger import checks as C
 from attn_ledger import stages, tolerance
-from attn_ledger.report import Check
+from attn_ledger.report import Check, Note
 
 if TYPE_CHECKING:
     import torch
@@ -74,8 +74,8 @@ def input_row(rows: "Rows", cfg: "RunConfig", inp: Inputs) -> None:
     states what was validated instead of carrying checks that could not fail."""
     rows.shapes["input"] = tuple(inp.x.shape)
     rows.checks["input"] = []
-    rows.row_notes["input"] = (f"E == Nh*Dh: {cfg.embed_dim} == {cfg.num_heads}*{cfg.dh} (validated with the config)"
-                               + (f"; keys/values from x_kv [B,Tk,E] {list(inp.x_kv.shape)}" if cfg.query_len is not None else ""))
+    rows.row_notes["input"] = Note("config_input", {"E": cfg.embed_dim, "Nh": cfg.num_heads, "Dh": cfg.dh,
+                                                    "x_kv": list(inp.x_kv.shape) if cfg.query_len is not None else None})
 
 
 def projections(rows: "Rows", ops: Any, cfg: "RunConfig", inp: Inputs) -> "tuple[Tensor, Tensor, Tensor] | None":

@@ -15,8 +15,9 @@ from attn_ledger import tolerance
 from attn_ledger.engine.backends import backend_matrix, resolve_backends
 from attn_ledger.engine.execute import ProgressFn, reference_dtype
 from attn_ledger.engine.judge import GRID_STAGES, Verdicts
-from attn_ledger.engine.measure import Broken
+from attn_ledger.engine.measure import EXACT_RANGE_BUDGET, Broken
 from attn_ledger.engine.rows import Rows
+from attn_ledger.report import Note
 
 if TYPE_CHECKING:
     import torch
@@ -43,9 +44,7 @@ def scale_meta(rows: Rows, meta: dict[str, Any], s: float | None, temperature: f
     effective = base / (temperature or 1.0)
     if s is not None or temperature is not None:
         meta["scale"] = {"S": base, "temperature": temperature or 1.0, "effective": effective, "default": 1.0 / math.sqrt(dh)}
-        rows.notes.append(f"score scale S/tau = {base:.6g}/{temperature or 1.0:g} = {effective:.6g} "
-                          f"(default 1/sqrt(Dh) = {1.0 / math.sqrt(dh):.6g}), used by the pipeline, the float64 "
-                          "reference and SDPA alike")
+        rows.notes.append(Note("score_scale", meta["scale"]))
     return effective
 
 
@@ -59,9 +58,7 @@ def softcap_meta(rows: Rows, meta: dict[str, Any], softcap: float | None, backen
         raise InputError(f"backends: got {backends!r} with softcap {softcap:g}, expected no pinned SDPA backends: SDPA "
                          "has no soft-cap to compare with")
     meta["softcap"] = softcap
-    rows.notes.append(f"soft-cap C = {softcap:g}: the scaled scores become C * tanh(s / C) before the mask, in the "
-                      "pipeline and the float64 reference; SDPA, which has no cap, gets the capped scores as its "
-                      "additive mask")
+    rows.notes.append(Note("softcap", {"C": softcap}))
 
 
 def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
@@ -78,8 +75,8 @@ def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Te
     tk, dv = k_exp.shape[-2], v_exp.shape[-1]
     pairs, unavailable = resolve_backends(backends, q.device, q.dtype, bool(relation.parts), b * nh * tq * tk)
     if unavailable:
-        rows.notes.append("SDPA backends not available here: "
-                          + ", ".join(f"{n},{dt} ({why})" for (n, dt), why in unavailable.items()))
+        rows.notes.append(Note("backends_unavailable", {"unavailable": [
+            {"backend": n, "dtype": dt, "reason": why} for (n, dt), why in unavailable.items()]}))
     plan = make_plan(b, nh, tq, tk, relation, block_size=block_size, keep_grids=keep_grids, given=bool(given),
                      width_step=key_step(q.dtype, q.device.type, tk))
     run = Execution(plan, relation, ops, q, k_exp, v_exp, ref, scale=scale, ref_scale=ref_scale,
@@ -92,14 +89,14 @@ def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Te
     _grid_rows(rows, tally, verdicts, plan, derived)
     rows.notes += _plan_notes(plan, q.device)
     if run.loose_range:
-        rows.notes.append("context in_value_range: blocks over 2^18 (query, key, value-width) entries compare each row "
-                          "with the value range of all the block's keys, a looser bound than the keys that row may use")
+        rows.notes.append(Note("loose_range", {"entries_log2": EXACT_RANGE_BUDGET.bit_length() - 1}))
     rows.tensors.update(_kept_grids(run.kept, relation, given or {}, b, nh, tq, tk))
     if run.context is not None:
         rows.tensors["context"] = run.context
         if plan.keep and b > 0 and b * nh * tq * tk <= 16 and b * nh * tq * dv <= 16:
-            rows.row_notes["weights"] = "weights (b=0, h=0): " + _rows_text(rows.tensors["weights"][0, 0])
-            rows.row_notes["context"] = "context (b=0, h=0): " + _rows_text(run.context[0, 0])
+            for stage, t in (("weights", rows.tensors["weights"]), ("context", run.context)):
+                rows.row_notes[stage] = Note("values", {"stage": stage, "example": 0, "head": 0,
+                                                        "values": t[0, 0].double().tolist()})  # [Tq, Tk | Dv]
     if backends is not None:
         meta["sdpa_backends"] = backend_matrix(verdicts.backends, unavailable)
     _scores_spread(rows, run, plan)
@@ -130,7 +127,7 @@ def _scores_spread(rows: Rows, run: Any, plan: Any) -> None:
     rows.fields.setdefault("scores", {})["std"] = float(got.std())
     if plan.reference_rows < plan.tq:
         rows.fields["scores"]["std_rows"] = plan.reference_rows
-        rows.notes.append(f"scores std over the {plan.reference_rows} query rows the float64 reference sampled")
+        rows.notes.append(Note("scores_std_rows", {"rows": plan.reference_rows}))
 
 
 def _kept_grids(kept: dict[str, list["Tensor"]], relation: "Relation", given: "dict[str, Tensor]", b: int, nh: int,
@@ -147,17 +144,13 @@ def _kept_grids(kept: dict[str, list["Tensor"]], relation: "Relation", given: "d
     return tensors
 
 
-def _plan_notes(plan: Any, device: "torch.device") -> list[str]:
+def _plan_notes(plan: Any, device: "torch.device") -> list[Note]:
     """What a reader needs to know about the plan: blocks, and the rows the float64 reference covered."""
     notes = []
     if len(plan.blocks) > 1:
-        notes.append(f"score-grid stages ran in {len(plan.blocks)} query blocks of {plan.blocks[0].rows} rows")
+        notes.append(Note("query_blocks", {"blocks": len(plan.blocks), "rows": plan.blocks[0].rows}))
     if plan.reference_rows < plan.tq:
-        shown = ", ".join(f"{r0}..{r1 - 1}" for r0, r1 in plan.reference_spans)
-        notes.append(f"{tolerance.dtype_name(reference_dtype(device))} reference on a sample of {plan.reference_rows} "
-                     f"of {plan.tq} query rows (rows {shown}); SDPA on all rows")
+        notes.append(Note("reference_sample", {"dtype": tolerance.dtype_name(reference_dtype(device)),
+                                               "rows": plan.reference_rows, "tq": plan.tq,
+                                               "spans": [[r0, r1] for r0, r1 in plan.reference_spans]}))
     return notes
-
-
-def _rows_text(t: "Tensor") -> str:
-    return "[" + ", ".join("[" + ", ".join(f"{x:.6f}" for x in row) + "]" for row in t.tolist()) + "]"

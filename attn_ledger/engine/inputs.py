@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from attn_ledger.engine.measure import Broken
 from attn_ledger.errors import InputError, TensorFileError
+from attn_ledger.report import Note
 from attn_ledger.tolerance import dtype_name
 
 if TYPE_CHECKING:
@@ -273,10 +274,8 @@ def tensor_rows(rows: "Rows", q: "Tensor", k: "Tensor", v: "Tensor", one_head: b
     # Q, K, V were validated on the way in (ranks, batch, widths, token counts, kv heads, finite
     # values); the row says so instead of carrying checks that could not fail.
     rows.checks["input"] = []
-    rows.row_notes["input"] = (f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
-                               + (" (one head: Nh=1 inserted)" if one_head else "")
-                               + "; batch, widths, token counts and finite values validated on load"
-                               + (f"; query head h reads kv head h // {nh // nkv}" if nkv != nh else ""))
+    rows.row_notes["input"] = Note("given_input", {"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
+                                                   "one_head": one_head, "group": nh // nkv})
     title = (f"ATTENTION LEDGER ({source}) B={b} Tq={tq} Tk={tk} Nh={nh}" + (f" Nkv={nkv}" if nkv != nh else "")
              + f" Dh={dh}" + (f" Dv={dv}" if dv != dh else "") + f" mask={relation.name} dtype={dtype}")
     meta = {"B": b, "Tq": tq, "Tk": tk, "Nh": nh, "Nkv": nkv, "Dh": dh, "Dv": dv, "mask": relation.name,

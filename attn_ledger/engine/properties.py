@@ -26,7 +26,7 @@ import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from attn_ledger import tolerance
-from attn_ledger.report import Check, bounded, unjudged
+from attn_ledger.report import Check, Note, bounded, unjudged
 
 if TYPE_CHECKING:
     from attn_ledger.engine.rows import Rows
@@ -85,8 +85,7 @@ def properties_row(rows: "Rows", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: 
     rows.stage("properties", None, check_properties(ops, probe, scale, grad=grad))
     rows.fields["properties"] = {"probe": [int(probe[0].shape[0]), int(probe[0].shape[1]), int(probe[0].shape[2]),
                                            int(probe[1].shape[2])]}
-    rows.row_notes["properties"] = ("probe [B', Nh', Tq', Tk']: the first examples, heads and positions as they "
-                                    "entered the scores stage, with the relation there")
+    rows.row_notes["properties"] = Note("probe")  # its sizes are the row's probe field
 
 
 def _guarded(name: str, level: int, fn: Callable[[], Check]) -> Check:

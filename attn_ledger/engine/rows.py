@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from attn_ledger.report import Check
+from attn_ledger.report import Check, Note
 
 
 @dataclass
@@ -15,9 +15,9 @@ class Rows:
     checks: dict[str, list[Check]] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
     raised: dict[str, BaseException] = field(default_factory=dict)
-    row_notes: dict[str, str] = field(default_factory=dict)
+    row_notes: dict[str, "str | Note"] = field(default_factory=dict)
     fields: dict[str, dict[str, Any]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+    notes: "list[str | Note]" = field(default_factory=list)
     tensors: dict[str, Any] = field(default_factory=dict)
 
     def failed(self) -> bool:

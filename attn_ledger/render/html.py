@@ -19,7 +19,8 @@ from html import escape
 from typing import Any, Iterable, Sequence
 
 from attn_ledger._version import __version__
-from attn_ledger.render.jsondoc import dumps, json_value
+from attn_ledger.render.jsondoc import details_json, dumps
+from attn_ledger.render.notes import cli_line, note_text, notes_text, python_lines
 from attn_ledger.render.pictures import MASK_CATEGORIES, MASK_MEANING, NotDrawn, Picture, build_picture, mark_text
 from attn_ledger.render.text import LEVEL_NAMES, STATUS_WORD, check_line, describe, fmt_value, shape_text
 from attn_ledger.report import Check, Report, Row
@@ -126,7 +127,7 @@ def _row(report: Report, r: Row, fields: Sequence[str], has_shape: bool) -> str:
     if has_shape:
         cells.append(f'<td class="mono">{_e(shape_text(r.shape))}<br><span class="axes">{_e(r.axes)}</span></td>')
     cells += [f'<td class="num mono">{_e(fmt_value(r.fields.get(k)))}</td>' for k in fields]
-    note = f'<div class="note mono">{_e(r.note)}</div>' if r.note else ""
+    note = f'<div class="note mono">{_e(note_text(r.note))}</div>' if r.note else ""
     cells.append(f'<td><ul class="checks">{"".join(items)}</ul>{note}</td>')
     attrs = _attrs(id=f"row-{r.name}", data_row=r.name, data_status=r.status)
     marker = ' data-first-finding="true"' if is_first else ""
@@ -272,13 +273,12 @@ def _reproduction(report: Report) -> str:
 
 
 def _case_reproduction(repro: Any, case: str) -> str:
-    """The first finding's reproduction lines with this case's id in place of its own."""
+    """The first finding's reproduction lines with this case in place of its own."""
     if not isinstance(repro, dict) or not repro.get("case"):
         return ""
-    own = str(repro["case"])
-    parts = [f'<pre class="{cls}">{_e(str(repro[key]).replace(own, case))}</pre>'
-             for key, cls in (("cli", "repro-cli"), ("python", "repro-python")) if repro.get(key)]
-    return "".join(parts)
+    data = {**repro, "case": case}
+    return (f'<pre class="repro-cli">{_e(cli_line(data))}</pre>'
+            f'<pre class="repro-python">{_e(chr(10).join(python_lines(data)))}</pre>')
 
 
 def _failing_cases(report: Report) -> str:
@@ -291,7 +291,7 @@ def _failing_cases(report: Report) -> str:
     blocks = []
     for r in failing:
         checks = "".join(_check_item(c, False, True) for c in r.checks if not c.passed)
-        note = f'<div class="note mono">{_e(r.note)}</div>' if r.note else ""
+        note = f'<div class="note mono">{_e(note_text(r.note))}</div>' if r.note else ""
         blocks.append(f'<div class="case" data-case="{_e(r.name)}"><h3 class="mono">{_e(r.name)}</h3>'
                       f'<ul class="checks">{checks}</ul>{note}{_case_reproduction(repro, r.name)}</div>')
     what = report.row_label if len(failing) == 1 else f"{report.row_label}s"
@@ -302,7 +302,7 @@ def _failing_cases(report: Report) -> str:
 
 
 def _notes(report: Report) -> str:
-    lines = list(report.notes)
+    lines = notes_text(report)
     if report.coverage is not None:
         cov = report.coverage
         lines.append(f"coverage: {cov.scope}" + (f"; not run: {', '.join(cov.missing)}" if cov.missing else "")
@@ -316,7 +316,7 @@ def _notes(report: Report) -> str:
 def _details(report: Report) -> str:
     if not report.details:
         return ""
-    text = dumps(json_value(report.details))
+    text = dumps(details_json(report.details))
     return f'<section id="details"><h2>Details (as in --format json)</h2><pre>{_e(text)}</pre></section>'
 
 

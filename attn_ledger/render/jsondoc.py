@@ -1,8 +1,10 @@
 """The JSON view: one envelope for every command, schema version 2.
 
 The envelope: ``schema_version``, ``tool``, ``version``, ``command``, ``verdict``, ``title``,
-``first_finding``, ``coverage``, ``rows``, ``notes``, ``details``. Within a schema version the
-document only ever gains fields. The JSON Schema is published in the package
+``first_finding``, ``coverage``, ``rows``, ``notes``, ``note_data``, ``details``. Within a schema
+version the document only ever gains fields. ``notes`` are the lines a reader sees, written from
+the notes' data; ``note_data`` holds that data beside them, line for line (null for a line that
+is only words), as each row's ``note_data`` does for its ``note``. The JSON Schema is published in the package
 (``attn_ledger/schema/report.schema.json``, :func:`schema`).
 """
 
@@ -13,8 +15,9 @@ import math
 from typing import Any, Mapping
 
 from attn_ledger._version import __version__
+from attn_ledger.render.notes import cli_line, note_lines, note_text, notes_text, python_lines
 from attn_ledger.render.text import describe
-from attn_ledger.report import SCHEMA_VERSION, Check, Coverage, Finding, Report, Row
+from attn_ledger.report import SCHEMA_VERSION, Check, Coverage, Finding, Note, Report, Row
 
 
 def json_value(value: Any) -> Any:
@@ -34,6 +37,23 @@ def json_value(value: Any) -> Any:
     if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
         return json_value(value.item())
     return str(value)
+
+
+def note_json(note: "str | Note") -> dict[str, Any] | None:
+    """The data of a note, ``{"kind": ..., **data}``; None for a note that is words."""
+    if isinstance(note, str):
+        return None
+    return {"kind": note.kind, **json_value(note.data)}
+
+
+def notes_json(report: Report) -> list[dict[str, Any] | None]:
+    """``note_data``: the data of each line of ``notes``, index for index (a note written as several lines
+    carries its data on its first line, and the others are null)."""
+    out: list[dict[str, Any] | None] = []
+    for note in report.notes:
+        lines = note_lines(note)
+        out += [note_json(note)] + [None] * (len(lines) - 1)
+    return out
 
 
 def check_json(c: Check) -> dict[str, Any]:
@@ -62,7 +82,8 @@ def row_json(r: Row) -> dict[str, Any]:
         "axes": r.axes,
         "fields": json_value(r.fields),
         "checks": [check_json(c) for c in r.checks],
-        "note": r.note,
+        "note": note_text(r.note),
+        "note_data": note_json(r.note) if r.note else None,
     }
 
 
@@ -102,9 +123,21 @@ def report_json(report: Report) -> dict[str, Any]:
         "first_finding": finding_json(report.first_finding),
         "coverage": coverage_json(report.coverage),
         "rows": [row_json(r) for r in report.rows],
-        "notes": list(report.notes),
-        "details": json_value(report.details),
+        "notes": notes_text(report),
+        "note_data": notes_json(report),
+        "details": details_json(report.details),
     }
+
+
+def details_json(details: Mapping[str, Any]) -> Any:
+    """The details as plain JSON, with ``reproduce`` (``check``'s smallest failing case, as data) also
+    written out as its ``cli`` line and ``python`` lines."""
+    doc = json_value(details)
+    repro = doc.get("reproduce") if isinstance(doc, dict) else None
+    if isinstance(repro, dict) and "target" in repro:
+        doc["reproduce"] = {"case": repro["case"], "cli": cli_line(repro), "python": "\n".join(python_lines(repro)),
+                            **{k: v for k, v in repro.items() if k != "case"}}
+    return doc
 
 
 def error_json(command: str, message: str) -> dict[str, Any]:

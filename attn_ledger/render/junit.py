@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from xml.etree import ElementTree as ET
 
+from attn_ledger.render.notes import note_text
 from attn_ledger.render.text import STATUS_WORD, bound_text, describe, fmt_value
 from attn_ledger.report import UNJUDGED, Check, Report, Row
 
@@ -41,7 +42,7 @@ def _case(suite: ET.Element, classname: str, name: str, checks: list[Check], row
         return 0, 1
     if whole_row and row.status == "inconclusive":
         why = [c for c in checks if c.status == "inconclusive"]
-        ET.SubElement(case, "skipped", message=f"inconclusive: {describe(why[-1]) if why else row.note}")
+        ET.SubElement(case, "skipped", message=f"inconclusive: {describe(why[-1]) if why else note_text(row.note)}")
         return 0, 1
     notes = [f"L{c.level} {c.name} {STATUS_WORD[c.status]}: {describe(c)}" for c in checks
              if c.status in ("warn", "inconclusive")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from attn_ledger.render.notes import note_text, notes_text
 from attn_ledger.render.text import STATUS_WORD, check_line, describe, finding_line, fmt_value, shape_text
 from attn_ledger.report import Report
 
@@ -26,7 +27,7 @@ def render_markdown(report: Report) -> str:
                 text += f": {describe(c)}"
             lines.append(_esc(text))
         if r.note:
-            lines.append(_esc(r.note))
+            lines.append(_esc(note_text(r.note)))
         cells = [f"`{r.name}`" if report.row_label == "case" else _esc(r.name), STATUS_WORD[r.status]]
         if has_shape:
             cells += [shape_text(r.shape), f"`{r.axes}`" if r.axes else ""]
@@ -34,7 +35,7 @@ def render_markdown(report: Report) -> str:
         cells.append("<br>".join(lines))
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
-    for note in report.notes:
+    for note in notes_text(report):
         out.append(f"- {_esc(note)}")
     if report.coverage is not None:
         cov = report.coverage

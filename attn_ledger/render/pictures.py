@@ -1,4 +1,4 @@
-"""What the heatmaps draw, read from a report's kept grids: one example, every head, the marks.
+"""What the heatmaps draw, read from a report's heatmap data: one example, every head, the marks.
 
 Both picture views (the terminal heatmap and the HTML report) draw a :class:`Picture`:
 
@@ -9,25 +9,24 @@ Both picture views (the terminal heatmap and the HTML report) draw a :class:`Pic
 
 The example drawn is the one the first finding points at (its check's ``location``), else
 the first example holding a marked cell, else example 0; the picture says which and why.
-Cells a failing check points at (``report.tensors["marks"]``, set by the ledger) are marked.
-Grids larger than a view's ``limit`` on either axis are pooled to at most ``limit`` cells a
-side: a pooled cell holds the largest weight of its block, the most severe mask category,
-and is marked when any of its cells is. Runs that kept no whole grids cannot be drawn: the
-view says so (:class:`NotDrawn`) instead.
+Cells a failing check points at are marked. Grids larger than a view's ``limit`` on either
+axis are pooled to at most ``limit`` cells a side: a pooled cell holds the largest weight of
+its block, the most severe mask category, and is marked when any of its cells is. The
+engine computes all of that from the kept tensors (:mod:`attn_ledger.engine.heatmaps`, into
+``report.heatmaps``); this module only reads it. Runs that kept no whole grids cannot be
+drawn: the view says so (:class:`NotDrawn`) instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from attn_ledger.render.text import describe
-from attn_ledger.report import Check, Report
+from attn_ledger.report import HEATMAP_LIMITS, Check, Report
+from attn_ledger.report import MASK_CATEGORIES  # noqa: F401 - the views read the categories from here
 
 Kind = Literal["weights", "mask"]
-
-# Mask categories, in order of severity (a pooled cell shows the most severe of its cells).
-MASK_CATEGORIES = ("forbidden", "allowed", "dropped", "leaked")
 MASK_MEANING = {
     "allowed": "allowed and kept",
     "forbidden": "forbidden and excluded",
@@ -107,122 +106,41 @@ class NotDrawn:
     reason: str
 
 
-def _grid(t: Any) -> bool:
-    return t is not None and hasattr(t, "dim") and t.dim() == 4
-
-
-def chosen_example(report: Report) -> tuple[int, str]:
-    """The example to draw and why: the first finding's, else the first marked one, else 0."""
-    finding = report.first_finding
-    where = finding.check.location if finding is not None else None
-    if where and "example" in where:
-        return int(where["example"]), f"where the first finding, {finding.row}.{finding.name}, points"
-    for key, mark in report.tensors.get("marks", {}).items():
-        hits = mark.reshape(mark.shape[0], -1).any(dim=1).nonzero()
-        if hits.numel():
-            return int(hits[0, 0]), f"the first example that {key} points at"
-    if finding is not None:
-        return 0, f"example 0: the first finding ({finding.row}.{finding.name}) is not on a score grid"
-    return 0, "example 0: no finding"
-
-
-def _pool(t: Any, qp: int, kp: int, fill: float) -> Any:
-    """Block-wise max of ``[Nh, Tq, Tk]`` over ``qp x kp`` blocks (edges padded with ``fill``)."""
-    import torch.nn.functional as F
-
-    if (qp, kp) == (1, 1):
-        return t
-    nh, tq, tk = t.shape
-    rq, rk = -(-tq // qp), -(-tk // kp)
-    padded = F.pad(t, (0, rk * kp - tk, 0, rq * qp - tq), value=fill)  # [Nh, rq*qp, rk*kp]
-    return padded.reshape(nh, rq, qp, rk, kp).amax(dim=(2, 4))  # [Nh, rq, rk]
-
-
-def _pool_rows(t: Any, qp: int) -> Any:
-    """Any-of over blocks of ``qp`` query rows of ``[Nh, Tq]`` bools."""
-    import torch.nn.functional as F
-
-    if qp == 1:
-        return t
-    nh, tq = t.shape
-    rq = -(-tq // qp)
-    return F.pad(t, (0, rq * qp - tq), value=False).reshape(nh, rq, qp).any(dim=2)
-
-
-def _marks(report: Report, example: int, tq: int, tk: int) -> list[tuple[Mark, Any]]:
-    found = []
-    for key, mark in report.tensors.get("marks", {}).items():
-        stage, _, name = key.partition(".")
-        try:
-            check = report.check(stage, name)
-        except KeyError:
-            continue
-        rows = mark.dim() == 3
-        if tuple(mark.shape[2:]) != ((tq,) if rows else (tq, tk)) or example >= mark.shape[0]:
-            continue
-        m = mark[example]  # [Nh, Tq] or [Nh, Tq, Tk]
-        found.append((Mark(key, stage, check, rows, int(m.sum())), m))
-    return found
+def why_text(chosen: Mapping[str, Any]) -> str:
+    """Why this example is drawn, from :attr:`~attn_ledger.report.Heatmap.chosen`."""
+    by = chosen.get("by")
+    if by == "finding":
+        return f"where the first finding, {chosen['row']}.{chosen['check']}, points"
+    if by == "mark":
+        return f"the first example that {chosen['key']} points at"
+    if by == "off_grid":
+        return f"example 0: the first finding ({chosen['row']}.{chosen['check']}) is not on a score grid"
+    return "example 0: no finding"
 
 
 def build_picture(report: Report, kind: Kind, limit: int) -> Picture | NotDrawn:
-    """The picture of ``kind`` for this report, pooled to at most ``limit`` cells a side."""
-    import torch
-
-    t = report.tensors
-    if kind == "weights":
-        source = "given weights" if _grid(t.get("user_weights")) else "weights"
-        grid = t.get("user_weights") if source == "given weights" else t.get("weights")
-    else:
-        source = "mask"
-        grid = t.get("masked_scores") if _grid(t.get("masked_scores")) else t.get("allow")
-    if not _grid(grid):
+    """The picture of ``kind`` for this report, pooled to at most ``limit`` cells a side (4 to 64)."""
+    data = report.heatmaps.get(kind)
+    if data is None:
         if report.command != "run":
             return NotDrawn(f"`{report.command}` checks from outside: it keeps no score grids to draw")
         return NotDrawn("this run kept no whole score grids (large runs stream them block by block, and a stage "
                         "that fails before the grids are built leaves none); --keep-grids keeps them, and the "
                         "heatmaps are then pooled beyond the size they draw cell by cell")
-    b, nh, tq, tk = (int(n) for n in grid.shape)
-    example, why = chosen_example(report)
-    example = min(example, b - 1)
-    qp, kp = -(-tq // limit), -(-tk // limit)
-    marks = _marks(report, example, tq, tk)
-    if kind == "weights":
-        values = _pool(grid[example], qp, kp, float("-inf")).double().tolist()  # [Nh, rows, cols]
-        intended_only = False
-    else:
-        values, intended_only = _mask_values(t, grid, example, qp, kp)
-    rq, rk = -(-tq // qp), -(-tk // kp)
-    cells = [[[() for _ in range(rk)] for _ in range(rq)] for _ in range(nh)]  # [Nh][rows][cols]
-    rows: list[list[tuple[int, ...]]] = [[() for _ in range(rq)] for _ in range(nh)]
-    for idx, (mk, m) in enumerate(marks):
-        if mk.rows:
-            for h, i in _pool_rows(m, qp).nonzero().tolist():
-                rows[h][i] += (idx,)
-        else:
-            for h, i, j in _pool(m.to(torch.uint8), qp, kp, 0).nonzero().tolist():
-                cells[h][i][j] += (idx,)
-    heads = [HeadGrid(h, values[h], cells[h], rows[h]) for h in range(nh)]
-    return Picture(kind, source, example, b, why, tq, tk, (qp, kp), tuple(heads), tuple(mk for mk, _ in marks),
-                   intended_only)
+    limit = min(max(limit, HEATMAP_LIMITS[0]), HEATMAP_LIMITS[-1])
+    pool = (-(-data.tq // limit), -(-data.tk // limit))
+    level = data.levels[pool]
+    marks = []
+    for mk in data.marks:
+        stage, _, name = mk.key.partition(".")
+        marks.append(Mark(mk.key, stage, report.check(stage, name), mk.rows, mk.count))
+    def which(bits: int) -> tuple[int, ...]:
+        return tuple(k for k in range(len(marks)) if bits >> k & 1)
 
-
-def _mask_values(t: Any, grid: Any, example: int, qp: int, kp: int) -> tuple[list, bool]:
-    """Mask category indices ``[Nh, rows, cols]`` for one example, and whether only the relation was kept."""
-    import torch
-
-    allow = t.get("allow")
-    if allow is None or not _grid(allow):
-        allow = torch.ones(grid.shape, dtype=torch.bool, device=grid.device)
-    allow = allow[example].bool()  # [Nh, Tq, Tk]
-    intended_only = grid.dtype == torch.bool  # no masked scores kept: the relation alone
-    kept = allow if intended_only else ~torch.isneginf(grid[example])  # [Nh, Tq, Tk]: pairs the pipeline kept
-    code = {name: i for i, name in enumerate(MASK_CATEGORIES)}
-    cat = torch.full(allow.shape, code["forbidden"], dtype=torch.int8)  # [Nh, Tq, Tk]
-    cat[allow & kept] = code["allowed"]
-    cat[allow & ~kept] = code["dropped"]
-    cat[~allow & kept] = code["leaked"]
-    return _pool(cat, qp, kp, -1).tolist(), intended_only
+    heads = tuple(HeadGrid(h, level.values[h], [[which(b) for b in row] for row in level.marked[h]],
+                           [which(b) for b in level.marked_rows[h]]) for h in range(len(level.values)))
+    return Picture(kind, data.source, data.example, data.examples, why_text(data.chosen), data.tq, data.tk, pool,
+                   heads, tuple(marks), data.intended_only)
 
 
 def mark_text(mark: Mark) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from attn_ledger.render.notes import note_text, notes_text
 from attn_ledger.render.text import (
     STATUS_STYLE,
     STATUS_WORD,
@@ -87,7 +88,7 @@ def _check_cell(row: Row, report: Report, width: int, folded: Sequence[str], mor
         if counts:
             lines += [[(ln, "dim")] for ln in wrap_words(f"({counts})", width)]
     if row.note:
-        for ln in wrap_words(printable(row.note, keep="\n"), width):  # its line breaks draw a picture
+        for ln in wrap_words(printable(note_text(row.note), keep="\n"), width):  # its line breaks draw a picture
             lines.append([(ln, "dim")])
     if more:
         head = _signature(row)
@@ -240,7 +241,7 @@ def _not_listed(hidden: dict[str, int], label: str, width: int) -> list[Line]:
 def _tail(report: Report, width: int) -> list[Line]:
     """Notes, coverage, warnings and the first finding, under the table."""
     out: list[Line] = []
-    for note in report.notes:
+    for note in notes_text(report):
         for ln in wrap_words(printable(note), width):
             out.append([(ln, "dim")])
     if report.coverage is not None:
