@@ -56,7 +56,7 @@ import shlex
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from attn_ledger.errors import InputError, SetupError
+from attn_ledger.errors import InputError, SetupError, first_line
 from attn_ledger.guard import UserCodeError, rebuilt_exception
 from attn_ledger.kernelcases import (  # noqa: F401  (re-exported: the public names of check's cases)
     DEFAULT_TIER,
@@ -512,11 +512,6 @@ def with_call_notes(report: Report, results: Sequence[CaseResult], state: dict[s
 # --- calling the user's function -------------------------------------------------------------
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else "(no message)"
-
-
 class _Kernel:
     """Calls the user's function through the driver (:mod:`attn_ledger.driver`) and reads what came back.
 
@@ -643,7 +638,7 @@ def _stopped_by(result: CaseResult) -> Check | None:
 
 def _raised(level: int, name: str, exc: BaseException, where: str, data: dict[str, Any] | None = None) -> Check:
     """A failing check for a call of the user's function that raised."""
-    message = _first_line(exc)
+    message = first_line(exc)
     return Check(level, name, "fail", reason=f"{where} raised {type(exc).__name__}: {message}",
                  data={**(data or {}), "exception": type(exc).__name__, "message": message})
 
@@ -1334,7 +1329,7 @@ def check_capabilities(fn: Callable[..., Any], plan: Plan, declaration: Declarat
             if missing_from_error(exc, names) is None and _raised_by_the_call(exc):
                 given = ", ".join(["q, k, v", *(f"{n}=" for n in names)])
                 raise SetupError(f"target: {target} cannot take the kernel protocol's arguments ({given}): "
-                                 f"the first call raised TypeError: {_first_line(exc)}; "
+                                 f"the first call raised TypeError: {first_line(exc)}; "
                                  f"wrap it in an adapter ({ADAPTERS})") from None
             raise
 
