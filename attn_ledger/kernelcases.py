@@ -40,6 +40,7 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+from attn_ledger.devices import torch_dtype
 from attn_ledger.errors import InputError, shown
 
 if TYPE_CHECKING:
@@ -501,12 +502,6 @@ def select_cases(ids: Sequence[str] | None, tier: str = "default") -> tuple[Case
 
 
 # --- inputs -----------------------------------------------------------------------------------
-
-
-def torch_dtype(name: str) -> "torch.dtype":
-    import torch
-
-    return getattr(torch, name)
 
 
 def _fill(shape: tuple[int, ...], gen: "torch.Generator", scale: float, index: bool) -> "Tensor":

@@ -56,6 +56,7 @@ import shlex
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
+from attn_ledger.devices import reference_dtype, resolve_device, torch_dtype
 from attn_ledger.errors import InputError, SetupError, first_line
 from attn_ledger.guard import UserCodeError, rebuilt_exception
 from attn_ledger.kernelcases import (  # noqa: F401  (re-exported: the public names of check's cases)
@@ -73,7 +74,6 @@ from attn_ledger.kernelcases import (  # noqa: F401  (re-exported: the public na
     parse_case,
     select_cases,
     tier_cases,
-    torch_dtype,
 )
 from attn_ledger.kernelgrad import GradJudging, GradRun, backward_checks, grad_run, not_run
 from attn_ledger.kernelref import (  # noqa: F401  (FACTOR re-exported)
@@ -144,27 +144,6 @@ class Options:
             raise InputError(f"empty_rows: got {self.empty_rows!r}, expected one of {', '.join(EMPTY_ROWS)}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise InputError(f"device: got {self.device!r}, expected one of {', '.join(DEVICES)}")
-
-
-def resolve_device(name: str) -> "torch.device":
-    """``auto``: CUDA where there is one, else MPS, else the CPU. A device that is absent is an input error."""
-    import torch
-
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"device: got {name!r}, but CUDA is not available here; expected cpu or auto")
-    if name == "mps" and not mps:
-        raise InputError("device: got 'mps', but MPS is not available here; expected cpu or auto")
-    return torch.device(name)
-
-
-def reference_dtype(device: "torch.device") -> "torch.dtype":
-    """float64 where the device has it, float32 otherwise (MPS)."""
-    import torch
-
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def dtype_supported(dtype_name: str, device: "torch.device") -> bool:

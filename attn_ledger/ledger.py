@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from attn_ledger.engine import assemble, builtin, inputs, relations
 from attn_ledger.engine.backends import SDPA_BACKENDS, resolve_backends
-from attn_ledger.engine.execute import ProgressFn, reference_dtype
+from attn_ledger.devices import reference_dtype, resolve_device, torch_dtype
+from attn_ledger.engine.execute import ProgressFn
 from attn_ledger.engine.grid import Grid, run_grid, scale_meta, softcap_meta
 from attn_ledger.engine.positions import rope_row
 from attn_ledger.engine.properties import properties_row
@@ -86,7 +87,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     from attn_ledger.pipeline import ops_for, with_softcap
 
     cfg = config
-    device, dtype = inputs.resolve_device(cfg.device), inputs.torch_dtype(cfg.dtype)
+    device, dtype = resolve_device(cfg.device), torch_dtype(cfg.dtype)
     b, tq, tk, nh = cfg.batch_size, cfg.tq, cfg.tk, cfg.num_heads
     relation = relations.build(relations.from_config(cfg), b, nh, tq, tk, device)
     ops = with_softcap(ops or ops_for(cfg.fault), cfg.softcap)
@@ -314,7 +315,7 @@ def run_ledger_tensors(
     :func:`~attn_ledger.tensorio.load_tensor_file`; ``source`` then names them in the title.
     """
     source = source or (str(path) if isinstance(path, (str, os.PathLike)) else "tensors")
-    t = inputs.load(path, None if dtype is None else inputs.torch_dtype(dtype), inputs.resolve_device(device), source)
+    t = inputs.load(path, None if dtype is None else torch_dtype(dtype), resolve_device(device), source)
     return ledger_on_qkv(
         t["q"], t["k"], t["v"], allow_mask=t.get("allow_mask"), key_valid=t.get("key_valid"), mask=mask,
         window=window, prefix_len=prefix_len, scores=t.get("scores"), weights=t.get("weights"), out=t.get("out"),
