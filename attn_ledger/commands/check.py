@@ -12,13 +12,18 @@ from attn_ledger.commands.common import Format, Progress, execute, spec_path
 from attn_ledger.commands.options import INT
 
 
-Device = opt.choices("Device", "cpu", "cuda", "mps", "auto")  # where the cases run
-
-
 DECLARE = "Declaration"
 
 
 EmptyRows = opt.choices("EmptyRows", "zeros", "nan", "any")  # what a query with every key blocked must return
+
+# the options many commands share, with check's help text
+DeviceOption = opt.device_option("Where the cases run; the reference is float64 where the device has it. Default: cpu.")
+SeedOption = opt.seed_option("Seed for the random inputs and perturbations, 0..2^63-1. Default: 0.")
+TimeoutOption = opt.timeout_option(
+    "Limit on each call into your code (import, factory, each kernel or forward call). A call past it "
+    "is named in the report as an L1 call finding (exit 2 at import or factory time). "
+    "Default 60; with --in-process, none unless given.")
 
 
 def check(  # long by its options (typer reads them from the signature); the body parses them and calls the library
@@ -67,7 +72,7 @@ def check(  # long by its options (typer reads them from the signature); the bod
     strict_coverage: Annotated[
         Optional[bool], typer.Option("--strict-coverage/--lenient-coverage", help="A case that no check past L1 judged (all inconclusive, skipped or not applicable) fails. Default: lenient (counted inconclusive, a warning).")
     ] = None,
-    device: Annotated[Optional[Device], typer.Option("--device", help="Where the cases run; the reference is float64 where the device has it. Default: cpu.")] = None,
+    device: DeviceOption = None,
     dtypes: Annotated[Optional[str], typer.Option("--dtypes", help="Dtypes the kernel supports, e.g. float16,bfloat16.", rich_help_panel=DECLARE)] = None,
     masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal.", rich_help_panel=DECLARE)] = None,
     gqa: Annotated[Optional[bool], typer.Option("--gqa/--no-gqa", help="Whether it supports Nkv < Nh. Default: gqa.", rich_help_panel=DECLARE)] = None,
@@ -75,14 +80,8 @@ def check(  # long by its options (typer reads them from the signature); the bod
     max_tq: Annotated[Optional[str], typer.Option("--max-tq", metavar=INT, help="The longest Tq it takes.", rich_help_panel=DECLARE)] = None,
     max_tk: Annotated[Optional[str], typer.Option("--max-tk", metavar=INT, help="The longest Tk it takes.", rich_help_panel=DECLARE)] = None,
     head_dims: Annotated[Optional[str], typer.Option("--head-dims", help="Head widths Dh and Dv may take, e.g. 64,128.", rich_help_panel=DECLARE)] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random inputs and perturbations, 0..2^63-1. Default: 0.")] = None,
-    timeout: Annotated[
-        Optional[float],
-        typer.Option("--timeout", metavar="SECONDS", help=(
-            "Limit on each call into your code (import, factory, each kernel or forward call). A call past it "
-            "is named in the report as an L1 call finding (exit 2 at import or factory time). "
-            "Default 60; with --in-process, none unless given.")),
-    ] = None,
+    seed: SeedOption = None,
+    timeout: TimeoutOption = None,
     max_timeouts: Annotated[
         Optional[str],
         typer.Option("--max-timeouts", metavar=INT, help=(
@@ -101,8 +100,8 @@ def check(  # long by its options (typer reads them from the signature); the bod
             "Run your code in this process, for debugging (breakpoints, pdb). sys.exit in it is still a finding, "
             "but a hang or a crash is not caught: without this option your code runs in a worker process.")),
     ] = False,
-    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    output_format: opt.FormatOption = Format.table,
+    output: opt.OutputOption = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the failing cases and their reproduction.")] = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget for --module sizes, such as 8G (default: what the machine has free).")] = None,

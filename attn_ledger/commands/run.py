@@ -31,6 +31,11 @@ OPTION_NAMES = {"batch_size": "--batch-size", "seq_len": "--seq-len", "query_len
 EmptyRows = opt.choices("EmptyRows", "error", "zeros")
 Show = opt.choices("Show", "weights", "mask")  # a heatmap drawn after the table
 
+# the options many commands share, with run's help text
+DeviceOption = opt.device_option("cpu, cuda, mps or auto.", any_name=True)  # any name: the config checks cuda:N
+OutputOption = opt.output_option("Write the report to this file instead of stdout.")
+SeedOption = opt.seed_option("Seed for inputs and weights, 0..2^63-1.")
+
 
 PICTURE_KEEP = 64  # --show/--html keep whole grids up to this Tq and Tk, the largest the HTML page draws cell by cell
 
@@ -58,15 +63,15 @@ def run(  # long by its options (typer reads them from the signature); the body 
     prefix_len: Annotated[Optional[str], typer.Option("--prefix-len", metavar=INT, help="Prefix length for prefix-lm.")] = None,
     empty_rows: Annotated[Optional[EmptyRows], typer.Option("--empty-rows", help="Rows with every key blocked: an error, or declared and required to be zeros.")] = None,
     dtype: Annotated[Optional[DType], typer.Option("--dtype", help="Compute dtype.")] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for inputs and weights, 0..2^63-1.")] = None,
+    seed: SeedOption = None,
     input_kind: Annotated[Optional[InputKind], typer.Option("--input", help="random or arange inputs.")] = None,
-    device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, mps or auto.")] = None,
+    device: DeviceOption = None,
     block_size: Annotated[Optional[str], typer.Option("--block-size", metavar=INT, help="Query rows per block for the score-grid stages.")] = None,
     keep_grids: Annotated[bool, typer.Option("--keep-grids", help="Keep whole score grids in memory even when large.")] = False,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Evaluate every row after the first divergence (marked downstream).")] = False,
     backends: Annotated[Optional[str], typer.Option("--backends", help="Repeat the context comparison per SDPA backend: 'all' or names from math, flash, efficient, cudnn joined by ','.")] = None,
-    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file instead of stdout.")] = None,
+    output_format: opt.FormatOption = Format.table,
+    output: OutputOption = None,
     show: Annotated[Optional[list[Show]], typer.Option("--show", help="After the table, draw a heatmap per head of the diverging example: the weights, or what masking did (repeatable; up to Tq, Tk = 32 cell by cell, pooled beyond).")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the mask and weight heatmaps.")] = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free); a run estimated above it is refused.")] = None,
