@@ -121,12 +121,7 @@ def check(  # long by its options (typer reads them from the signature); the bod
     error.
     """
     if list_cases:
-        if target is not None or module is not None:
-            from attn_ledger.commands.common import fail
-
-            given = target if target is not None else f"--module {module}"
-            raise fail(f"--list-cases: got it with {given!r}, expected no target or --module: it lists the cases and runs nothing")
-        _list_cases(output_format, output)
+        _list_cases(output_format, output, target, module)
         return
     # kernel-protocol options: None where not given (the pyproject table or the default then holds)
     kernel_options = {"--full": full or None, "--device": device.value if device else None,
@@ -140,49 +135,25 @@ def check(  # long by its options (typer reads them from the signature); the bod
                 "head_dims": head_dims, "backward": backward,
                 "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision,
                 "strict_coverage": strict_coverage}
+    module_options = {"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal, "--window": window,
+                      "--scale": scale, "--softcap": softcap, "--batch-size": batch_size, "--seq-len": seq_len,
+                      "--max-memory": max_memory}
 
     def build():
-        from attn_ledger.errors import InputError
         from attn_ledger.userload import parse_spec
         from attn_ledger.worker import Limits, run_user_task, show_output
 
-        if decode is not None and module is None:
-            raise InputError(f"--decode: got {decode!r} without --module; a decode path is checked with its module")
-        if decode is not None and causal is False:
-            raise InputError("--decode: cannot be used with --no-causal; decode parity compares with the causal forward")
-        if (target is None) == (module is None):
-            raise InputError("target: expected exactly one of a function 'file.py:NAME' or --module 'file.py:FACTORY'")
+        _refuse_targets(target, module, decode, causal)
         seed_value = opt.seed(seed) or 0
         limits = Limits(max_time=max_time, **({} if max_timeouts is None else
                                               {"max_timeouts": opt.integer(max_timeouts, "--max-timeouts", 1, 1 << 20)}))
         if module is not None:
             opt.refuse_given({"--case": case or None, "--empty-rows": empty_rows.value if empty_rows else None,
                               "--max-timeouts": max_timeouts, **kernel_options}, "with --module (it applies to a kernel-protocol function)")
-            e, nh = opt.integer(embed_dim, "--embed-dim", 1), opt.integer(heads, "--heads", 1)
-            if e is None or nh is None:
-                raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={e}, heads={nh}")
-            from attn_ledger.limits import estimate_module
-            from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, validate_module_options
-
-            b, t = opt.integer(batch_size, "--batch-size", 2), opt.integer(seq_len, "--seq-len", 2)
-            sizes = {"batch_size": BATCH_SIZE if b is None else b, "seq_len": SEQ_LEN if t is None else t}
-            w = opt.integer(window, "--window", 1)
-            is_causal = True if causal is None else causal
-            validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, softcap=softcap, **sizes)
-            opt.guard(estimate_module(e, nh, sizes["batch_size"], sizes["seq_len"], f"check --module E={e} Nh={nh}"),
-                      opt.memory(max_memory))
-            parse_spec(module, "--module")
-            if decode is not None:
-                parse_spec(decode, "--decode")
-            name, args, label = "module_check", {"spec": module, "field": "--module", "embed_dim": e,
-                                                 "num_heads": nh, "causal": is_causal, "window": w, "scale": scale,
-                                                 "softcap": softcap,
-                                                 "seed": seed_value, "decode": decode, **sizes}, "checking module"
+            name, label = "module_check", "checking module"
+            args = _module_args(module, decode, module_options, seed_value)
         else:
-            opt.refuse_given({"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal,
-                              "--window": window, "--scale": scale, "--softcap": softcap, "--batch-size": batch_size, "--seq-len": seq_len,
-                              "--max-memory": max_memory},
-                             "for a kernel-protocol function (it applies to --module)")
+            opt.refuse_given(module_options, "for a kernel-protocol function (it applies to --module)")
             parse_spec(target, "target")
             name, label = "kernel_check", "checking cases"
             args = _kernel_args(target, case, full, declared, seed_value, device.value if device else "cpu")
@@ -194,6 +165,48 @@ def check(  # long by its options (typer reads them from the signature); the bod
     inputs = {"target": spec_path(target), "--module": spec_path(module), "--decode": spec_path(decode),
               "pyproject.toml": "pyproject.toml" if target is not None and Path("pyproject.toml").is_file() else None}
     execute(build, output_format, output, command="check", timings=timings, html=html, inputs=inputs)
+
+
+def _refuse_targets(target: Optional[str], module: Optional[str], decode: Optional[str], causal: Optional[bool]) -> None:
+    """Exactly one of a function and a module; --decode only with a causal --module."""
+    from attn_ledger.errors import InputError
+
+    if decode is not None and module is None:
+        raise InputError(f"--decode: got {decode!r} without --module; a decode path is checked with its module")
+    if decode is not None and causal is False:
+        raise InputError("--decode: cannot be used with --no-causal; decode parity compares with the causal forward")
+    if (target is None) == (module is None):
+        raise InputError("target: expected exactly one of a function 'file.py:NAME' or --module 'file.py:FACTORY'")
+
+
+def _module_args(module: str, decode: Optional[str], given: dict, seed: int) -> dict:
+    """What the worker needs to check a module, as plain data, its sizes validated and its memory guarded.
+
+    Args:
+        given: the module options as typed (``--embed-dim`` -> its text, or None where not given).
+    """
+    from attn_ledger.errors import InputError
+    from attn_ledger.limits import estimate_module
+    from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, validate_module_options
+    from attn_ledger.userload import parse_spec
+
+    e, nh = opt.integer(given["--embed-dim"], "--embed-dim", 1), opt.integer(given["--heads"], "--heads", 1)
+    if e is None or nh is None:
+        raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={e}, heads={nh}")
+    b, t = opt.integer(given["--batch-size"], "--batch-size", 2), opt.integer(given["--seq-len"], "--seq-len", 2)
+    sizes = {"batch_size": BATCH_SIZE if b is None else b, "seq_len": SEQ_LEN if t is None else t}
+    w = opt.integer(given["--window"], "--window", 1)
+    causal = given["--causal/--no-causal"]
+    is_causal = True if causal is None else causal
+    scale, softcap = given["--scale"], given["--softcap"]
+    validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, softcap=softcap, **sizes)
+    opt.guard(estimate_module(e, nh, sizes["batch_size"], sizes["seq_len"], f"check --module E={e} Nh={nh}"),
+              opt.memory(given["--max-memory"]))
+    parse_spec(module, "--module")
+    if decode is not None:
+        parse_spec(decode, "--decode")
+    return {"spec": module, "field": "--module", "embed_dim": e, "num_heads": nh, "causal": is_causal, "window": w,
+            "scale": scale, "softcap": softcap, "seed": seed, "decode": decode, **sizes}
 
 
 def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: dict, seed: int,
@@ -212,7 +225,7 @@ def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: d
             "declaration": decl.to_json()}
 
 
-def _list_cases(fmt: Format, output: Optional[Path]) -> None:
+def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], module: Optional[str]) -> None:
     """Every case of every tier with its tier and reason: a table, or JSON with ``--format json``."""
     import json
 
@@ -221,6 +234,9 @@ def _list_cases(fmt: Format, output: Optional[Path]) -> None:
     from attn_ledger.kernelcases import GRID, describe_tiers
     from attn_ledger.render.table import wrap_words
 
+    if target is not None or module is not None:
+        given = target if target is not None else f"--module {module}"
+        raise fail(f"--list-cases: got it with {given!r}, expected no target or --module: it lists the cases and runs nothing")
     entries = describe_tiers(GRID)
     if fmt is Format.json:
         text = json.dumps({"command": "check --list-cases", "cases": entries}, indent=2) + "\n"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -92,23 +92,22 @@ def run(  # long by its options (typer reads them from the signature); the body 
 
     def build():
         budget = opt.memory(max_memory)
-        sizes = {"--batch-size": opt.integer(batch_size, "--batch-size"), "--seq-len": opt.integer(seq_len, "--seq-len"),
-                 "--query-len": opt.integer(query_len, "--query-len"), "--key-len": opt.integer(key_len, "--key-len"),
-                 "--embed-dim": opt.integer(embed_dim, "--embed-dim"), "--num-heads": opt.integer(num_heads, "--num-heads"),
-                 "--num-kv-heads": opt.integer(num_kv_heads, "--num-kv-heads"),
-                 "--value-dim": opt.integer(value_dim, "--value-dim")}
-        positions = {"--window": opt.integer(window, "--window", hi=MAX_POSITION),
-                     "--prefix-len": opt.integer(prefix_len, "--prefix-len", hi=MAX_POSITION),
-                     "--block-size": opt.integer(block_size, "--block-size", hi=MAX_POSITION)}
+        sizes = _integers({"--batch-size": batch_size, "--seq-len": seq_len, "--query-len": query_len,
+                           "--key-len": key_len, "--embed-dim": embed_dim, "--num-heads": num_heads,
+                           "--num-kv-heads": num_kv_heads, "--value-dim": value_dim})
+        positions = _integers({"--window": window, "--prefix-len": prefix_len, "--block-size": block_size}, hi=MAX_POSITION)
         lengths = opt.int_list(valid_lengths, "--valid-lengths")
         seed_value = opt.seed(seed)
         progress = Progress("ledger blocks")
         if tensors is not None:
-            return _on_tensors(sizes, positions, budget, progress)
-        from attn_ledger.config import load_config
-        from attn_ledger.ledger import run_ledger
-        from attn_ledger.limits import estimate_run
-
+            _refuse_for_tensors(config, fault, mask, positions, {**sizes, "--valid-lengths": valid_lengths, "--seed": seed,
+                                                                 "--input": input_kind.value if input_kind else None})
+            return _on_tensors(
+                tensors, budget, progress, mask=mask or "none", window=positions["--window"],
+                prefix_len=positions["--prefix-len"], empty_rows=(empty_rows.value if empty_rows else "error"),
+                dtype=dtype.value if dtype else None, device=device or "cpu", block_size=positions["--block-size"],
+                keep_grids=keep_grids, keep_going=keep_going, backends=backends, scale=scale, temperature=temperature,
+                rope=rope, grad=grad, grad_output=grad_output, replay=replay, softcap=softcap)
         overrides = {
             "fault": fault.value if fault else None, "batch_size": sizes["--batch-size"], "seq_len": sizes["--seq-len"],
             "query_len": sizes["--query-len"], "key_len": sizes["--key-len"], "embed_dim": sizes["--embed-dim"],
@@ -120,42 +119,60 @@ def run(  # long by its options (typer reads them from the signature); the body 
             "grad_output": grad_output, "replay": replay or None, "scale": scale, "temperature": temperature,
             "rope": rope, "softcap": softcap,
         }
-        cfg = load_config(config, overrides, OPTION_NAMES)
-        check_clashes({"output": output, "html": html}, {"grad_output": seed_file(cfg.grad_output)})
-        if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
-            cfg = cfg.model_copy(update={"keep_grids": True})  # the heatmaps draw every cell at this size
-        opt.guard(estimate_run(cfg), budget, progress=progress)
-        with progress:
-            return run_ledger(cfg, keep_going=keep_going, progress=progress, backends=backends)
-
-    def _on_tensors(sizes, positions, budget, progress):
-        from attn_ledger.errors import InputError
-        from attn_ledger.ledger import run_ledger_tensors
-        from attn_ledger.limits import estimate_tensors
-        from attn_ledger.tensorio import load_tensor_file
-
-        if config is not None:
-            raise InputError(f"config: got {str(config)!r} together with --tensors, expected one input or the other")
-        if fault is not None:
-            raise InputError("fault: got a fault with --tensors, expected faults only for the built-in pipeline")
-        opt.refuse_given({**sizes, "--valid-lengths": valid_lengths, "--seed": seed,
-                          "--input": input_kind.value if input_kind else None},
-                         "with --tensors (the file sets every size and holds the inputs)")
-        relations = [r.strip() for r in (mask or "none").split("+")]
-        for option, relation in (("--window", "sliding-window"), ("--prefix-len", "prefix-lm")):
-            if positions[option] is not None and relation not in relations:
-                raise InputError(f"{option}: got {positions[option]}, expected it only with a mask that includes "
-                                 f"{relation!r} (the mask is {(mask or 'none')!r})")
-        found = load_tensor_file(tensors, "tensors", max_memory=budget)
-        opt.guard(estimate_tensors(found, dtype=dtype.value if dtype else None, block_size=positions["--block-size"],
-                                   keep_grids=keep_grids, mask=mask or "none", grad=grad), budget, progress=progress)
-        with progress:
-            return run_ledger_tensors(
-                found, mask=mask or "none", window=positions["--window"], prefix_len=positions["--prefix-len"],
-                empty_rows=(empty_rows.value if empty_rows else "error"), dtype=dtype.value if dtype else None,
-                device=device or "cpu", block_size=positions["--block-size"], keep_grids=keep_grids,
-                keep_going=keep_going, progress=progress, backends=backends, source=str(tensors), scale=scale,
-                temperature=temperature, rope=rope, grad=grad, grad_output=grad_output, replay=replay, softcap=softcap)
+        return _on_config(config, overrides, budget, progress, pictures=pictures, outputs={"output": output, "html": html},
+                          keep_going=keep_going, backends=backends)
 
     inputs = {"config": config, "--tensors": tensors, "--grad-output": seed_file(grad_output)}
     execute(build, output_format, output, command="run", show=shown, html=html, inputs=inputs)
+
+
+def _integers(given: dict[str, Optional[str]], hi: Optional[int] = None) -> dict[str, Optional[int]]:
+    """Each option's text (``--window`` -> ``"4"``) as a whole number up to ``hi``, None where not given."""
+    return {option: opt.integer(text, option, hi=hi) for option, text in given.items()}
+
+
+def _on_config(config: Optional[Path], overrides: dict[str, Any], budget: Optional[int], progress: Progress, *,
+               pictures: bool, outputs: dict[str, Optional[Path]], keep_going: bool, backends: Optional[str]) -> Any:
+    """The ledger on a config (or the embedded default) under the options given."""
+    from attn_ledger.config import load_config
+    from attn_ledger.ledger import run_ledger
+    from attn_ledger.limits import estimate_run
+
+    cfg = load_config(config, overrides, OPTION_NAMES)
+    check_clashes(outputs, {"grad_output": seed_file(cfg.grad_output)})
+    if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
+        cfg = cfg.model_copy(update={"keep_grids": True})  # the heatmaps draw every cell at this size
+    opt.guard(estimate_run(cfg), budget, progress=progress)
+    with progress:
+        return run_ledger(cfg, keep_going=keep_going, progress=progress, backends=backends)
+
+
+def _refuse_for_tensors(config: Optional[Path], fault: Optional[FaultName], mask: Optional[str],
+                        positions: dict[str, Optional[int]], unused: dict[str, Any]) -> None:
+    """What --tensors cannot take: a config, a fault, the sizes and seeds the file sets, a position its mask lacks."""
+    from attn_ledger.errors import InputError
+
+    if config is not None:
+        raise InputError(f"config: got {str(config)!r} together with --tensors, expected one input or the other")
+    if fault is not None:
+        raise InputError("fault: got a fault with --tensors, expected faults only for the built-in pipeline")
+    opt.refuse_given(unused, "with --tensors (the file sets every size and holds the inputs)")
+    relations = [r.strip() for r in (mask or "none").split("+")]
+    for option, relation in (("--window", "sliding-window"), ("--prefix-len", "prefix-lm")):
+        if positions[option] is not None and relation not in relations:
+            raise InputError(f"{option}: got {positions[option]}, expected it only with a mask that includes "
+                             f"{relation!r} (the mask is {(mask or 'none')!r})")
+
+
+def _on_tensors(tensors: Path, budget: Optional[int], progress: Progress, **options: Any) -> Any:
+    """The ledger on saved tensors; ``options`` are :func:`attn_ledger.ledger.run_ledger_tensors`' own."""
+    from attn_ledger.ledger import run_ledger_tensors
+    from attn_ledger.limits import estimate_tensors
+    from attn_ledger.tensorio import load_tensor_file
+
+    found = load_tensor_file(tensors, "tensors", max_memory=budget)
+    opt.guard(estimate_tensors(found, dtype=options["dtype"], block_size=options["block_size"],
+                               keep_grids=options["keep_grids"], mask=options["mask"], grad=options["grad"]),
+              budget, progress=progress)
+    with progress:
+        return run_ledger_tensors(found, progress=progress, source=str(tensors), **options)
