@@ -26,7 +26,7 @@ TimeoutOption = opt.timeout_option(
     "Default 60; with --in-process, none unless given.")
 
 
-def check(  # long by its options (typer reads them from the signature); the body parses them and calls the library
+def check(  # long by its 36 options (typer reads them from the signature); the body hands them to the helpers below
     target: Annotated[
         Optional[str],
         typer.Argument(help="The attention function, 'path/to/file.py:NAME' or 'package.module:NAME' (kernel protocol)."),
@@ -130,9 +130,8 @@ def check(  # long by its options (typer reads them from the signature); the bod
                       "--dtypes": dtypes, "--masks": masks, "--gqa/--no-gqa": gqa,
                       "--distinct-dv/--no-distinct-dv": distinct_dv, "--max-tq": max_tq, "--max-tk": max_tk,
                       "--head-dims": head_dims}
-    declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv,
-                "max_tq": max_tq, "max_tk": max_tk,
-                "head_dims": head_dims, "backward": backward,
+    declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv, "max_tq": max_tq,
+                "max_tk": max_tk, "head_dims": head_dims, "backward": backward,
                 "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision,
                 "strict_coverage": strict_coverage}
     module_options = {"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal, "--window": window,

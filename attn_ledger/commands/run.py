@@ -45,7 +45,7 @@ def seed_file(grad_output: str | None) -> str | None:
     return None if grad_output in (None, "ones", "identity") else grad_output
 
 
-def run(  # long by its options (typer reads them from the signature); the body parses them and calls the library
+def run(  # long by its 36 options (typer reads them from the signature); the body parses them, helpers below run them
     config: Annotated[Optional[Path], typer.Argument(help="TOML or JSON config; omitted: the embedded default (B=2, T=5, E=12, Nh=3, causal).", show_default=False)] = None,
     tensors: Annotated[Optional[Path], typer.Option("--tensors", help="Saved q, k, v (.pt, .safetensors, .npz), with optional allow_mask, key_valid, scores, weights, out.")] = None,
     fault: Annotated[Optional[FaultName], typer.Option("--fault", help="Inject one deliberate failure into the built-in pipeline.")] = None,
