@@ -138,7 +138,6 @@ def guard(estimate: Any, max_memory: int | None, say: Any = None, progress: Any 
             say(line)
 
 
-
 # --- options many commands take, declared once -------------------------------------------------
 # Each is the ``Annotated`` type of a command's parameter (``output: opt.OutputOption = None``). Where
 # what the option does differs between commands, the command makes its alias with its own help text
