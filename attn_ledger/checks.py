@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Sequence
 
+from attn_ledger.errors import first_line
 from attn_ledger.report import Check, bounded, counted
 from attn_ledger.tolerance import HALF_FACTOR
 
@@ -83,7 +84,7 @@ def shape_check(actual: Sequence[int] | None, expected: Sequence[int], axes: str
 
 def raised_check(exc: BaseException) -> Check:
     """L1: the stage raised instead of producing its tensor."""
-    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    text = first_line(exc, "")
     return Check(1, "computes", "fail", reason=f"raised {type(exc).__name__}: {text}",
                  data={"exception": type(exc).__name__, "message": text})
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from attn_ledger.corefit import BiasFit, ScoreFit, compare_relations, fit_scores, recognise_bias, relation_of
 from attn_ledger.engine.relations import CAUSAL, RelationSpec
 from attn_ledger.errors import field_error
+from attn_ledger.errors import field_error, first_line
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.headtrace import Located, kv_heads_from_widths, layout_of, locate, pairing, trace_vectors
 from attn_ledger.intervention import closeness
@@ -153,11 +154,6 @@ def scale_rtol(dtype: "torch.dtype") -> float:
     return tolerance.fitted_scale(dtype)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
-
-
 def _unseen(status: str, short: str, reason: str) -> Audit:
     """Every observed check unjudged for one reason; the coverage carries the reason in full."""
     checks = {name: unjudged(2 if name in AXIS_CHECKS else 4, name, status, short)  # type: ignore[arg-type]
@@ -182,7 +178,7 @@ def audit_core(module: "nn.Module", x: "torch.Tensor", declared: Declared, *, em
     except UserCodeError:
         raise
     except Exception as exc:  # the user's forward may raise anything
-        why = f"the observed forward raised {type(exc).__name__}: {_first_line(exc)}"
+        why = f"the observed forward raised {type(exc).__name__}: {first_line(exc)}"
         return _unseen("skipped", why, why)
     if obs.core is None:
         seen = f" (calls on the projections that were not understood: {', '.join(obs.unexplained[:5])})" \
@@ -203,7 +199,7 @@ def audit_core(module: "nn.Module", x: "torch.Tensor", declared: Declared, *, em
         raise
     except Exception as exc:  # the probe forward is the user's forward
         probes = None
-        note = f"the probe forward raised {type(exc).__name__}: {_first_line(exc)}"
+        note = f"the probe forward raised {type(exc).__name__}: {first_line(exc)}"
     else:
         note = "the probe forward did not reach the same core"
     if probes is None:

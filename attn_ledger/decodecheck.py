@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from attn_ledger.errors import SetupError
+from attn_ledger.errors import SetupError, first_line
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.intervention import abs_delta, output_scale
 from attn_ledger.report import Check, Report, Row, bounded, first_finding_of, row_status, unjudged
@@ -140,11 +140,6 @@ class DecodeCallError(Exception):
         self.data: dict[str, Any] = data
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else "(no message)"
-
-
 @dataclass(frozen=True)
 class _Decoder:
     """The user's module and decode function, called the one way the protocol allows."""
@@ -162,7 +157,7 @@ class _Decoder:
         except UserCodeError:
             raise  # an exit or the time limit: the check stops at this call (an L1 call finding)
         except Exception as exc:  # the user's decode may raise anything
-            raise DecodeCallError(f"decode raised {type(exc).__name__} on x_new {shape}: {_first_line(exc)}",
+            raise DecodeCallError(f"decode raised {type(exc).__name__} on x_new {shape}: {first_line(exc)}",
                                   input=list(shape), exception=type(exc).__name__) from None
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise DecodeCallError(f"decode returned {type(result).__name__}, expected a pair (y_new [B, t, E], cache)",

@@ -28,6 +28,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from attn_ledger.errors import first_line
 from attn_ledger.guard import UserCodeError, user_call
 
 if TYPE_CHECKING:
@@ -142,8 +143,7 @@ def _materialised(out: "Tensor", cls: type) -> tuple["Tensor | None", dict[str, 
                 with torch._C.DisableTorchFunctionSubclass():
                     out = full()
             except Exception as exc:  # the subclass's own code
-                text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "(no message)"
-                return None, _problem(f"returned a {name}, whose full_tensor() raised {type(exc).__name__}: {text}",
+                return None, _problem(f"returned a {name}, whose full_tensor() raised {type(exc).__name__}: {first_line(exc)}",
                                       returned=name)
             if type(out) is torch.Tensor:
                 return out, None
@@ -172,14 +172,13 @@ def _error_facts(exc: Exception) -> dict[str, Any]:
     """How a call ended that raised: a :class:`UserCodeError` (exit, time limit) or an ordinary exception."""
     if isinstance(exc, UserCodeError):
         return {"kind": "user_code", "text": str(exc), "what": exc.what, "data": _plain(exc.data)}
-    text = str(exc).strip()
     bases = [c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins"]
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     at_call = tb is not None and tb.tb_frame.f_code in (call_forward.__code__, call_with_grad.__code__)
     return {"kind": "raised", "type": type(exc).__name__, "bases": bases, "at_call": at_call,
-            "message": text.splitlines()[0][:200] if text else "(no message)"}
+            "message": first_line(exc)}
 
 
 def _plain(data: dict[str, Any]) -> dict[str, Any]:

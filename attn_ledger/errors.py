@@ -39,6 +39,7 @@ class ResourceError(AttnLedgerError):
 
 SHOWN_CHARS = 60  # an echoed value is cut to about this many characters
 PATH_CHARS = 240  # a path is shown whole up to this length
+FIRST_LINE_CHARS = 200  # an exception's message quoted in a finding: its first line, cut to this many characters
 
 
 def shown(value: object, limit: int = SHOWN_CHARS) -> str:
@@ -53,6 +54,12 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
 def shown_path(path: object) -> str:
     """A path as it is echoed in a message: quoted, and cut only when absurdly long."""
     return shown(str(path), PATH_CHARS)
+
+
+def first_line(exc: BaseException, empty: str = "(no message)", limit: int | None = FIRST_LINE_CHARS) -> str:
+    """The first line of ``exc``'s message cut to ``limit`` characters (None: whole), or ``empty`` when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else empty
 
 
 def clip(text: str, limit: int = 120) -> str:

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from attn_ledger.errors import InputError
+from attn_ledger.errors import InputError, first_line
 
 __all__ = ["CallStopped", "UserCodeError", "in_process", "outcome", "rebuilt_exception", "reporting_to", "user_call"]
 
@@ -123,16 +123,13 @@ def outcome(exc: BaseException) -> str:
     """How a failed call ended, as a phrase: ``raised ValueError: bad shape``, ``raised SystemExit(0)``."""
     if isinstance(exc, UserCodeError):
         return str(exc)
-    text = str(exc).strip()
-    first = text.splitlines()[0][:200] if text else "(no message)"
-    return f"raised {type(exc).__name__}: {first}"
+    return f"raised {type(exc).__name__}: {first_line(exc)}"
 
 
 def _base_exception(exc: BaseException, what: str) -> UserCodeError:
     text = repr(exc)
-    message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
     return UserCodeError(f"raised {text if len(text) <= 200 else text[:197] + '...'}", what,
-                         exception=type(exc).__name__, message=message)
+                         exception=type(exc).__name__, message=first_line(exc, ""))
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
-from attn_ledger.errors import SetupError
+from attn_ledger.errors import SetupError, first_line
 from attn_ledger.guard import UserCodeError, outcome, user_call
 from attn_ledger.report import Check, bounded, counted
 from attn_ledger.seeding import generator
@@ -63,11 +63,6 @@ class ForwardError(Exception):
     def __init__(self, message: str, **data: Any) -> None:
         super().__init__(message)
         self.data: dict[str, Any] = data
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
 
 
 def first_output(result: Any) -> "torch.Tensor":
@@ -114,7 +109,7 @@ def call_forward(forward: Callable[[Any], Any], x: "torch.Tensor", expect_shape:
     except UserCodeError:
         raise
     except Exception as exc:  # the user's forward may raise anything
-        raise ForwardError(f"forward raised {type(exc).__name__} on input {tuple(x.shape)}: {_first_line(exc)}",
+        raise ForwardError(f"forward raised {type(exc).__name__} on input {tuple(x.shape)}: {first_line(exc)}",
                            input=shape, exception=type(exc).__name__) from None
     if expect_shape and tuple(y.shape) != tuple(x.shape):
         raise ForwardError(f"forward returned shape {tuple(y.shape)} for input {tuple(x.shape)} [B, T, E], expected the same shape",

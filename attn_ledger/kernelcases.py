@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+from attn_ledger.devices import torch_dtype
 from attn_ledger.engine.relations import CAUSAL, KEY_GAP, NO_RELATION, RelationSpec
 from attn_ledger.errors import InputError, shown
 
@@ -570,12 +571,6 @@ def select_cases(ids: Sequence[str] | None, tier: str = "default") -> tuple[Case
 
 
 # --- inputs -----------------------------------------------------------------------------------
-
-
-def torch_dtype(name: str) -> "torch.dtype":
-    import torch
-
-    return getattr(torch, name)
 
 
 def _fill(shape: tuple[int, ...], gen: "torch.Generator", scale: float, index: bool) -> "Tensor":

@@ -55,7 +55,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from attn_ledger.errors import InputError, SetupError
+from attn_ledger.devices import reference_dtype, resolve_device, torch_dtype
+from attn_ledger.errors import InputError, SetupError, first_line
 from attn_ledger.guard import UserCodeError, rebuilt_exception
 from attn_ledger.kernelcases import (  # noqa: F401  (re-exported: the public names of check's cases)
     DEFAULT_TIER,
@@ -72,7 +73,6 @@ from attn_ledger.kernelcases import (  # noqa: F401  (re-exported: the public na
     parse_case,
     select_cases,
     tier_cases,
-    torch_dtype,
 )
 from attn_ledger.kernelgrad import GradJudging, GradRun, backward_checks, grad_run, not_run
 from attn_ledger.kernelref import (  # noqa: F401  (FACTOR re-exported)
@@ -143,27 +143,6 @@ class Options:
             raise InputError(f"empty_rows: got {self.empty_rows!r}, expected one of {', '.join(EMPTY_ROWS)}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise InputError(f"device: got {self.device!r}, expected one of {', '.join(DEVICES)}")
-
-
-def resolve_device(name: str) -> "torch.device":
-    """``auto``: CUDA where there is one, else MPS, else the CPU. A device that is absent is an input error."""
-    import torch
-
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"device: got {name!r}, but CUDA is not available here; expected cpu or auto")
-    if name == "mps" and not mps:
-        raise InputError("device: got 'mps', but MPS is not available here; expected cpu or auto")
-    return torch.device(name)
-
-
-def reference_dtype(device: "torch.device") -> "torch.dtype":
-    """float64 where the device has it, float32 otherwise (MPS)."""
-    import torch
-
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def dtype_supported(dtype_name: str, device: "torch.device") -> bool:
@@ -507,11 +486,6 @@ def with_call_notes(report: Report, results: Sequence[CaseResult], state: dict[s
 # --- calling the user's function -------------------------------------------------------------
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else "(no message)"
-
-
 class _Kernel:
     """Calls the user's function through the driver (:mod:`attn_ledger.driver`) and reads what came back.
 
@@ -638,7 +612,7 @@ def _stopped_by(result: CaseResult) -> Check | None:
 
 def _raised(level: int, name: str, exc: BaseException, where: str, data: dict[str, Any] | None = None) -> Check:
     """A failing check for a call of the user's function that raised."""
-    message = _first_line(exc)
+    message = first_line(exc)
     return Check(level, name, "fail", reason=f"{where} raised {type(exc).__name__}: {message}",
                  data={**(data or {}), "exception": type(exc).__name__, "message": message})
 
@@ -1329,7 +1303,7 @@ def check_capabilities(fn: Callable[..., Any], plan: Plan, declaration: Declarat
             if missing_from_error(exc, names) is None and _raised_by_the_call(exc):
                 given = ", ".join(["q, k, v", *(f"{n}=" for n in names)])
                 raise SetupError(f"target: {target} cannot take the kernel protocol's arguments ({given}): "
-                                 f"the first call raised TypeError: {_first_line(exc)}; "
+                                 f"the first call raised TypeError: {first_line(exc)}; "
                                  f"wrap it in an adapter ({ADAPTERS})") from None
             raise
 

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from attn_ledger.engine import assemble, builtin, inputs, relations
 from attn_ledger.engine.backends import SDPA_BACKENDS, resolve_backends
-from attn_ledger.engine.execute import ProgressFn, reference_dtype
+from attn_ledger.devices import reference_dtype, resolve_device, torch_dtype
+from attn_ledger.engine.execute import ProgressFn
 from attn_ledger.engine.grid import Grid, run_grid, scale_meta, softcap_meta
 from attn_ledger.engine.positions import rope_row
 from attn_ledger.engine.properties import properties_row
@@ -86,7 +87,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     from attn_ledger.pipeline import ops_for, with_softcap
 
     cfg = config
-    device, dtype = inputs.resolve_device(cfg.device), inputs.torch_dtype(cfg.dtype)
+    device, dtype = resolve_device(cfg.device), torch_dtype(cfg.dtype)
     b, tq, tk, nh = cfg.batch_size, cfg.tq, cfg.tk, cfg.num_heads
     relation = relations.build(cfg.relation, b, nh, tq, tk, device)
     ops = with_softcap(ops or ops_for(cfg.fault), cfg.softcap)
@@ -101,19 +102,10 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
         assemble.arrays(rows, meta, False)
         return assemble.finish("run", title, order, rows, keep_going, meta, relation, tq, tk, empty_zero)
 
-    builtin.input_row(rows, cfg, inp)
-    found = rows.run("head_roundtrip", lambda: builtin.head_roundtrip(ops, b, tq, cfg.embed_dim, nh, cfg.dv))
-    if found is not None:
-        rows.shapes["head_roundtrip"], rows.checks["head_roundtrip"] = found
-    if rows.raised or (rows.failed() and not keep_going):
+    entered = _before_scores(rows, ops, cfg, inp, spec, keep_going)
+    if entered is None:
         return done()
-    qkv = builtin.projections(rows, ops, cfg, inp)
-    if qkv is None or (rows.failed() and not keep_going):
-        return done()
-    rotated = rope_row(rows, ops, spec, qkv, (inp.q64, inp.k64, inp.v64), saved=False)
-    if rotated is None or (rows.failed() and not keep_going):
-        return done()
-    (q, k, v), refs = rotated
+    qkv, ((q, k, v), refs) = entered
     expanded = rows.run("scores", lambda: (ops.expand(k, nh), ops.expand(v, nh)))  # [B, Nh, Tk, Dh], [B, Nh, Tk, Dv]
     if expanded is None:
         return done()
@@ -128,6 +120,29 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
         return done()
     _after_context(rows, ops, cfg, inp, relation, grid, (q, k_exp, v_exp), qkv, run_scale, scale, keep_going)
     return done()
+
+
+def _before_scores(rows: Rows, ops: Any, cfg: "RunConfig", inp: builtin.Inputs, spec: Any, keep_going: bool) -> tuple | None:
+    """The built-in pipeline up to the scores: input, head round trip, projections, rotary positions.
+
+    Returns:
+        ``(qkv, ((q, k, v), refs))``: the projections, and what enters the scores with its references;
+        None where the ledger stops before the scores.
+    """
+    b, tq, nh = cfg.batch_size, cfg.tq, cfg.num_heads
+    builtin.input_row(rows, cfg, inp)
+    found = rows.run("head_roundtrip", lambda: builtin.head_roundtrip(ops, b, tq, cfg.embed_dim, nh, cfg.dv))
+    if found is not None:
+        rows.shapes["head_roundtrip"], rows.checks["head_roundtrip"] = found
+    if rows.raised or (rows.failed() and not keep_going):
+        return None
+    qkv = builtin.projections(rows, ops, cfg, inp)
+    if qkv is None or (rows.failed() and not keep_going):
+        return None
+    rotated = rope_row(rows, ops, spec, qkv, (inp.q64, inp.k64, inp.v64), saved=False)
+    if rotated is None or (rows.failed() and not keep_going):
+        return None
+    return qkv, rotated
 
 
 def _after_context(rows: Rows, ops: Any, cfg: "RunConfig", inp: builtin.Inputs, relation: "Relation", grid: Grid,
@@ -227,7 +242,6 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         The :class:`~attn_ledger.report.Report` for stages input, (rope,) scores, masked_scores, weights,
         context, properties (and the backward's).
     """
-    from attn_ledger.engine.replay import replay_tensors
     from attn_ledger.errors import InputError
     from attn_ledger.pipeline import HEALTHY, with_softcap
 
@@ -273,17 +287,36 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
                     backends=backends, softcap=softcap)
     if grid.context is None or (rows.failed() and not keep_going):
         return done()
+    _tensors_after_context(rows, ops, relation, grid, (qr, k_exp, v_exp), (q, k, v), ref_scale, empty_zero, keep_going,
+                           rotation_spec=rotation_spec, grad=grad, grad_output=grad_output, grads=grads,
+                           one_head=one_head, replay=replay)
+    return done()
+
+
+def _tensors_after_context(rows: Rows, ops: Any, relation: "Relation", grid: Grid, entered: tuple, given: tuple,
+                           scale: float, empty_zero: bool, keep_going: bool, *, rotation_spec: Any, grad: bool,
+                           grad_output: Any, grads: dict, one_head: bool, replay: bool) -> None:
+    """Given tensors after the score grid: the replay, properties, the backward.
+
+    Args:
+        entered: q (rotated), k and v (rotated, kv heads expanded) as they entered the scores, ``[B, Nh, T, D]``.
+        given: q, k and v as given, ``[B, Nh or Nkv, T, D]``.
+    """
+    from attn_ledger.engine.replay import replay_tensors
+
+    qr, k_exp, v_exp = entered
+    q, k, v = given
     if replay:
-        rows.checks["context"].append(replay_tensors(grid, relation, qr, k_exp, v_exp, ref_scale, empty_zero, ops))
-    properties_row(rows, ops, qr, k_exp, v_exp, relation, ref_scale, grad)
+        rows.checks["context"].append(replay_tensors(grid, relation, qr, k_exp, v_exp, scale, empty_zero, ops))
+    properties_row(rows, ops, qr, k_exp, v_exp, relation, scale, grad)
     if grad and not (rows.failed() and not keep_going):
         from attn_ledger.engine import backward_rows
         from attn_ledger.engine.backward import Rotation
 
-        fwd = backward_rows.Forward(qr, k_exp, v_exp, q, k, v, (q, k, v), relation, grid.plan, ref_scale, ref_scale,
-                                    empty_zero, None if rotation_spec is None else Rotation(rotation_spec, tk - tq))
+        shift = k.shape[2] - q.shape[2]  # Tk - Tq: query i sits at position i + Tk - Tq
+        fwd = backward_rows.Forward(qr, k_exp, v_exp, q, k, v, (q, k, v), relation, grid.plan, scale, scale,
+                                    empty_zero, None if rotation_spec is None else Rotation(rotation_spec, shift))
         backward_rows.tensor_backward(rows, fwd, grad_output, grads, one_head, replay)
-    return done()
 
 
 def run_ledger_tensors(
@@ -316,7 +349,7 @@ def run_ledger_tensors(
     :func:`~attn_ledger.tensorio.load_tensor_file`; ``source`` then names them in the title.
     """
     source = source or (str(path) if isinstance(path, (str, os.PathLike)) else "tensors")
-    t = inputs.load(path, None if dtype is None else inputs.torch_dtype(dtype), inputs.resolve_device(device), source)
+    t = inputs.load(path, None if dtype is None else torch_dtype(dtype), resolve_device(device), source)
     return ledger_on_qkv(
         t["q"], t["k"], t["v"], allow_mask=t.get("allow_mask"), key_valid=t.get("key_valid"), mask=mask,
         window=window, prefix_len=prefix_len, scores=t.get("scores"), weights=t.get("weights"), out=t.get("out"),

@@ -43,6 +43,7 @@ from attn_ledger import decodecheck
 from attn_ledger.coreaudit import AXIS_CHECKS, CORE_CHECKS, Audit, Declared, audit_core
 from attn_ledger.engine.relations import module_relation
 from attn_ledger.errors import field_error
+from attn_ledger.errors import field_error, first_line
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.intervention import (
     ForwardError,
@@ -92,11 +93,6 @@ ASPECTS: dict[str, tuple[tuple[int, str], ...]] = {
 CAUSAL_ONLY = frozenset({"causal_intervention_no_grad", "causal_intervention_autograd", "intervention_controls",
                          "causal_gradient_form"})
 NOT_CAUSAL_ONLY = frozenset({"permutation_equivariance"})
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
 
 def _batch_first_hint(prefix: str, mha: "nn.MultiheadAttention") -> str:
     if mha.batch_first:
@@ -305,7 +301,7 @@ def _causal_checks(s: _Subject, embed_dim: int, num_heads: int, noisy: bool) -> 
     except UserCodeError:
         raise
     except Exception as exc:  # the user's backward may raise anything
-        checks.append(Check(4, "causal_gradient_form", "fail", reason=f"backward raised {type(exc).__name__}: {_first_line(exc)}",
+        checks.append(Check(4, "causal_gradient_form", "fail", reason=f"backward raised {type(exc).__name__}: {first_line(exc)}",
                             data={"exception": type(exc).__name__}))
     return checks
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from attn_ledger import tolerance
+from attn_ledger.errors import first_line
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.intervention import ForwardError, call_forward, first_output, forward_failure, module_forward
 from attn_ledger.report import Check, unjudged
@@ -33,11 +34,6 @@ MAX_COORDINATES = 64
 _OUTPUT_DIRECTIONS = 4
 _STRICT = tolerance.GRADCHECK
 _LOOSE = tolerance.GRADCHECK_FLOAT32_INSIDE  # for modules that round to float32 inside
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
 
 
 def _parameter_gradients(module: "nn.Module") -> Check:
@@ -98,7 +94,7 @@ def gradient_checks(module: "nn.Module", x: "torch.Tensor") -> list[Check]:
             except UserCodeError:
                 raise
             except Exception as exc:  # the user's backward may raise anything
-                why = f"backward raised {type(exc).__name__}: {_first_line(exc)}"
+                why = f"backward raised {type(exc).__name__}: {first_line(exc)}"
                 data = {"exception": type(exc).__name__}
                 return [Check(3, "input_gradient", "fail", reason=why, data=data),
                         Check(3, "parameter_gradients", "fail", reason=why, data=data)]
@@ -252,7 +248,7 @@ def gradcheck_check(module: "nn.Module", embed_dim: int, seed: int) -> Check:
         raise
     except Exception as exc:  # copying or running the user's module in float64 may fail in any way
         return unjudged(3, "gradcheck", "skipped",
-                        f"the module's float64 copy could not run: {type(exc).__name__}: {_first_line(exc)}")
+                        f"the module's float64 copy could not run: {type(exc).__name__}: {first_line(exc)}")
     rule = _LOOSE if inside else _STRICT
     data = {**counts, "outputs": _OUTPUT_DIRECTIONS, "B": 1, "T": 3, **rule, "lower_precision_inside": inside}
     measure = "torch.autograd.gradcheck (float64, B=1, T=3)"
@@ -263,7 +259,7 @@ def gradcheck_check(module: "nn.Module", embed_dim: int, seed: int) -> Check:
     except UserCodeError:
         raise
     except Exception as exc:  # the user's backward may raise anything
-        return Check(3, "gradcheck", "fail", measure, reason=f"backward raised {type(exc).__name__}: {_first_line(exc)}",
+        return Check(3, "gradcheck", "fail", measure, reason=f"backward raised {type(exc).__name__}: {first_line(exc)}",
                      data={**data, "exception": type(exc).__name__})
     if ok:
         return Check(3, "gradcheck", "pass", measure, data=data)

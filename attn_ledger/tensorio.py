@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from attn_ledger.errors import TensorFileError, clip, shown, shown_path
+from attn_ledger.errors import TensorFileError, clip, first_line, shown, shown_path
 from attn_ledger.paths import input_file
 
 if TYPE_CHECKING:
@@ -151,8 +151,7 @@ def load_tensor_file(path: str | Path, field: str = "tensors", *, max_memory: in
         except TensorFileError:
             raise
         except Exception as exc:  # the file's own fault: corrupt, truncated, wrong format
-            text = str(exc).strip()
-            first = text.splitlines()[0] if text else type(exc).__name__
+            first = first_line(exc, type(exc).__name__, limit=None)  # clip cuts it, saying how long it was
             raise TensorFileError(f"{field}: cannot read {shown_path(p)} as {_EXPECTED[suffix]}: {clip(first)}") from None
     for name, value in loaded.items():
         _check_entry(field, p, name, value)
@@ -214,8 +213,7 @@ def _npz_bytes(p: Path, field: str) -> int:
                     n *= int(d)
                 total += n * dtype.itemsize
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
+        first = first_line(exc, type(exc).__name__, limit=None)
         raise TensorFileError(f"{field}: cannot read {shown_path(p)} as an .npz archive (np.savez): {clip(first)}") from None
     return total
 

@@ -12,16 +12,21 @@ from attn_ledger.commands.common import Format, Progress, execute, spec_path
 from attn_ledger.commands.options import INT
 
 
-Device = opt.choices("Device", "cpu", "cuda", "mps", "auto")  # where the cases run
-
-
 DECLARE = "Declaration"
 
 
 EmptyRows = opt.choices("EmptyRows", "zeros", "nan", "any")  # what a query with every key blocked must return
 
+# the options many commands share, with check's help text
+DeviceOption = opt.device_option("Where the cases run; the reference is float64 where the device has it. Default: cpu.")
+SeedOption = opt.seed_option("Seed for the random inputs and perturbations, 0..2^63-1. Default: 0.")
+TimeoutOption = opt.timeout_option(
+    "Limit on each call into your code (import, factory, each kernel or forward call). A call past it "
+    "is named in the report as an L1 call finding (exit 2 at import or factory time). "
+    "Default 60; with --in-process, none unless given.")
 
-def check(  # long by its options (typer reads them from the signature); the body parses them and calls the library
+
+def check(  # long by its 36 options (typer reads them from the signature); the body hands them to the helpers below
     target: Annotated[
         Optional[str],
         typer.Argument(help="The attention function, 'path/to/file.py:NAME' or 'package.module:NAME' (kernel protocol)."),
@@ -67,7 +72,7 @@ def check(  # long by its options (typer reads them from the signature); the bod
     strict_coverage: Annotated[
         Optional[bool], typer.Option("--strict-coverage/--lenient-coverage", help="A case that no check past L1 judged (all inconclusive, skipped or not applicable) fails. Default: lenient (counted inconclusive, a warning).")
     ] = None,
-    device: Annotated[Optional[Device], typer.Option("--device", help="Where the cases run; the reference is float64 where the device has it. Default: cpu.")] = None,
+    device: DeviceOption = None,
     dtypes: Annotated[Optional[str], typer.Option("--dtypes", help="Dtypes the kernel supports, e.g. float16,bfloat16.", rich_help_panel=DECLARE)] = None,
     masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal.", rich_help_panel=DECLARE)] = None,
     gqa: Annotated[Optional[bool], typer.Option("--gqa/--no-gqa", help="Whether it supports Nkv < Nh. Default: gqa.", rich_help_panel=DECLARE)] = None,
@@ -75,14 +80,8 @@ def check(  # long by its options (typer reads them from the signature); the bod
     max_tq: Annotated[Optional[str], typer.Option("--max-tq", metavar=INT, help="The longest Tq it takes.", rich_help_panel=DECLARE)] = None,
     max_tk: Annotated[Optional[str], typer.Option("--max-tk", metavar=INT, help="The longest Tk it takes.", rich_help_panel=DECLARE)] = None,
     head_dims: Annotated[Optional[str], typer.Option("--head-dims", help="Head widths Dh and Dv may take, e.g. 64,128.", rich_help_panel=DECLARE)] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random inputs and perturbations, 0..2^63-1. Default: 0.")] = None,
-    timeout: Annotated[
-        Optional[float],
-        typer.Option("--timeout", metavar="SECONDS", help=(
-            "Limit on each call into your code (import, factory, each kernel or forward call). A call past it "
-            "is named in the report as an L1 call finding (exit 2 at import or factory time). "
-            "Default 60; with --in-process, none unless given.")),
-    ] = None,
+    seed: SeedOption = None,
+    timeout: TimeoutOption = None,
     max_timeouts: Annotated[
         Optional[str],
         typer.Option("--max-timeouts", metavar=INT, help=(
@@ -101,8 +100,8 @@ def check(  # long by its options (typer reads them from the signature); the bod
             "Run your code in this process, for debugging (breakpoints, pdb). sys.exit in it is still a finding, "
             "but a hang or a crash is not caught: without this option your code runs in a worker process.")),
     ] = False,
-    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    output_format: opt.FormatOption = Format.table,
+    output: opt.OutputOption = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the failing cases and their reproduction.")] = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget for --module sizes, such as 8G (default: what the machine has free).")] = None,
@@ -122,12 +121,7 @@ def check(  # long by its options (typer reads them from the signature); the bod
     error.
     """
     if list_cases:
-        if target is not None or module is not None:
-            from attn_ledger.commands.common import fail
-
-            given = target if target is not None else f"--module {module}"
-            raise fail(f"--list-cases: got it with {given!r}, expected no target or --module: it lists the cases and runs nothing")
-        _list_cases(output_format, output)
+        _list_cases(output_format, output, target, module)
         return
     # kernel-protocol options: None where not given (the pyproject table or the default then holds)
     kernel_options = {"--full": full or None, "--device": device.value if device else None,
@@ -136,54 +130,29 @@ def check(  # long by its options (typer reads them from the signature); the bod
                       "--dtypes": dtypes, "--masks": masks, "--gqa/--no-gqa": gqa,
                       "--distinct-dv/--no-distinct-dv": distinct_dv, "--max-tq": max_tq, "--max-tk": max_tk,
                       "--head-dims": head_dims}
-    declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv,
-                "max_tq": max_tq, "max_tk": max_tk,
-                "head_dims": head_dims, "backward": backward,
+    declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv, "max_tq": max_tq,
+                "max_tk": max_tk, "head_dims": head_dims, "backward": backward,
                 "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision,
                 "strict_coverage": strict_coverage}
+    module_options = {"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal, "--window": window,
+                      "--scale": scale, "--softcap": softcap, "--batch-size": batch_size, "--seq-len": seq_len,
+                      "--max-memory": max_memory}
 
     def build():
-        from attn_ledger.errors import InputError
         from attn_ledger.userload import parse_spec
         from attn_ledger.worker import Limits, run_user_task, show_output
 
-        if decode is not None and module is None:
-            raise InputError(f"--decode: got {decode!r} without --module; a decode path is checked with its module")
-        if decode is not None and causal is False:
-            raise InputError("--decode: cannot be used with --no-causal; decode parity compares with the causal forward")
-        if (target is None) == (module is None):
-            raise InputError("target: expected exactly one of a function 'file.py:NAME' or --module 'file.py:FACTORY'")
+        _refuse_targets(target, module, decode, causal)
         seed_value = opt.seed(seed) or 0
         limits = Limits(max_time=max_time, **({} if max_timeouts is None else
                                               {"max_timeouts": opt.integer(max_timeouts, "--max-timeouts", 1, 1 << 20)}))
         if module is not None:
             opt.refuse_given({"--case": case or None, "--empty-rows": empty_rows.value if empty_rows else None,
                               "--max-timeouts": max_timeouts, **kernel_options}, "with --module (it applies to a kernel-protocol function)")
-            e, nh = opt.integer(embed_dim, "--embed-dim", 1), opt.integer(heads, "--heads", 1)
-            if e is None or nh is None:
-                raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={e}, heads={nh}")
-            from attn_ledger.limits import estimate_module
-            from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, validate_module_options
-
-            b, t = opt.integer(batch_size, "--batch-size", 2), opt.integer(seq_len, "--seq-len", 2)
-            sizes = {"batch_size": BATCH_SIZE if b is None else b, "seq_len": SEQ_LEN if t is None else t}
-            w = opt.integer(window, "--window", 1)
-            is_causal = True if causal is None else causal
-            validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, softcap=softcap, **sizes)
-            opt.guard(estimate_module(e, nh, sizes["batch_size"], sizes["seq_len"], f"check --module E={e} Nh={nh}"),
-                      opt.memory(max_memory))
-            parse_spec(module, "--module")
-            if decode is not None:
-                parse_spec(decode, "--decode")
-            name, args, label = "module_check", {"spec": module, "field": "--module", "embed_dim": e,
-                                                 "num_heads": nh, "causal": is_causal, "window": w, "scale": scale,
-                                                 "softcap": softcap,
-                                                 "seed": seed_value, "decode": decode, **sizes}, "checking module"
+            name, label = "module_check", "checking module"
+            args = _module_args(module, decode, module_options, seed_value)
         else:
-            opt.refuse_given({"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal,
-                              "--window": window, "--scale": scale, "--softcap": softcap, "--batch-size": batch_size, "--seq-len": seq_len,
-                              "--max-memory": max_memory},
-                             "for a kernel-protocol function (it applies to --module)")
+            opt.refuse_given(module_options, "for a kernel-protocol function (it applies to --module)")
             parse_spec(target, "target")
             name, label = "kernel_check", "checking cases"
             args = _kernel_args(target, case, full, declared, seed_value, device.value if device else "cpu")
@@ -195,6 +164,48 @@ def check(  # long by its options (typer reads them from the signature); the bod
     inputs = {"target": spec_path(target), "--module": spec_path(module), "--decode": spec_path(decode),
               "pyproject.toml": "pyproject.toml" if target is not None and Path("pyproject.toml").is_file() else None}
     execute(build, output_format, output, command="check", timings=timings, html=html, inputs=inputs)
+
+
+def _refuse_targets(target: Optional[str], module: Optional[str], decode: Optional[str], causal: Optional[bool]) -> None:
+    """Exactly one of a function and a module; --decode only with a causal --module."""
+    from attn_ledger.errors import InputError
+
+    if decode is not None and module is None:
+        raise InputError(f"--decode: got {decode!r} without --module; a decode path is checked with its module")
+    if decode is not None and causal is False:
+        raise InputError("--decode: cannot be used with --no-causal; decode parity compares with the causal forward")
+    if (target is None) == (module is None):
+        raise InputError("target: expected exactly one of a function 'file.py:NAME' or --module 'file.py:FACTORY'")
+
+
+def _module_args(module: str, decode: Optional[str], given: dict, seed: int) -> dict:
+    """What the worker needs to check a module, as plain data, its sizes validated and its memory guarded.
+
+    Args:
+        given: the module options as typed (``--embed-dim`` -> its text, or None where not given).
+    """
+    from attn_ledger.errors import InputError
+    from attn_ledger.limits import estimate_module
+    from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, validate_module_options
+    from attn_ledger.userload import parse_spec
+
+    e, nh = opt.integer(given["--embed-dim"], "--embed-dim", 1), opt.integer(given["--heads"], "--heads", 1)
+    if e is None or nh is None:
+        raise InputError(f"--module needs --embed-dim and --heads: got embed_dim={e}, heads={nh}")
+    b, t = opt.integer(given["--batch-size"], "--batch-size", 2), opt.integer(given["--seq-len"], "--seq-len", 2)
+    sizes = {"batch_size": BATCH_SIZE if b is None else b, "seq_len": SEQ_LEN if t is None else t}
+    w = opt.integer(given["--window"], "--window", 1)
+    causal = given["--causal/--no-causal"]
+    is_causal = True if causal is None else causal
+    scale, softcap = given["--scale"], given["--softcap"]
+    validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, softcap=softcap, **sizes)
+    opt.guard(estimate_module(e, nh, sizes["batch_size"], sizes["seq_len"], f"check --module E={e} Nh={nh}"),
+              opt.memory(given["--max-memory"]))
+    parse_spec(module, "--module")
+    if decode is not None:
+        parse_spec(decode, "--decode")
+    return {"spec": module, "field": "--module", "embed_dim": e, "num_heads": nh, "causal": is_causal, "window": w,
+            "scale": scale, "softcap": softcap, "seed": seed, "decode": decode, **sizes}
 
 
 def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: dict, seed: int,
@@ -213,7 +224,7 @@ def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: d
             "declaration": decl.to_json()}
 
 
-def _list_cases(fmt: Format, output: Optional[Path]) -> None:
+def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], module: Optional[str]) -> None:
     """Every case of every tier with its tier and reason: a table, or JSON with ``--format json``."""
     import json
 
@@ -222,6 +233,9 @@ def _list_cases(fmt: Format, output: Optional[Path]) -> None:
     from attn_ledger.kernelcases import GRID, describe_tiers
     from attn_ledger.render.table import wrap_words
 
+    if target is not None or module is not None:
+        given = target if target is not None else f"--module {module}"
+        raise fail(f"--list-cases: got it with {given!r}, expected no target or --module: it lists the cases and runs nothing")
     entries = describe_tiers(GRID)
     if fmt is Format.json:
         text = json.dumps({"command": "check --list-cases", "cases": entries}, indent=2) + "\n"

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import typer
 
-from attn_ledger.errors import AttnLedgerError, InputError
+from attn_ledger.errors import AttnLedgerError, InputError, first_line
 
 
 class Format(str, Enum):
@@ -267,7 +267,7 @@ def check_show(show: Sequence[str], fmt: Format) -> None:
 
 def internal_error(command: str, exc: BaseException, fmt: Format) -> typer.Exit:
     """Exit status 3: say it is a bug in the tool, in one line; JSON output gets an error envelope."""
-    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    first = first_line(exc, "")
     message = f"{type(exc).__name__}" + (f": {first}" if first else "")
     if debug_enabled():
         import traceback

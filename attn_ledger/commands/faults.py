@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute
-from attn_ledger.commands.options import INT
+
+
+SeedOption = opt.seed_option("Seed for the random inputs and perturbations, 0..2^63-1. Default: 0.")  # check's words
 
 
 def faults(
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random inputs and perturbations, 0..2^63-1. Default: 0.")] = None,
-    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    seed: SeedOption = None,
+    output_format: opt.FormatOption = Format.table,
+    output: opt.OutputOption = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
 ) -> None:
     """Run every catalogued fault through check; show the first level that sees each one.

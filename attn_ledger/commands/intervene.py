@@ -17,6 +17,13 @@ from attn_ledger.limits import MAX_POSITION
 OPTION_NAMES = {"embed_dim": "--embed-dim", "num_heads": "--heads", "seq_len": "--seq-len", "batch_size": "--batch-size",
                 "seed": "--seed"}
 
+# the options many commands share, with intervene's help text
+SeedOption = opt.seed_option("Seeds the weights, the input and the replacement values; 0..2^63-1.")
+TimeoutOption = opt.timeout_option(
+    "With --module: limit on each call into your code (import, factory, each forward). A call past it is named "
+    "in the report as an L1 call finding (exit 2 at import or factory time). Default 60; with --in-process, "
+    "none unless given.")
+
 
 def intervene(
     config: Annotated[Optional[Path], typer.Argument(help="TOML or JSON config for the built-in pipeline; omitted: the embedded default.")] = None,
@@ -25,14 +32,14 @@ def intervene(
     heads: Annotated[Optional[str], typer.Option("--heads", metavar=INT, help="Nh (required with --module).")] = None,
     seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, help="T, at least 2.")] = None,
     batch_size: Annotated[Optional[str], typer.Option("--batch-size", metavar=INT, help="B.")] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seeds the weights, the input and the replacement values; 0..2^63-1.")] = None,
+    seed: SeedOption = None,
     at: Annotated[Optional[str], typer.Option("--at", metavar=INT, help="Test one cut i (0..T-2) instead of all of them.")] = None,
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Also run the two leaking controls on the built-in pipeline.")] = True,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS", help="With --module: limit on each call into your code (import, factory, each forward). A call past it is named in the report as an L1 call finding (exit 2 at import or factory time). Default 60; with --in-process, none unless given.")] = None,
+    timeout: TimeoutOption = None,
     max_time: Annotated[Optional[float], typer.Option("--max-time", metavar="SECONDS", help="With --module: bound on the whole run, at most 86400; at expiry the forward in flight is stopped, an L1 call finding (exit 1). Default: no bound.")] = None,
     in_process: Annotated[bool, typer.Option("--in-process", help="With --module: run your code in this process, for debugging; sys.exit in it is still a finding, but a hang or a crash is not caught.")] = False,
-    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    output_format: opt.FormatOption = Format.table,
+    output: opt.OutputOption = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free).")] = None,
 ) -> None:
     """Test causality by intervention: for each cut i, change only positions after i and rerun.

@@ -5,15 +5,20 @@ digits count (``int("５")`` is 5 in Python, and click would accept it), a value
 converted when it is absurdly long, and a refusal is the tool's own one-line message naming
 the option, the value and the range. Sizes have no cap here beyond their digit count: the
 memory estimate bounds them (:mod:`attn_ledger.limits`). Also here: the memory guard every
-command that allocates from user sizes runs before it starts.
+command that allocates from user sizes runs before it starts, and the options many commands
+take (``--format``, ``--output``, ``--seed``, ``--device``, ``--timeout``), declared once.
 """
 
 from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
+import typer
+
+from attn_ledger.commands.common import Format
 from attn_ledger.limits import MAX_INT_DIGITS as MAX_DIGITS  # torch-free, like everything --help imports
 
 INT = "<int>"  # metavar of the integer options, as the help shows click's own integers
@@ -132,3 +137,38 @@ def guard(estimate: Any, max_memory: int | None, say: Any = None, progress: Any 
         else:
             say(line)
 
+
+# --- options many commands take, declared once -------------------------------------------------
+# Each is the ``Annotated`` type of a command's parameter (``output: opt.OutputOption = None``). Where
+# what the option does differs between commands, the command makes its alias with its own help text
+# (``SeedOption = opt.seed_option("Seed for ...")``) and its parameter reads ``seed: SeedOption = None``.
+
+OUTPUT_HELP = "Write the report to this file."
+
+FormatOption = Annotated[Format, typer.Option("--format", help="Output format.")]
+"""``--format``: how the report is written (default ``Format.table``)."""
+
+Device = choices("Device", "cpu", "cuda", "mps", "auto")  # where the work runs
+
+
+def output_option(help: str = OUTPUT_HELP) -> Any:
+    """``--output``/``-o``: the file the report is written to (stdout when not given)."""
+    return Annotated[Optional[Path], typer.Option("--output", "-o", help=help)]
+
+
+OutputOption = output_option()
+
+
+def seed_option(help: str) -> Any:
+    """``--seed``, taken as text and parsed by :func:`seed`; ``help`` says what it seeds and its default."""
+    return Annotated[Optional[str], typer.Option("--seed", metavar=INT, help=help)]
+
+
+def device_option(help: str, any_name: bool = False) -> Any:
+    """``--device``: one of :data:`Device`, or with ``any_name`` any text (``cuda:1``) that the config validates."""
+    return Annotated[Optional[str] if any_name else Optional[Device], typer.Option("--device", help=help)]
+
+
+def timeout_option(help: str) -> Any:
+    """``--timeout SECONDS``: the limit on each call into the user's code."""
+    return Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS", help=help)]

@@ -19,8 +19,8 @@ def polarity(
     mask: Annotated[Optional[Path], typer.Option("--mask", help="A mask file (.pt, .npz, .safetensors) to fingerprint.")] = None,
     expect: Annotated[Optional[Expect], typer.Option("--expect", help="The relation the mask should encode.")] = None,
     padding_side: Annotated[Optional[PaddingSide], typer.Option("--padding-side", help="Padding side for --expect padding. Default: right.")] = None,
-    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    output_format: opt.FormatOption = Format.table,
+    output: opt.OutputOption = None,
 ) -> None:
     """Which boolean convention does each attention API use, and what does the wrong one do?
 

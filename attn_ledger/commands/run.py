@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -31,6 +31,11 @@ OPTION_NAMES = {"batch_size": "--batch-size", "seq_len": "--seq-len", "query_len
 EmptyRows = opt.choices("EmptyRows", "error", "zeros")
 Show = opt.choices("Show", "weights", "mask")  # a heatmap drawn after the table
 
+# the options many commands share, with run's help text
+DeviceOption = opt.device_option("cpu, cuda, mps or auto.", any_name=True)  # any name: the config checks cuda:N
+OutputOption = opt.output_option("Write the report to this file instead of stdout.")
+SeedOption = opt.seed_option("Seed for inputs and weights, 0..2^63-1.")
+
 
 PICTURE_KEEP = 64  # --show/--html keep whole grids up to this Tq and Tk, the largest the HTML page draws cell by cell
 
@@ -40,7 +45,7 @@ def seed_file(grad_output: str | None) -> str | None:
     return None if grad_output in (None, "ones", "identity") else grad_output
 
 
-def run(  # long by its options (typer reads them from the signature); the body parses them and calls the library
+def run(  # long by its 36 options (typer reads them from the signature); the body parses them, helpers below run them
     config: Annotated[Optional[Path], typer.Argument(help="TOML or JSON config; omitted: the embedded default (B=2, T=5, E=12, Nh=3, causal).", show_default=False)] = None,
     tensors: Annotated[Optional[Path], typer.Option("--tensors", help="Saved q, k, v (.pt, .safetensors, .npz), with optional allow_mask, key_valid, scores, weights, out.")] = None,
     fault: Annotated[Optional[FaultName], typer.Option("--fault", help="Inject one deliberate failure into the built-in pipeline.")] = None,
@@ -58,15 +63,15 @@ def run(  # long by its options (typer reads them from the signature); the body 
     prefix_len: Annotated[Optional[str], typer.Option("--prefix-len", metavar=INT, help="Prefix length for prefix-lm.")] = None,
     empty_rows: Annotated[Optional[EmptyRows], typer.Option("--empty-rows", help="Rows with every key blocked: an error, or declared and required to be zeros.")] = None,
     dtype: Annotated[Optional[DType], typer.Option("--dtype", help="Compute dtype.")] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for inputs and weights, 0..2^63-1.")] = None,
+    seed: SeedOption = None,
     input_kind: Annotated[Optional[InputKind], typer.Option("--input", help="random or arange inputs.")] = None,
-    device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, mps or auto.")] = None,
+    device: DeviceOption = None,
     block_size: Annotated[Optional[str], typer.Option("--block-size", metavar=INT, help="Query rows per block for the score-grid stages.")] = None,
     keep_grids: Annotated[bool, typer.Option("--keep-grids", help="Keep whole score grids in memory even when large.")] = False,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Evaluate every row after the first divergence (marked downstream).")] = False,
     backends: Annotated[Optional[str], typer.Option("--backends", help="Repeat the context comparison per SDPA backend: 'all' or names from math, flash, efficient, cudnn joined by ','.")] = None,
-    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file instead of stdout.")] = None,
+    output_format: opt.FormatOption = Format.table,
+    output: OutputOption = None,
     show: Annotated[Optional[list[Show]], typer.Option("--show", help="After the table, draw a heatmap per head of the diverging example: the weights, or what masking did (repeatable; up to Tq, Tk = 32 cell by cell, pooled beyond).")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the mask and weight heatmaps.")] = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free); a run estimated above it is refused.")] = None,
@@ -87,23 +92,23 @@ def run(  # long by its options (typer reads them from the signature); the body 
 
     def build():
         budget = opt.memory(max_memory)
-        sizes = {"--batch-size": opt.integer(batch_size, "--batch-size"), "--seq-len": opt.integer(seq_len, "--seq-len"),
-                 "--query-len": opt.integer(query_len, "--query-len"), "--key-len": opt.integer(key_len, "--key-len"),
-                 "--embed-dim": opt.integer(embed_dim, "--embed-dim"), "--num-heads": opt.integer(num_heads, "--num-heads"),
-                 "--num-kv-heads": opt.integer(num_kv_heads, "--num-kv-heads"),
-                 "--value-dim": opt.integer(value_dim, "--value-dim")}
-        positions = {"--window": opt.integer(window, "--window", hi=MAX_POSITION),
-                     "--prefix-len": opt.integer(prefix_len, "--prefix-len", hi=MAX_POSITION),
-                     "--block-size": opt.integer(block_size, "--block-size", hi=MAX_POSITION)}
+        sizes = _integers({"--batch-size": batch_size, "--seq-len": seq_len, "--query-len": query_len,
+                           "--key-len": key_len, "--embed-dim": embed_dim, "--num-heads": num_heads,
+                           "--num-kv-heads": num_kv_heads, "--value-dim": value_dim})
+        positions = _integers({"--window": window, "--prefix-len": prefix_len, "--block-size": block_size}, hi=MAX_POSITION)
         lengths = opt.int_list(valid_lengths, "--valid-lengths")
         seed_value = opt.seed(seed)
         progress = Progress("ledger blocks")
         if tensors is not None:
-            return _on_tensors(sizes, positions, budget, progress)
-        from attn_ledger.config import load_config
-        from attn_ledger.ledger import run_ledger
-        from attn_ledger.limits import estimate_run
-
+            spec = _refuse_for_tensors(config, fault, mask, positions, {**sizes, "--valid-lengths": valid_lengths,
+                                                                        "--seed": seed,
+                                                                        "--input": input_kind.value if input_kind else None})
+            return _on_tensors(
+                tensors, budget, progress, mask=spec, window=positions["--window"],
+                prefix_len=positions["--prefix-len"], empty_rows=(empty_rows.value if empty_rows else "error"),
+                dtype=dtype.value if dtype else None, device=device or "cpu", block_size=positions["--block-size"],
+                keep_grids=keep_grids, keep_going=keep_going, backends=backends, scale=scale, temperature=temperature,
+                rope=rope, grad=grad, grad_output=grad_output, replay=replay, softcap=softcap)
         overrides = {
             "fault": fault.value if fault else None, "batch_size": sizes["--batch-size"], "seq_len": sizes["--seq-len"],
             "query_len": sizes["--query-len"], "key_len": sizes["--key-len"], "embed_dim": sizes["--embed-dim"],
@@ -115,43 +120,63 @@ def run(  # long by its options (typer reads them from the signature); the body 
             "grad_output": grad_output, "replay": replay or None, "scale": scale, "temperature": temperature,
             "rope": rope, "softcap": softcap,
         }
-        cfg = load_config(config, overrides, OPTION_NAMES)
-        check_clashes({"output": output, "html": html}, {"grad_output": seed_file(cfg.grad_output)})
-        if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
-            cfg = cfg.model_copy(update={"keep_grids": True})  # the heatmaps draw every cell at this size
-        opt.guard(estimate_run(cfg), budget, progress=progress)
-        with progress:
-            return run_ledger(cfg, keep_going=keep_going, progress=progress, backends=backends)
-
-    def _on_tensors(sizes, positions, budget, progress):
-        from attn_ledger.engine import relations
-        from attn_ledger.errors import InputError
-        from attn_ledger.ledger import run_ledger_tensors
-        from attn_ledger.limits import estimate_tensors
-        from attn_ledger.tensorio import load_tensor_file
-
-        if config is not None:
-            raise InputError(f"config: got {str(config)!r} together with --tensors, expected one input or the other")
-        if fault is not None:
-            raise InputError("fault: got a fault with --tensors, expected faults only for the built-in pipeline")
-        opt.refuse_given({**sizes, "--valid-lengths": valid_lengths, "--seed": seed,
-                          "--input": input_kind.value if input_kind else None},
-                         "with --tensors (the file sets every size and holds the inputs)")
-        spec = relations.parse(mask, relations.TENSOR_RELATIONS)  # the mask's one parse on this path
-        for option, relation in (("--window", "sliding-window"), ("--prefix-len", "prefix-lm")):
-            if positions[option] is not None and relation not in spec.names:
-                raise InputError(f"{option}: got {positions[option]}, expected it only with a mask that includes "
-                                 f"{relation!r} (the mask is {(mask or 'none')!r})")
-        found = load_tensor_file(tensors, "tensors", max_memory=budget)
-        opt.guard(estimate_tensors(found, dtype=dtype.value if dtype else None, block_size=positions["--block-size"],
-                                   keep_grids=keep_grids, mask=spec, grad=grad), budget, progress=progress)
-        with progress:
-            return run_ledger_tensors(
-                found, mask=spec, window=positions["--window"], prefix_len=positions["--prefix-len"],
-                empty_rows=(empty_rows.value if empty_rows else "error"), dtype=dtype.value if dtype else None,
-                device=device or "cpu", block_size=positions["--block-size"], keep_grids=keep_grids,
-                keep_going=keep_going, progress=progress, backends=backends, source=str(tensors), scale=scale,
-                temperature=temperature, rope=rope, grad=grad, grad_output=grad_output, replay=replay, softcap=softcap)
+        return _on_config(config, overrides, budget, progress, pictures=pictures, outputs={"output": output, "html": html},
+                          keep_going=keep_going, backends=backends)
 
     inputs = {"config": config, "--tensors": tensors, "--grad-output": seed_file(grad_output)}
     execute(build, output_format, output, command="run", show=shown, html=html, inputs=inputs)
+
+
+def _integers(given: dict[str, Optional[str]], hi: Optional[int] = None) -> dict[str, Optional[int]]:
+    """Each option's text (``--window`` -> ``"4"``) as a whole number up to ``hi``, None where not given."""
+    return {option: opt.integer(text, option, hi=hi) for option, text in given.items()}
+
+
+def _on_config(config: Optional[Path], overrides: dict[str, Any], budget: Optional[int], progress: Progress, *,
+               pictures: bool, outputs: dict[str, Optional[Path]], keep_going: bool, backends: Optional[str]) -> Any:
+    """The ledger on a config (or the embedded default) under the options given."""
+    from attn_ledger.config import load_config
+    from attn_ledger.ledger import run_ledger
+    from attn_ledger.limits import estimate_run
+
+    cfg = load_config(config, overrides, OPTION_NAMES)
+    check_clashes(outputs, {"grad_output": seed_file(cfg.grad_output)})
+    if pictures and not cfg.keep_grids and max(cfg.tq, cfg.tk) <= PICTURE_KEEP:
+        cfg = cfg.model_copy(update={"keep_grids": True})  # the heatmaps draw every cell at this size
+    opt.guard(estimate_run(cfg), budget, progress=progress)
+    with progress:
+        return run_ledger(cfg, keep_going=keep_going, progress=progress, backends=backends)
+
+
+def _refuse_for_tensors(config: Optional[Path], fault: Optional[FaultName], mask: Optional[str],
+                        positions: dict[str, Optional[int]], unused: dict[str, Any]) -> Any:
+    """What --tensors cannot take: a config, a fault, the sizes and seeds the file sets, a position its mask lacks.
+    Returns the mask's relation (a :class:`~attn_ledger.engine.relations.RelationSpec`): its one parse on this path."""
+    from attn_ledger.engine import relations
+    from attn_ledger.errors import InputError
+
+    if config is not None:
+        raise InputError(f"config: got {str(config)!r} together with --tensors, expected one input or the other")
+    if fault is not None:
+        raise InputError("fault: got a fault with --tensors, expected faults only for the built-in pipeline")
+    opt.refuse_given(unused, "with --tensors (the file sets every size and holds the inputs)")
+    spec = relations.parse(mask, relations.TENSOR_RELATIONS)
+    for option, relation in (("--window", "sliding-window"), ("--prefix-len", "prefix-lm")):
+        if positions[option] is not None and relation not in spec.names:
+            raise InputError(f"{option}: got {positions[option]}, expected it only with a mask that includes "
+                             f"{relation!r} (the mask is {(mask or 'none')!r})")
+    return spec
+
+
+def _on_tensors(tensors: Path, budget: Optional[int], progress: Progress, **options: Any) -> Any:
+    """The ledger on saved tensors; ``options`` are :func:`attn_ledger.ledger.run_ledger_tensors`' own."""
+    from attn_ledger.ledger import run_ledger_tensors
+    from attn_ledger.limits import estimate_tensors
+    from attn_ledger.tensorio import load_tensor_file
+
+    found = load_tensor_file(tensors, "tensors", max_memory=budget)
+    opt.guard(estimate_tensors(found, dtype=options["dtype"], block_size=options["block_size"],
+                               keep_grids=options["keep_grids"], mask=options["mask"], grad=options["grad"]),
+              budget, progress=progress)
+    with progress:
+        return run_ledger_tensors(found, progress=progress, source=str(tensors), **options)

@@ -12,19 +12,22 @@ from attn_ledger.commands.common import Format, Progress, execute
 from attn_ledger.commands.options import INT
 
 
+SeedOption = opt.seed_option("Seed for the random q and k, 0..2^63-1. Default: 0.")  # sweep-scale's help text
+
+
 def sweep_scale(
     dh: Annotated[Optional[str], typer.Option("--dh", help="Comma-separated head widths Dh to sweep. Default: 8,32,128,512.")] = None,
     queries: Annotated[Optional[str], typer.Option("--queries", metavar=INT, help="Query vectors Tq per Dh, 2..4096. Default: 512.")] = None,
     keys: Annotated[Optional[str], typer.Option("--keys", metavar=INT, help="Key vectors Tk per Dh, 2..4096. Default: 512.")] = None,
-    seed: Annotated[Optional[str], typer.Option("--seed", metavar=INT, help="Seed for the random q and k, 0..2^63-1. Default: 0.")] = None,
+    seed: SeedOption = None,
     tensors: Annotated[
         Optional[Path], typer.Option("--tensors", help="Saved q and k ([B, T, Dh] or [B, Nh, T, Dh]) to measure instead.")
     ] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of std and entropy against Dh (needs matplotlib).")] = None,
     temperatures: Annotated[Optional[str], typer.Option("--temperatures", help="Instead of the Dh sweep: softmax(scores / tau) and its entropy at each temperature tau, e.g. 0.5,1,2.")] = None,
     scores: Annotated[Optional[str], typer.Option("--scores", help="The fixed row of scores for --temperatures. Default: 1.2,0.3,-0.4,1.8.")] = None,
-    output_format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file.")] = None,
+    output_format: opt.FormatOption = Format.table,
+    output: opt.OutputOption = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free).")] = None,
 ) -> None:
     """Does 1/sqrt(Dh) hold the score spread near 1 and the softmax entropy flat across Dh?

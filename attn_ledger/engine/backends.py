@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attn_ledger.engine.plan import SMALL_GRID
+from attn_ledger.errors import first_line
 from attn_ledger.tolerance import dtype_name
 
 if TYPE_CHECKING:
@@ -80,8 +81,7 @@ def resolve_backends(
                 if not bool(torch.isfinite(out).all()):
                     raise RuntimeError("non-finite output on the probe")
             except Exception as exc:  # a backend this device, dtype or mask cannot run is not available
-                text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-                unavailable[(name, dtype_name(dt))] = text
+                unavailable[(name, dtype_name(dt))] = first_line(exc, type(exc).__name__)
                 continue
             pairs.append((name, dt))
     return tuple(pairs), unavailable

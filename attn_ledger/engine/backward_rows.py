@@ -246,7 +246,8 @@ def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merg
     """The backward rows of the built-in pipeline: O-bar on the output, back to the projections and the input."""
     from attn_ledger.engine import inputs
     from attn_ledger.engine.builtin import sdpa_chain_gradients
-    from attn_ledger.engine.execute import reference_dtype, sample_allow, sample_rows
+    from attn_ledger.devices import reference_dtype
+    from attn_ledger.engine.execute import sample_allow, sample_rows
     from attn_ledger.reference import reference_chain_gradients
 
     b, tq, e = inp.x.shape
@@ -277,7 +278,8 @@ def tensor_backward(rows: Rows, fwd: Forward, grad_output: Any, grads: "dict[str
                     replay: bool) -> None:
     """The backward rows on given Q, K, V: O-bar on the context (or the saved grad_out), then the stages."""
     from attn_ledger.engine import inputs
-    from attn_ledger.engine.execute import reference_dtype, sample_allow, sample_rows
+    from attn_ledger.devices import reference_dtype
+    from attn_ledger.engine.execute import sample_allow, sample_rows
     from attn_ledger.pipeline import HEALTHY
     from attn_ledger.reference import reference_gradients
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from attn_ledger import tolerance
+from attn_ledger.devices import reference_dtype
 from attn_ledger.engine import measure as M
 from attn_ledger.engine import plan as P
 from attn_ledger.engine.measure import Agreement, Broken, Measure, Peak
@@ -47,13 +48,6 @@ ProgressFn = Callable[[int, int], None]
 # Reference-dtype K and V held at once: a few query heads' worth, cast and used while still in
 # cache. At (1, 32, 2048, 128) casting all of K and V first took 173 ms of CPU, 4 MiB chunks 44 ms.
 REF_CHUNK_BYTES = 1 << 22
-
-
-def reference_dtype(device: "torch.device") -> "torch.dtype":
-    """float64, or float32 on a device without it (MPS)."""
-    import torch
-
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from attn_ledger import tolerance
 from attn_ledger.engine.backends import backend_matrix, resolve_backends
-from attn_ledger.engine.execute import ProgressFn, reference_dtype
+from attn_ledger.devices import reference_dtype
+from attn_ledger.engine.execute import ProgressFn
 from attn_ledger.engine.judge import GRID_STAGES, Verdicts
 from attn_ledger.engine.measure import EXACT_RANGE_BUDGET, Broken
 from attn_ledger.engine.rows import Rows

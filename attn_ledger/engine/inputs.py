@@ -202,30 +202,6 @@ def load(path: "str | os.PathLike[str] | Mapping[str, Tensor]", dtype: "torch.dt
     return t
 
 
-def resolve_device(name: str) -> "torch.device":
-    """The device a config or option names; ``auto`` picks CUDA, then MPS, then the CPU."""
-    import torch
-
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"device: got {name!r}, but CUDA is not available here; expected cpu or auto")
-    if name == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
-        raise InputError("device: got 'mps', but MPS is not available here; expected cpu or auto")
-    return torch.device(name)
-
-
-def torch_dtype(name: str) -> "torch.dtype":
-    """``"float32"`` -> ``torch.float32`` (one of the four float dtypes)."""
-    import torch
-
-    return {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-
-
 # --- the options of a ledger on given tensors, and its input row ----------------------------------
 
 def rope_spec(rope: Any, dh: int) -> Any:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from attn_ledger.errors import TensorFileError, field_error
+from attn_ledger.errors import TensorFileError, field_error, first_line
 from attn_ledger.report import Check, Report, Row, bounded, row_status
 from attn_ledger.seeding import generator
 from attn_ledger.tolerance import PROBE_ATOL
@@ -382,8 +382,7 @@ def _audit_path(api: str, path: str, fn: Callable[[], "torch.Tensor"], zeros: "t
     try:
         out = fn()  # [..., Tq, D]
     except Exception as exc:  # an API refusing the input is one of the answers
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return AuditRow(api, path, "error", None, f"{type(exc).__name__}: {first}"[:200])
+        return AuditRow(api, path, "error", None, f"{type(exc).__name__}: {first_line(exc, type(exc).__name__)}"[:200])
     others = [i for i in range(out.shape[-2]) if i != BLOCKED_Q]
     rest = bool(torch.isfinite(out[..., others, :]).all())
     return AuditRow(api, path, _classify(out[..., BLOCKED_Q, :], zeros, mean_v), rest, detail)

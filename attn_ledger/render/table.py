@@ -10,6 +10,7 @@ file name with a newline or a U+202E override in it stays one line that reads as
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from attn_ledger.render.notes import note_text, notes_text
@@ -160,7 +161,7 @@ def _field_columns(report: Report) -> list[str]:
     return keys
 
 
-def layout(report: Report, width: int = 100) -> list[Line]:  # long: sizing the columns and laying out the rows share a dozen widths
+def layout(report: Report, width: int = 100) -> list[Line]:
     """Every line of the table view, as styled segments.
 
     Side by side (name, status, shape, fields, then the checks column) while the checks
@@ -168,17 +169,49 @@ def layout(report: Report, width: int = 100) -> list[Line]:  # long: sizing the 
     the lines under it, indented.
     """
     rows, more, hidden = (fold(report) if report.fold_rows else (list(report.rows), {}, {}))
+    names = {r.name: printable(r.name) for r in rows}
+    cols = _columns(report, rows, names, width)
+    out: list[Line] = [[(ln, "bold")] for ln in wrap_words(printable(report.title), width)]
+    out.append(_header(report.row_label, cols))
+    rule_at = len(out)
+    for r in rows:
+        out += _row_lines(r, report, cols, names[r.name], more.get(r.name, 0))
+    out += _not_listed(hidden, report.row_label, width)
+    widest = max((len("".join(t for t, _ in ln).rstrip()) for ln in out[rule_at:]), default=0)
+    out.insert(rule_at, [("-" * min(width, max(widest, len("checks"))), "dim")])
+    out.append([])
+    out += _tail(report, width)
+    return out
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """How wide each column of a table is, and which field columns fit beside the checks column."""
+
+    name: int
+    status: int
+    shape: int  # 0 without a shape column
+    fields: dict[str, int]  # every field's width, listed or not
+    columns: list[str]  # the fields with a column of their own
+    folded: list[str]  # the fields that fold into the checks column, one a line
+    numeric: dict[str, bool]  # a listed field whose values are all numbers is right-aligned
+    stacked: bool  # the checks go under each row, not beside it
+    wrap: int  # the width the checks wrap to
+
+
+STACK_INDENT = "    "  # a stacked row's checks, under it
+
+
+def _columns(report: Report, rows: list[Row], names: dict[str, str], width: int) -> _Columns:
+    """Size the columns: as many field columns as leave the checks column room; the rest fold into it."""
     has_shape = any(r.shape is not None or r.axes for r in rows)
     fields = _field_columns(report)
-    label = report.row_label
-    names = {r.name: printable(r.name) for r in rows}
-    name_w = max([len(label)] + [len(names[r.name]) for r in rows])
+    name_w = max([len(report.row_label)] + [len(names[r.name]) for r in rows])
     status_w = max([len("status")] + [len(STATUS_WORD[r.status]) for r in rows])
     shape_w = max([len("shape / axes")] + [max(len(shape_text(r.shape)), len(printable(r.axes))) for r in rows]) if has_shape else 0
     field_w = {k: max([len(k)] + [len(_field_text(r.fields.get(k))) for r in rows]) for k in fields}
     fixed = name_w + len(GAP) + status_w + len(GAP) + (shape_w + len(GAP) if has_shape else 0)
     stacked = width - fixed < MIN_WRAP
-    # as many field columns as leave the checks column room; the rest fold into it, one per line
     columns: list[str] = []
     for k in fields:
         room = width - (fixed + field_w[k] + len(GAP))
@@ -186,46 +219,41 @@ def layout(report: Report, width: int = 100) -> list[Line]:  # long: sizing the 
             break
         columns.append(k)
         fixed += field_w[k] + len(GAP)
-    folded = fields[len(columns):]
-    indent = "    "
-    wrap_w = width - len(indent) if stacked else max(MIN_WRAP, width - fixed)
-
-    out: list[Line] = []
-    for ln in wrap_words(printable(report.title), width):
-        out.append([(ln, "bold")])
-    header: Line = [(label.ljust(name_w) + GAP, "bold"), ("status".ljust(status_w) + GAP, "bold")]
-    if has_shape:
-        header.append(("shape / axes".ljust(shape_w) + GAP, "bold"))
     numeric = {k: all(isinstance(r.fields.get(k), (int, float)) or r.fields.get(k) is None for r in rows) for k in columns}
-    header += [((k.rjust if numeric[k] else k.ljust)(field_w[k]) + GAP, "bold") for k in columns]
+    return _Columns(name_w, status_w, shape_w, field_w, columns, fields[len(columns):], numeric, stacked,
+                    width - len(STACK_INDENT) if stacked else max(MIN_WRAP, width - fixed))
+
+
+def _header(label: str, cols: _Columns) -> Line:
+    header: Line = [(label.ljust(cols.name) + GAP, "bold"), ("status".ljust(cols.status) + GAP, "bold")]
+    if cols.shape:
+        header.append(("shape / axes".ljust(cols.shape) + GAP, "bold"))
+    header += [((k.rjust if cols.numeric[k] else k.ljust)(cols.fields[k]) + GAP, "bold") for k in cols.columns]
     header.append(("checks", "bold"))
-    out.append(header)
-    rule_at = len(out)
-    for r in rows:
-        check_lines = _check_cell(r, report, wrap_w, folded, more.get(r.name, 0))
-        shape_lines = [shape_text(r.shape), printable(r.axes)] if has_shape else []
-        side = [] if stacked else check_lines
-        n = max(1, len(side), len(shape_lines))
-        for i in range(n):
-            line: Line = [((names[r.name] if i == 0 else "").ljust(name_w) + GAP, "bold" if i == 0 else "")]
-            word = STATUS_WORD[r.status] if i == 0 else ""
-            line.append((word.ljust(status_w) + GAP, STATUS_STYLE[r.status] if i == 0 else ""))
-            if has_shape:
-                text = shape_lines[i] if i < len(shape_lines) else ""
-                line.append((text.ljust(shape_w) + GAP, "dim" if i == 1 else ""))
-            for k in columns:
-                text = _field_text(r.fields.get(k)) if i == 0 and k in r.fields else ""
-                line.append(((text.rjust if numeric[k] else text.ljust)(field_w[k]) + GAP, ""))
-            if i < len(side):
-                line += side[i]
-            out.append(line)
-        if stacked:
-            out += [[(indent, "")] + ln for ln in check_lines]
-    out += _not_listed(hidden, report.row_label, width)
-    widest = max((len("".join(t for t, _ in ln).rstrip()) for ln in out[rule_at:]), default=0)
-    out.insert(rule_at, [("-" * min(width, max(widest, len("checks"))), "dim")])
-    out.append([])
-    out += _tail(report, width)
+    return header
+
+
+def _row_lines(r: Row, report: Report, cols: _Columns, name: str, more: int) -> list[Line]:
+    """One row of the table: its name, status, shape and fields, and its checks beside or under them."""
+    check_lines = _check_cell(r, report, cols.wrap, cols.folded, more)
+    shape_lines = [shape_text(r.shape), printable(r.axes)] if cols.shape else []
+    side = [] if cols.stacked else check_lines
+    out: list[Line] = []
+    for i in range(max(1, len(side), len(shape_lines))):
+        line: Line = [((name if i == 0 else "").ljust(cols.name) + GAP, "bold" if i == 0 else "")]
+        word = STATUS_WORD[r.status] if i == 0 else ""
+        line.append((word.ljust(cols.status) + GAP, STATUS_STYLE[r.status] if i == 0 else ""))
+        if cols.shape:
+            text = shape_lines[i] if i < len(shape_lines) else ""
+            line.append((text.ljust(cols.shape) + GAP, "dim" if i == 1 else ""))
+        for k in cols.columns:
+            text = _field_text(r.fields.get(k)) if i == 0 and k in r.fields else ""
+            line.append(((text.rjust if cols.numeric[k] else text.ljust)(cols.fields[k]) + GAP, ""))
+        if i < len(side):
+            line += side[i]
+        out.append(line)
+    if cols.stacked:
+        out += [[(STACK_INDENT, "")] + ln for ln in check_lines]
     return out
 
 
