@@ -153,12 +153,26 @@ class _Decoder:
     fn: Callable[..., Any]
 
     def __call__(self, x_new: "torch.Tensor", cache: Any) -> tuple["torch.Tensor", Any]:
+        return self.observed(x_new, cache, observe=False)[:2]
+
+    def observed(self, x_new: "torch.Tensor", cache: Any, observe: bool = True) -> tuple["torch.Tensor", Any, Any]:
+        """The call, and with ``observe`` the attention core it ran (:class:`_CoreObserver`): ``(y, cache, core)``."""
         import torch
 
+        from attn_ledger.moduledriver import is_remote
+
         shape = tuple(x_new.shape)
+        core = None
         try:
             with user_call(f"decode(module, x_new {shape}, cache)"):
-                result = self.fn(self.module, x_new, cache)
+                if is_remote(self.module):  # the parent's stand-in: decoded, and observed, in the worker
+                    result, core = self.module.decode_step(x_new, cache, f"decode(module, x_new {shape}, cache)", observe)
+                elif observe:
+                    with _CoreObserver() as seen:
+                        result = self.fn(self.module, x_new, cache)
+                    core = seen.core
+                else:
+                    result = self.fn(self.module, x_new, cache)
         except UserCodeError:
             raise  # an exit or the time limit: the check stops at this call (an L1 call finding)
         except Exception as exc:  # the user's decode may raise anything
@@ -178,7 +192,7 @@ class _Decoder:
         if tuple(y.shape) != shape:
             raise DecodeCallError(f"decode returned y_new of shape {tuple(y.shape)} for x_new {shape} [B, t, E], "
                                   "expected the same shape", input=list(shape), output=list(y.shape))
-        return y.detach(), new_cache
+        return y.detach(), new_cache, core
 
 
 def _decode(dec: _Decoder, x: "torch.Tensor", chunks: Sequence[int], upto: int | None = None,
@@ -198,9 +212,7 @@ def _decode(dec: _Decoder, x: "torch.Tensor", chunks: Sequence[int], upto: int |
             x_new = x[:, start : start + size].contiguous()  # [B, t, E]
             try:
                 if observe_last and c == last:
-                    with _CoreObserver() as seen:
-                        y, cache = dec(x_new, cache)
-                    core = seen.core
+                    y, cache, core = dec.observed(x_new, cache)
                 else:
                     y, cache = dec(x_new, cache)
             except DecodeCallError as exc:

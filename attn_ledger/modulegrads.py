@@ -169,6 +169,10 @@ def _lower_precision_inside(module: "nn.Module", x: "torch.Tensor") -> bool:
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
 
+    from attn_ledger.moduledriver import is_remote
+
+    if is_remote(module):  # the parent's stand-in: the copy runs, and is watched, in the worker
+        return module.lower_precision_inside(x)
     seen = []
 
     class _Watch(TorchFunctionMode):
@@ -189,10 +193,18 @@ def _problem(module: "nn.Module", embed_dim: int, seed: int):
     import torch
     from torch.func import functional_call
 
-    m64 = copy.deepcopy(module).to(torch.float64).eval()
+    from attn_ledger.moduledriver import is_remote
+
+    remote = is_remote(module)
+    if remote:  # the parent's stand-in: the copy is made, and kept, in the worker; its values come back
+        m64 = module
+        params = [(n, p.detach()) for n, p in module.float64_copy()]
+    else:
+        m64 = copy.deepcopy(module).to(torch.float64).eval()
     g = torch.Generator().manual_seed(seed + 13)
     x = torch.randn(1, 3, embed_dim, generator=g, dtype=torch.float64)  # [1, 3, E]
-    params = [(n, p.detach()) for n, p in m64.named_parameters() if p.requires_grad and p.is_floating_point()]
+    if not remote:
+        params = [(n, p.detach()) for n, p in m64.named_parameters() if p.requires_grad and p.is_floating_point()]
     xi = torch.randperm(x.numel(), generator=g)[:MAX_COORDINATES]
     pis = _coordinates(params, g) if params else []
     directions = torch.randn(_OUTPUT_DIRECTIONS, x.numel(), generator=g, dtype=torch.float64)  # [K, 3E]
@@ -206,6 +218,9 @@ def _problem(module: "nn.Module", embed_dim: int, seed: int):
         return directions @ y.reshape(-1)  # [K]
 
     def fn(xs: "torch.Tensor", ps: "torch.Tensor") -> "torch.Tensor":
+        if remote:  # the module's call is a round trip (forward and backward); the projection is made here
+            y = module.coordinates(xs, ps, {"x": x, "xi": xi, "params": params, "pis": pis})  # [1, 3, E]
+            return directions @ y.reshape(-1)  # [K]
         return _guarded().apply(xs, ps, inner)
 
     xs0 = x.reshape(-1)[xi].clone().requires_grad_(True)

@@ -107,12 +107,41 @@ def test_clobbered_inputs_fail_inputs_unchanged(extra):
     assert check_data["changed"] == ["q", "k", "v", "allow_mask"]
 
 
-@pytest.mark.xfail(strict=True, reason="check --module still judges in the worker: a factory that patches "
-                                       "usertasks.check_built_module is not yet caught")
-def test_a_module_factory_that_patches_the_module_check_fails():
-    res = runner.invoke(app, ["check", "--module", f"{HOSTILE / 'judge_patch_module_check.py'}:factory",
-                              "--embed-dim", "8", "--heads", "2", "--format", "json"])
-    assert res.exit_code == 1, res.output
+def check_module(spec: str, *extra: str) -> tuple[int, dict]:
+    res = runner.invoke(app, ["check", "--module", f"{HOSTILE / spec}", "--embed-dim", "8", "--heads", "2",
+                              "--format", "json", "--timeout", "60", *extra])
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads(res.stdout)
+
+
+def test_the_module_they_are_built_from_fails_effective_scale_and_attention_core_only():
+    code, report = check_module("judge_modules_common.py:no_scale")
+    assert code == 1 and report["first_finding"]["check"] == "effective_scale"
+    assert failing(report) == {"effective_scale", "attention_core"}
+
+
+@pytest.mark.parametrize("spec", ["judge_patch_module_check.py:factory", "judge_module_patches.py:patched_audit",
+                                  "judge_module_patches.py:patched_fit"],
+                         ids=["check_built_module", "coreaudit.audit_core", "corefit.fit_scores+reference_context"])
+def test_a_module_factory_that_patches_the_module_check_fails(spec):
+    """The factory patches the tool where it runs (the worker); the module is judged in the parent, so
+    the patch changes nothing: the module's own findings stand, the first at L4 effective_scale."""
+    code, report = check_module(spec)
+    assert code == 1
+    assert report["first_finding"]["check"] == "effective_scale" and report["first_finding"]["level"] == 4
+    assert report["first_finding"]["value"] == pytest.approx(1.0, rel=1e-3)  # unscaled: 1, not 1/sqrt(Dh) = 0.5
+    assert failing(report) == {"effective_scale", "attention_core"}
+
+
+def test_a_module_factory_that_patches_the_module_check_fools_only_an_in_process_check(monkeypatch):
+    """``--in-process`` runs the factory where the module is judged, by design (documented as exempt)."""
+    import attn_ledger.coreaudit as coreaudit
+    import attn_ledger.corefit as corefit
+
+    for space, name in ((coreaudit, "fit_scores"), (corefit, "fit_scores"), (coreaudit, "reference_context")):
+        monkeypatch.setattr(space, name, getattr(space, name))  # put back after the test: the factory patches them
+    code, report = check_module("judge_module_patches.py:patched_fit", "--in-process")
+    assert code == 0
 
 
 # --- the driver's pieces ------------------------------------------------------------------------------
