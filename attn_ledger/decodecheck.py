@@ -304,10 +304,13 @@ def _scores_operands(a: Any, b: Any) -> bool:
             and a.shape[-1] == b.shape[-2] and a.shape[-1] >= 2 and a.is_floating_point())
 
 
-def _observe_forward(forward: Callable, x: "torch.Tensor") -> tuple["torch.Tensor", _Core | None]:
+def _observe_forward(forward: Callable, x: "torch.Tensor", module: Any = None) -> tuple["torch.Tensor", _Core | None]:
     import torch
 
-    with torch.no_grad(), _CoreObserver() as seen:
+    from attn_ledger.moduledriver import is_remote
+
+    watch = module.watching_core() if is_remote(module) else _CoreObserver()  # remote: observed in the worker
+    with torch.no_grad(), watch as seen:
         y = forward(x)
     return y, seen.core
 
@@ -480,7 +483,7 @@ def _position_table(case: _Case) -> tuple["torch.Tensor", "torch.Tensor"] | None
     m = e + _TABLE_MARGIN
     rep = x[:, :e].reshape(b * e, 1, emb).expand(b * e, m, emb).contiguous()  # [B*e, M, E]
     try:
-        _, core = _observe_forward(case.sub.forward, rep)
+        _, core = _observe_forward(case.sub.forward, rep, case.sub.dec.module)
     except ForwardError:
         return None
     if core is None or core.q.dim() != 4 or core.k.dim() != 4 or core.q.shape[0] != b * e \

@@ -22,6 +22,7 @@ autograd reaches it; once the parent's graph node is freed, the next request rel
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -227,23 +228,29 @@ def _forward(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -
     grad = meta["grad"]
     if grad and meta["x_requires_grad"]:
         x.requires_grad_(True)
+    from attn_ledger.decodecheck import _CoreObserver
+
+    seen = _CoreObserver() if meta.get("observe_core") else contextlib.nullcontext()
     try:
-        with torch.set_grad_enabled(grad), user_call(meta["what"]):
+        with torch.set_grad_enabled(grad), user_call(meta["what"]), seen:
             result = module(x)
     except Exception as exc:
         return {"error": _error(exc)}, {}
     y, facts = _output(result)
+    out: dict[str, Any] = {}
+    if meta.get("observe_core"):
+        facts["core"] = flatten(seen.core, out)
     params = parameter_facts(module)
     if params != built.params_sent:
         built.params_sent = facts["params"] = params
     if y is None:
-        return facts, {}
+        return facts, out
     facts["grad_fn"] = bool(grad and y.requires_grad and y.grad_fn is not None)
     if facts["grad_fn"]:
         leaves = [("x", x)] if x.requires_grad else []
         leaves += [("p:" + n, p) for n, p in module.named_parameters() if p.requires_grad]
         facts["handle"] = _keep(built, y, leaves)
-    return facts, {"y": y.detach()}
+    return facts, {**out, "y": y.detach()}
 
 
 def _backward(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -> tuple[dict[str, Any], dict]:
@@ -516,6 +523,7 @@ def _remote_class() -> type:
                 self.remote_facts = facts
                 self.training = bool(facts["training"])
                 self.mirrors: dict[str, torch.nn.Parameter] = {}
+                self.core_watch: Any = None
                 self._mirror(facts["params"])
 
             def _mirror(self, params: list[list[Any]]) -> None:
@@ -551,7 +559,10 @@ def _remote_class() -> type:
                 grad = torch.is_grad_enabled()
                 params = [p for p in self.mirrors.values() if p.requires_grad]
                 if not grad or not (x.requires_grad or params):
-                    return self._forward(x, grad, x.requires_grad)[0]
+                    y, facts = self._forward(x, grad, x.requires_grad)
+                    if facts.get("handle") is not None:  # no graph here reaches it: the worker may drop it
+                        self.link.released.append(facts["handle"])
+                    return y
                 return _remote_forward().apply(self, x, grad, *params)
 
             def _request(self, kind: str, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -> tuple[dict, dict]:
@@ -564,8 +575,10 @@ def _remote_class() -> type:
                 from attn_ledger.intervention import ForwardError
 
                 what = current_call() or f"forward(x) on input {tuple(x.shape)}"
-                facts, back = self._request("forward", {"what": what, "grad": grad, "x_requires_grad": x_requires_grad},
-                                            {"x": x.detach()})
+                facts, back = self._request("forward", {"what": what, "grad": grad, "x_requires_grad": x_requires_grad,
+                                                        "observe_core": self.core_watch is not None}, {"x": x.detach()})
+                if "core" in facts and self.core_watch is not None and self.core_watch.core is None:
+                    self.core_watch.core = rebuild(facts["core"], back)
                 if "params" in facts:
                     self._mirror(facts["params"])
                 if "returned" in facts:
@@ -587,6 +600,16 @@ def _remote_class() -> type:
                 _, back = self._request("backward", {"handle": handle, "wrt": names, "what": what},
                                         {"gy": gy.contiguous()})
                 return back
+
+            @contextlib.contextmanager
+            def watching_core(self) -> Any:
+                """The forwards inside run under the decode check's core observer, in the worker; ``.core`` of
+                what this yields is the first attention core seen (:class:`attn_ledger.decodecheck._CoreObserver`)."""
+                self.core_watch = _Seen()
+                try:
+                    yield self.core_watch
+                finally:
+                    self.core_watch = None
 
             def manual_seed(self, seed: int) -> None:
                 """Seed torch's generator in the worker, which the module's forwards draw from."""
@@ -648,6 +671,10 @@ def _remote_class() -> type:
 
         _CLASS.append(RemoteModule)
     return _CLASS[0]
+
+
+class _Seen:
+    core: Any = None
 
 
 @dataclass(frozen=True)
