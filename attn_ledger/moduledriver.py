@@ -311,13 +311,14 @@ def _lower_precision(built: Built, meta: dict[str, Any], tensors: dict[str, "Ten
         return {"error": _error(exc)}, {}
 
 
-def _coordinates(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -> tuple[dict[str, Any], dict]:
-    """The float64 copy called with the chosen coordinates of its input and parameters set (gradcheck's call)."""
+def _coordinate_call(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"], xs: "Tensor",
+                     ps: "Tensor") -> tuple[Any, dict[str, Any], list[tuple[str, Any]]]:
+    """The float64 copy called with the chosen coordinates of its input and parameters set to ``xs``, ``ps``."""
     import torch
     from torch.func import functional_call
 
     x, xi = tensors["x"], tensors["xi"]
-    xs_, ps_ = tensors["xs"].requires_grad_(True), tensors["ps"].requires_grad_(True)
+    xs_, ps_ = xs.requires_grad_(True), ps.requires_grad_(True)
     names = [n for n, _ in meta["params"]]
     params = dict(built.copy64.named_parameters())
     pis = [tensors[f"i:{n}"] for n in names]
@@ -328,11 +329,29 @@ def _coordinates(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"
                     for n, i, part in zip(names, pis, ps_.split([len(i) for i in pis]))}
             result = functional_call(built.copy64, full, (xf,))
     except Exception as exc:
-        return {"error": _error(exc)}, {}
+        return None, {"error": _error(exc)}, []
     y, facts = _output(result)
+    return y, facts, [("xs", xs_), ("ps", ps_)]
+
+
+def _coordinates(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -> tuple[dict[str, Any], dict]:
+    """gradcheck's call of the float64 copy; its graph stays here for the backward."""
+    y, facts, leaves = _coordinate_call(built, meta, tensors, tensors["xs"], tensors["ps"])
     if y is None:
         return facts, {}
-    return {"handle": _keep(built, y, [("xs", xs_), ("ps", ps_)])}, {"y": y.detach()}
+    return {"handle": _keep(built, y, leaves)}, {"y": y.detach()}
+
+
+def _coordinates_many(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -> tuple[dict[str, Any], dict]:
+    """gradcheck's finite-difference calls, planned by the parent and run in one request, each one announced
+    (so each has its own time limit); the first that does not return a tensor ends the list."""
+    out = {}
+    for j in range(meta["points"]):
+        y, facts, _ = _coordinate_call(built, meta, tensors, tensors[f"xs{j}"], tensors[f"ps{j}"])
+        if y is None:
+            return {**facts, "at": j}, out
+        out[f"y{j}"] = y.detach()
+    return {}, out
 
 
 def _decode(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -> tuple[dict[str, Any], dict]:
@@ -378,7 +397,10 @@ def _seed(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -> t
 HANDLERS: dict[str, Callable[[Built, dict[str, Any], dict[str, "Tensor"]], tuple[dict[str, Any], dict]]] = {
     "forward": _forward, "backward": _backward, "observe": _observe, "copy64": _copy64,
     "lower_precision": _lower_precision, "coordinates": _coordinates, "decode": _decode, "seed": _seed,
+    "coordinates_many": _coordinates_many,
 }
+ANNOUNCED = frozenset({"coordinates_many"})
+"""Requests of many calls: each call tells the parent it starts and ends, so each gets the time limit."""
 
 
 def serve(built: Built, kind: str, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -> tuple[dict[str, Any], dict]:
@@ -389,6 +411,8 @@ def serve(built: Built, kind: str, meta: dict[str, Any], tensors: dict[str, "Ten
         torch.set_num_threads(meta["threads"])
     _release(built, meta.get("release", []))
     tensors = relaid(tensors, meta.get("layouts", {}))
+    if kind in ANNOUNCED:
+        return HANDLERS[kind](built, meta, tensors)
     with unannounced():  # the parent named the call when it sent it, and keeps its clock from then
         return HANDLERS[kind](built, meta, tensors)
 
@@ -472,18 +496,30 @@ def _remote_coordinates() -> Any:
         class RemoteCoordinates(torch.autograd.Function):
             @staticmethod
             def forward(ctx, remote, xs, ps, problem):
+                ctx.remote, ctx.problem = remote, problem
+                ready = problem.get("ready", {}).get(_key(xs, ps))
+                if ready is not None:  # computed ahead (a finite difference): no graph unless one is asked for
+                    ctx.handle, ctx.point = None, (xs.detach().clone(), ps.detach().clone())
+                    return ready.clone()
                 y, handle = remote._coordinates(xs, ps, problem)
-                ctx.remote, ctx.handle, ctx.release = remote, handle, _Release(remote.link, handle)
+                ctx.handle, ctx.release = handle, _Release(remote.link, handle)
                 return y
 
             @staticmethod
             def backward(ctx, gy):
+                if ctx.handle is None:  # the call again, with its graph kept this time
+                    _, ctx.handle = ctx.remote._coordinates(*ctx.point, ctx.problem)
+                    ctx.release = _Release(ctx.remote.link, ctx.handle)
                 got = ctx.remote._backward(ctx.handle, gy, ["xs", "ps"],
                                            "backward of the module's float64 copy (gradcheck)")
                 return None, got.get("xs"), got.get("ps"), None
 
         _FUNCTIONS["coordinates"] = RemoteCoordinates
     return _FUNCTIONS["coordinates"]
+
+
+def _key(xs: "Tensor", ps: "Tensor") -> tuple[bytes, bytes]:
+    return xs.detach().cpu().numpy().tobytes(), ps.detach().cpu().numpy().tobytes()
 
 
 def _stand_in(name: str) -> Any:
@@ -637,6 +673,23 @@ def _remote_class() -> type:
 
             def coordinates(self, xs: "Tensor", ps: "Tensor", problem: dict[str, Any]) -> "Tensor":
                 return _remote_coordinates().apply(self, xs, ps, problem)
+
+            def ahead(self, points: list[tuple["Tensor", "Tensor"]], problem: dict[str, Any]) -> None:
+                """gradcheck's finite-difference points, called in one request; :func:`_remote_coordinates`
+                then finds their outputs ready. A point that raises is left to be called (and to raise) again."""
+                tensors = {"x": problem["x"], "xi": problem["xi"],
+                           **{f"i:{n}": i for (n, _), i in zip(problem["params"], problem["pis"])}}
+                for j, (xs, ps) in enumerate(points):
+                    tensors[f"xs{j}"], tensors[f"ps{j}"] = xs.detach(), ps.detach()
+                facts, back = self.link.call("coordinates_many", {
+                    "training": self.training, "what": "forward of the module's float64 copy (gradcheck)",
+                    "points": len(points), "params": [[n, list(p.shape)] for n, p in problem["params"]]}, tensors)
+                if facts.get("error", {}).get("kind") == "user_code":
+                    raise_error(facts["error"])
+                ready = problem.setdefault("ready", {})
+                for j, (xs, ps) in enumerate(points):
+                    if f"y{j}" in back:
+                        ready[_key(xs, ps)] = back[f"y{j}"]
 
             def _coordinates(self, xs: "Tensor", ps: "Tensor", problem: dict[str, Any]) -> tuple["Tensor", int]:
                 tensors = {"x": problem["x"], "xi": problem["xi"], "xs": xs.detach(), "ps": ps.detach(),
