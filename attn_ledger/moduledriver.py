@@ -256,6 +256,9 @@ def _forward(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -
 def _backward(built: Built, meta: dict[str, Any], tensors: dict[str, "Tensor"]) -> tuple[dict[str, Any], dict]:
     import torch
 
+    from attn_ledger.driver import warm_autograd
+
+    warm_autograd()  # not charged to the user's backward: torch's first one with a given gradient imports ~2 s
     y, leaves = built.graphs[meta["handle"]]
     wanted = [(n, t) for n, t in leaves if n in meta["wrt"]]
     try:

@@ -191,7 +191,6 @@ def _problem(module: "nn.Module", embed_dim: int, seed: int):
     import copy
 
     import torch
-    from torch.func import functional_call
 
     from attn_ledger.moduledriver import is_remote
 
@@ -211,6 +210,8 @@ def _problem(module: "nn.Module", embed_dim: int, seed: int):
     split = [len(i) for i in pis]
 
     def inner(xs: "torch.Tensor", ps: "torch.Tensor") -> "torch.Tensor":
+        from torch.func import functional_call  # here, not in a parent that only judges: it imports sympy
+
         xf = x.reshape(-1).scatter(0, xi, xs).reshape(x.shape)  # [1, 3, E]
         full = {n: p.reshape(-1).scatter(0, i, part).reshape(p.shape)
                 for (n, p), i, part in zip(params, pis, ps.split(split))}

@@ -597,7 +597,6 @@ def _remote_module(sup: _Supervisor, args: dict[str, Any]) -> tuple[Any, Any]:
 
     sup.start_setup("module_driver", args)  # the worker imports torch and builds the module while this process
     import attn_ledger.modulecheck  # noqa: F401 - imports torch and the checks meanwhile
-    import torch.func  # noqa: F401
 
     plan = sup.setup_done(args)
     return remote_module(Link(sup), plan["module"]), (RemoteDecode() if args.get("decode") is not None else None)
