@@ -241,3 +241,37 @@ def test_the_tools_process_never_imports_the_users_file():
     assert code == 1  # the patch ran in the worker, where nothing is judged
     assert (kernelcheck._check_case, kernelref.attention) == before[:2]
     assert not [m for m in set(sys.modules) - before[2] if m.startswith("_attn_ledger_user_") or "judge_" in m]
+
+
+# --- the module driver's pieces -------------------------------------------------------------------------
+
+
+def test_a_view_crosses_with_its_strides_and_comes_back_the_same_view():
+    import torch
+
+    from attn_ledger.driver import pack, unpack
+    from attn_ledger.moduledriver import laid_flat, relaid
+
+    qkv = torch.arange(2 * 3 * 12, dtype=torch.float32).reshape(2, 3, 12)
+    views = {"q": qkv[..., :4], "kt": qkv[..., 4:8].transpose(-2, -1), "mask": torch.ones(3, 1, dtype=torch.bool).expand(3, 5),
+             "plain": torch.randn(2, 3)}
+    flat, layouts = laid_flat(views)
+    back = relaid(unpack(pack(flat)), layouts)
+    assert set(layouts) == {"q", "kt", "mask"}  # a plain tensor crosses as it is
+    for name, t in views.items():
+        assert torch.equal(back[name], t) and back[name].stride() == t.stride(), name
+
+
+def test_an_observation_is_rebuilt_into_the_observation_classes_only():
+    import torch
+
+    from attn_ledger.moduledriver import flatten, rebuild
+    from attn_ledger.observe import Projection
+
+    tensors: dict = {}
+    out = torch.randn(2, 3, 4)
+    data = flatten((Projection(0, "linear", out, "w"), {"same": out}), tensors)
+    projection, extra = rebuild(data, tensors)
+    assert isinstance(projection, Projection) and extra["same"] is projection.output  # one tensor, one object
+    with pytest.raises(ValueError, match="not an observation"):
+        rebuild({"__dataclass__": "Report", "fields": {}}, {})
