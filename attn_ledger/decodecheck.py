@@ -159,7 +159,7 @@ class _Decoder:
         """The call, and with ``observe`` the attention core it ran (:class:`_CoreObserver`): ``(y, cache, core)``."""
         import torch
 
-        from attn_ledger.moduledriver import is_remote
+        from attn_ledger.guard import forwarded as is_remote
 
         shape = tuple(x_new.shape)
         core = None
@@ -307,7 +307,7 @@ def _scores_operands(a: Any, b: Any) -> bool:
 def _observe_forward(forward: Callable, x: "torch.Tensor", module: Any = None) -> tuple["torch.Tensor", _Core | None]:
     import torch
 
-    from attn_ledger.moduledriver import is_remote
+    from attn_ledger.guard import forwarded as is_remote
 
     watch = module.watching_core() if is_remote(module) else _CoreObserver()  # remote: observed in the worker
     with torch.no_grad(), watch as seen:

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 from attn_ledger.errors import InputError
 
-__all__ = ["CallStopped", "UserCodeError", "current_call", "in_process", "unannounced", "outcome", "rebuilt_exception", "reporting_to", "user_call"]
+__all__ = ["CallStopped", "UserCodeError", "current_call", "forwarded", "in_process", "unannounced", "outcome", "rebuilt_exception", "reporting_to", "user_call"]
 
 
 class UserCodeError(Exception):
@@ -94,6 +94,12 @@ class _Policy:
 _policy = _Policy()
 _depth = 0  # nested user_call blocks (a forward inside a guarded backward) count as one call
 _what: str | None = None  # the call in flight (the outermost block's name)
+
+
+def forwarded(obj: Any) -> bool:
+    """Whether ``obj`` is a stand-in whose calls into user code go to a worker
+    (:class:`attn_ledger.moduledriver.RemoteModule`): a check then asks it, not torch, to observe or copy."""
+    return getattr(type(obj), "forwards_user_calls", False) is True
 
 
 def current_call() -> str | None:

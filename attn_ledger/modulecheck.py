@@ -107,7 +107,7 @@ def _mha_hint(module: "nn.Module") -> str:
     """The batch_first hint for any nn.MultiheadAttention inside, where no layout was recognised."""
     from torch import nn
 
-    from attn_ledger.moduledriver import is_remote
+    from attn_ledger.guard import forwarded as is_remote
 
     if is_remote(module):  # the parent's stand-in: what the worker saw inside the module
         prefix, _ = next(((p, f) for p, f in module.remote_facts["mha"] if not f), (None, True))

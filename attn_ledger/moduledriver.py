@@ -556,6 +556,8 @@ def _remote_class() -> type:
             with empty tensors; ``remote_facts`` holds the rest of what the worker said of the module.
             """
 
+            forwards_user_calls = True  # attn_ledger.guard.forwarded: the checks ask this, not torch
+
             def __init__(self, link: Link, facts: dict[str, Any]) -> None:
                 super().__init__()
                 self.link = link
@@ -749,4 +751,6 @@ class RemoteDecode:
 
 def is_remote(module: Any) -> bool:
     """Whether ``module`` is the parent's stand-in for a module in the worker."""
-    return bool(_CLASS) and isinstance(module, _CLASS[0])
+    from attn_ledger.guard import forwarded
+
+    return forwarded(module)

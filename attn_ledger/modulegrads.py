@@ -169,7 +169,7 @@ def _lower_precision_inside(module: "nn.Module", x: "torch.Tensor") -> bool:
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
 
-    from attn_ledger.moduledriver import is_remote
+    from attn_ledger.guard import forwarded as is_remote
 
     if is_remote(module):  # the parent's stand-in: the copy runs, and is watched, in the worker
         return module.lower_precision_inside(x)
@@ -192,7 +192,7 @@ def _problem(module: "nn.Module", embed_dim: int, seed: int):
 
     import torch
 
-    from attn_ledger.moduledriver import is_remote
+    from attn_ledger.guard import forwarded as is_remote
 
     remote = is_remote(module)
     if remote:  # the parent's stand-in: the copy is made, and kept, in the worker; its values come back

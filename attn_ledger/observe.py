@@ -548,7 +548,7 @@ def observe_module(module: "nn.Module", x: "torch.Tensor", *, zero_q_of: int | N
     """
     import torch
 
-    from attn_ledger.moduledriver import is_remote
+    from attn_ledger.guard import forwarded as is_remote
 
     if is_remote(module) and zero_q_of is None:  # the parent's stand-in: observed where the module runs
         return module.observe(x)
@@ -563,7 +563,7 @@ def probed_core(module: "nn.Module", x: "torch.Tensor", ordinal: int, factor: fl
     scaled by ``factor``; None when that forward no longer reaches the scores call ``ordinal``."""
     import torch
 
-    from attn_ledger.moduledriver import is_remote
+    from attn_ledger.guard import forwarded as is_remote
 
     if is_remote(module):  # the forward runs where the module runs; its core comes back as tensors
         return module.observe(x, ordinal, factor)

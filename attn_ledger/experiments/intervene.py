@@ -279,7 +279,7 @@ def intervene_module(module: "nn.Module", args: dict[str, Any], progress: Callab
     x = x.to(module_dtype(module, dtype))  # [B, T, E]
     with_controls = args["with_controls"]
     control_list = builtin_controls(args["embed_dim"], args["num_heads"], args["seed"], x.dtype) if with_controls else []
-    from attn_ledger.moduledriver import is_remote
+    from attn_ledger.guard import forwarded as is_remote
 
     if is_remote(module):  # the forwards draw from the worker's generator: seeded there as it is here
         module.manual_seed(args["seed"])
