@@ -148,12 +148,26 @@ class _Decoder:
     fn: Callable[..., Any]
 
     def __call__(self, x_new: "torch.Tensor", cache: Any) -> tuple["torch.Tensor", Any]:
+        return self.observed(x_new, cache, observe=False)[:2]
+
+    def observed(self, x_new: "torch.Tensor", cache: Any, observe: bool = True) -> tuple["torch.Tensor", Any, Any]:
+        """The call, and with ``observe`` the attention core it ran (:class:`_CoreObserver`): ``(y, cache, core)``."""
         import torch
 
+        from attn_ledger.guard import forwarded as is_remote
+
         shape = tuple(x_new.shape)
+        core = None
         try:
             with user_call(f"decode(module, x_new {shape}, cache)"):
-                result = self.fn(self.module, x_new, cache)
+                if is_remote(self.module):  # the parent's stand-in: decoded, and observed, in the worker
+                    result, core = self.module.decode_step(x_new, cache, f"decode(module, x_new {shape}, cache)", observe)
+                elif observe:
+                    with _CoreObserver() as seen:
+                        result = self.fn(self.module, x_new, cache)
+                    core = seen.core
+                else:
+                    result = self.fn(self.module, x_new, cache)
         except UserCodeError:
             raise  # an exit or the time limit: the check stops at this call (an L1 call finding)
         except Exception as exc:  # the user's decode may raise anything
@@ -173,7 +187,7 @@ class _Decoder:
         if tuple(y.shape) != shape:
             raise DecodeCallError(f"decode returned y_new of shape {tuple(y.shape)} for x_new {shape} [B, t, E], "
                                   "expected the same shape", input=list(shape), output=list(y.shape))
-        return y.detach(), new_cache
+        return y.detach(), new_cache, core
 
 
 def _decode(dec: _Decoder, x: "torch.Tensor", chunks: Sequence[int], upto: int | None = None,
@@ -193,9 +207,7 @@ def _decode(dec: _Decoder, x: "torch.Tensor", chunks: Sequence[int], upto: int |
             x_new = x[:, start : start + size].contiguous()  # [B, t, E]
             try:
                 if observe_last and c == last:
-                    with _CoreObserver() as seen:
-                        y, cache = dec(x_new, cache)
-                    core = seen.core
+                    y, cache, core = dec.observed(x_new, cache)
                 else:
                     y, cache = dec(x_new, cache)
             except DecodeCallError as exc:
@@ -287,10 +299,13 @@ def _scores_operands(a: Any, b: Any) -> bool:
             and a.shape[-1] == b.shape[-2] and a.shape[-1] >= 2 and a.is_floating_point())
 
 
-def _observe_forward(forward: Callable, x: "torch.Tensor") -> tuple["torch.Tensor", _Core | None]:
+def _observe_forward(forward: Callable, x: "torch.Tensor", module: Any = None) -> tuple["torch.Tensor", _Core | None]:
     import torch
 
-    with torch.no_grad(), _CoreObserver() as seen:
+    from attn_ledger.guard import forwarded as is_remote
+
+    watch = module.watching_core() if is_remote(module) else _CoreObserver()  # remote: observed in the worker
+    with torch.no_grad(), watch as seen:
         y = forward(x)
     return y, seen.core
 
@@ -463,7 +478,7 @@ def _position_table(case: _Case) -> tuple["torch.Tensor", "torch.Tensor"] | None
     m = e + _TABLE_MARGIN
     rep = x[:, :e].reshape(b * e, 1, emb).expand(b * e, m, emb).contiguous()  # [B*e, M, E]
     try:
-        _, core = _observe_forward(case.sub.forward, rep)
+        _, core = _observe_forward(case.sub.forward, rep, case.sub.dec.module)
     except ForwardError:
         return None
     if core is None or core.q.dim() != 4 or core.k.dim() != 4 or core.q.shape[0] != b * e \

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 from attn_ledger.errors import InputError, first_line
 
-__all__ = ["CallStopped", "UserCodeError", "in_process", "outcome", "rebuilt_exception", "reporting_to", "user_call"]
+__all__ = ["CallStopped", "UserCodeError", "current_call", "forwarded", "in_process", "unannounced", "outcome", "rebuilt_exception", "reporting_to", "user_call"]
 
 
 class UserCodeError(Exception):
@@ -93,6 +93,19 @@ class _Policy:
 
 _policy = _Policy()
 _depth = 0  # nested user_call blocks (a forward inside a guarded backward) count as one call
+_what: str | None = None  # the call in flight (the outermost block's name)
+
+
+def forwarded(obj: Any) -> bool:
+    """Whether ``obj`` is a stand-in whose calls into user code go to a worker
+    (:class:`attn_ledger.moduledriver.RemoteModule`): a check then asks it, not torch, to observe or copy."""
+    return getattr(type(obj), "forwards_user_calls", False) is True
+
+
+def current_call() -> str | None:
+    """The name of the user call in flight, if any: a stand-in that forwards the call elsewhere (a worker)
+    names it there as the check named it here."""
+    return _what if _depth else None
 
 
 _REBUILT: dict[tuple[str, str], type] = {}
@@ -141,12 +154,12 @@ def user_call(what: str) -> Iterator[None]:
             ``KeyboardInterrupt`` in the tool's own process), or ran past the in-process time limit.
             Ordinary exceptions pass through unchanged.
     """
-    global _depth
+    global _depth, _what
     if _depth:
         yield
         return
     policy = _policy
-    _depth += 1
+    _depth, _what = _depth + 1, what
     if policy.channel is not None:
         policy.channel.started(what)
     try:
@@ -158,7 +171,7 @@ def user_call(what: str) -> Iterator[None]:
         if policy.channel is None:
             raise
         raise _base_exception(exc, what) from None
-    except Exception:
+    except (Exception, CallStopped):  # CallStopped: the worker's call never came back, for the unit's loop
         raise
     except BaseException as exc:  # SystemExit, GeneratorExit, a user-defined BaseException
         raise _base_exception(exc, what) from None
@@ -225,6 +238,12 @@ def in_process(timeout: float | None = None, stdout_to_stderr: bool = False) -> 
     if timeout is not None and (threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer")):
         raise InputError(f"timeout: got {timeout!r}, but a time limit on in-process calls needs SIGALRM and the main thread")
     return _installed(_Policy(timeout=timeout, stdout_to_stderr=stdout_to_stderr))
+
+
+def unannounced() -> contextlib.AbstractContextManager[None]:
+    """Inside a worker: user calls the parent already knows of (it named the call when it asked for it) go
+    unannounced, so that a call costs one message back; an exit is still a :class:`UserCodeError`."""
+    return _installed(_Policy())
 
 
 def reporting_to(channel: Any) -> contextlib.AbstractContextManager[None]:

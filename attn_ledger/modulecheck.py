@@ -104,6 +104,12 @@ def _mha_hint(module: "nn.Module") -> str:
     """The batch_first hint for any nn.MultiheadAttention inside, where no layout was recognised."""
     from torch import nn
 
+    from attn_ledger.guard import forwarded as is_remote
+
+    if is_remote(module):  # the parent's stand-in: what the worker saw inside the module
+        prefix, _ = next(((p, f) for p, f in module.remote_facts["mha"] if not f), (None, True))
+        return "" if prefix is None else (f"nn.MultiheadAttention at {prefix or '(root)'} has batch_first=False: "
+                                          "it reads [B, T, E] as [T, B, E]")
     for prefix, sub in module.named_modules():
         if isinstance(sub, nn.MultiheadAttention) and not sub.batch_first:
             return _batch_first_hint(prefix, sub)

@@ -165,6 +165,10 @@ def _lower_precision_inside(module: "nn.Module", x: "torch.Tensor") -> bool:
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
 
+    from attn_ledger.guard import forwarded as is_remote
+
+    if is_remote(module):  # the parent's stand-in: the copy runs, and is watched, in the worker
+        return module.lower_precision_inside(x)
     seen = []
 
     class _Watch(TorchFunctionMode):
@@ -183,31 +187,61 @@ def _problem(module: "nn.Module", embed_dim: int, seed: int):
     import copy
 
     import torch
-    from torch.func import functional_call
 
-    m64 = copy.deepcopy(module).to(torch.float64).eval()
+    from attn_ledger.guard import forwarded as is_remote
+
+    remote = is_remote(module)
+    if remote:  # the parent's stand-in: the copy is made, and kept, in the worker; its values come back
+        m64 = module
+        params = [(n, p.detach()) for n, p in module.float64_copy()]
+    else:
+        m64 = copy.deepcopy(module).to(torch.float64).eval()
     g = torch.Generator().manual_seed(seed + 13)
     x = torch.randn(1, 3, embed_dim, generator=g, dtype=torch.float64)  # [1, 3, E]
-    params = [(n, p.detach()) for n, p in m64.named_parameters() if p.requires_grad and p.is_floating_point()]
+    if not remote:
+        params = [(n, p.detach()) for n, p in m64.named_parameters() if p.requires_grad and p.is_floating_point()]
     xi = torch.randperm(x.numel(), generator=g)[:MAX_COORDINATES]
     pis = _coordinates(params, g) if params else []
     directions = torch.randn(_OUTPUT_DIRECTIONS, x.numel(), generator=g, dtype=torch.float64)  # [K, 3E]
     split = [len(i) for i in pis]
 
     def inner(xs: "torch.Tensor", ps: "torch.Tensor") -> "torch.Tensor":
+        from torch.func import functional_call  # here, not in a parent that only judges: it imports sympy
+
         xf = x.reshape(-1).scatter(0, xi, xs).reshape(x.shape)  # [1, 3, E]
         full = {n: p.reshape(-1).scatter(0, i, part).reshape(p.shape)
                 for (n, p), i, part in zip(params, pis, ps.split(split))}
         y = first_output(functional_call(m64, full, (xf,)))  # [1, 3, E]
         return directions @ y.reshape(-1)  # [K]
 
+    problem = {"x": x, "xi": xi, "params": params, "pis": pis}
+
     def fn(xs: "torch.Tensor", ps: "torch.Tensor") -> "torch.Tensor":
+        if remote:  # the module's call is a round trip (forward and backward); the projection is made here
+            y = module.coordinates(xs, ps, problem)  # [1, 3, E]
+            return directions @ y.reshape(-1)  # [K]
         return _guarded().apply(xs, ps, inner)
 
     xs0 = x.reshape(-1)[xi].clone().requires_grad_(True)
     ps0 = (torch.cat([p.reshape(-1)[i] for (_, p), i in zip(params, pis)]) if params
            else torch.zeros(0, dtype=torch.float64)).clone().requires_grad_(True)
+    if remote:  # gradcheck's central differences, each coordinate -eps then +eps, planned here and run in one request
+        fn.ahead = lambda eps: module.ahead(_differences(xs0, ps0, eps), problem)  # type: ignore[attr-defined]
     return m64, x, fn, (xs0, ps0), {"inputs": len(xi), "parameters": sum(split)}
+
+
+def _differences(xs: "torch.Tensor", ps: "torch.Tensor", eps: float) -> list[tuple["torch.Tensor", "torch.Tensor"]]:
+    """The points at which gradcheck evaluates ``fn``: each coordinate moved by -eps, then +eps, as it moves them."""
+    points = []
+    for t, other, first in ((xs, ps, True), (ps, xs, False)):
+        flat = t.detach().reshape(-1)
+        for c in range(flat.numel()):
+            for sign in (-1, 1):
+                moved = flat.clone()
+                moved[c] = flat[c] - eps if sign < 0 else flat[c] + eps
+                moved = moved.reshape(t.shape)
+                points.append((moved, other.detach()) if first else (other.detach(), moved))
+    return points
 
 
 def _discrepancy(fn: Callable, inputs: tuple, rule: dict) -> tuple[float, dict[str, Any]]:
@@ -253,6 +287,9 @@ def gradcheck_check(module: "nn.Module", embed_dim: int, seed: int) -> Check:
     data = {**counts, "outputs": _OUTPUT_DIRECTIONS, "B": 1, "T": 3, **rule, "lower_precision_inside": inside}
     measure = "torch.autograd.gradcheck (float64, B=1, T=3)"
     try:
+        ahead = getattr(fn, "ahead", None)
+        if ahead is not None:  # the module in a worker: the finite differences in one request, not one each
+            ahead(rule["eps"])
         with torch.enable_grad():  # the user's import may have left grad mode off
             ok = torch.autograd.gradcheck(fn, inputs, eps=rule["eps"], atol=rule["atol"], rtol=rule["rtol"],
                                           raise_exception=False)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["Core", "Observation", "Projection", "observe_module", "probe_bent", "probe_weights"]
+__all__ = ["Core", "Observation", "Projection", "observe_module", "probe_bent", "probe_weights", "probed_core"]
 
 # What a tensor derives from, as bit flags.
 _INPUT, _PROJ, _SCORES, _CORE = 1, 2, 4, 8
@@ -548,10 +548,33 @@ def observe_module(module: "nn.Module", x: "torch.Tensor", *, zero_q_of: int | N
     """
     import torch
 
+    from attn_ledger.guard import forwarded as is_remote
+
+    if is_remote(module) and zero_q_of is None:  # the parent's stand-in: observed where the module runs
+        return module.observe(x)
     obs = _Observer(x, _parameter_names(module), zero_q_of)
     with torch.no_grad(), _mode(obs):
         module(x)
     return _assemble(obs)
+
+
+def probed_core(module: "nn.Module", x: "torch.Tensor", ordinal: int, factor: float | None = None) -> Core | None:
+    """A matmul core as one more forward reaches it, its scores call's q operand zeroed (``factor`` None) or
+    scaled by ``factor``; None when that forward no longer reaches the scores call ``ordinal``."""
+    import torch
+
+    from attn_ledger.guard import forwarded as is_remote
+
+    if is_remote(module):  # the forward runs where the module runs; its core comes back as tensors
+        return module.observe(x, ordinal, factor)
+    obs = _Observer(x, {}, ordinal) if factor is None else _Observer(x, {}, ordinal, factor)
+    with torch.no_grad(), _mode(obs):
+        module(x)
+    mix = next((m for m in obs.mixes if m[1] == ordinal), None)
+    if mix is None:
+        return None
+    probed, _ = _matmul_core(obs, mix)
+    return probed
 
 
 def _assemble(obs: _Observer) -> Observation:
@@ -592,13 +615,7 @@ def probe_weights(module: "nn.Module", x: "torch.Tensor", core: Core) -> tuple["
             w, w0 = (t.expand(*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), *t.shape[-2:]) for t in (w, w0))
         b = x.shape[0]
         return _heads(w, b), _heads(w0, b)
-    obs = _Observer(x, {}, core.ordinal)
-    with torch.no_grad(), _mode(obs):
-        module(x)
-    mix = next((m for m in obs.mixes if m[1] == core.ordinal), None)
-    if mix is None:
-        return None
-    probed, _ = _matmul_core(obs, mix)
+    probed = probed_core(module, x, core.ordinal)
     if probed is None or probed.weights is None or probed.weights.shape != core.weights.shape:
         return None
     return core.weights, probed.weights
@@ -636,13 +653,7 @@ def probe_bent(module: "nn.Module", x: "torch.Tensor", core: Core, factor: float
         if any(p is None for p in parts) or parts[0].shape != core.q.shape:
             return None
         return dataclasses.replace(core, q=parts[0], weights=parts[1], context=parts[2])
-    obs = _Observer(x, {}, core.ordinal, factor)
-    with torch.no_grad(), _mode(obs):
-        module(x)
-    mix = next((m for m in obs.mixes if m[1] == core.ordinal), None)
-    if mix is None:
-        return None
-    probed, _ = _matmul_core(obs, mix)
+    probed = probed_core(module, x, core.ordinal, factor)
     if probed is None or probed.weights is None or probed.q.shape != core.q.shape \
             or probed.weights.shape != core.weights.shape:
         return None

@@ -3,7 +3,10 @@
 ``check FILE:NAME`` is a :class:`ParentTask`: it runs in the tool's own process, which plans the
 cases, makes the inputs, computes every reference and judges; only the calls of the user's function
 go to the worker, through the fixed driver (:mod:`attn_ledger.driver`), which sends back raw tensors.
-The module commands are still tasks (:class:`Task`) run whole in the worker.
+``check --module`` is a :class:`ParentTask` too: the module is built in the worker, which keeps it and
+runs each call of it (forward, backward, observation, decode step) through the module driver
+(:mod:`attn_ledger.moduledriver`, the worker-side task ``module_driver``); every check is judged here.
+``intervene --module`` is judged here the same way.
 
 A :class:`Task` is four plain functions:
 
@@ -86,6 +89,10 @@ class ParentTask:
     finish: Callable[[Any, dict[str, Any], dict[str, Any], list[Any]], Any]
     not_reached: Callable[[dict[str, Any], Any, str, dict[str, Any]], Any]
     timed_out: Callable[[Any], bool]
+    loads: str = "kernel"
+    """What ``setup``'s ``load`` gives: ``kernel``, a kernel target; ``module``, ``load(args)`` builds the
+    module with the user's factory and loads the decode function: ``(module, decode)`` (in a worker:
+    :class:`attn_ledger.moduledriver.RemoteModule` and a stand-in for decode; in-process: the objects)."""
 
 
 # --- check FILE:NAME: one unit per case -----------------------------------------------------------
@@ -163,11 +170,32 @@ def _never(result: Any) -> bool:
 
 def _module_check_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     decode = None
-    if args["decode"] is not None:
+    if args.get("decode") is not None:
         decode = load_object(args["decode"], "--decode")
         validate_decode(decode, "--decode")
     module, plan = _module_setup(args)
     return (module, decode), plan
+
+
+def load_module_here(args: dict[str, Any]) -> tuple[Any, Any]:
+    """``(module, decode)`` built and loaded in this process (``--in-process``: the objects themselves)."""
+    return _module_check_setup(args)[0]
+
+
+def _module_driver_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The worker's side of ``check --module``: build the module, keep it for the parent's calls, say its facts."""
+    from attn_ledger.moduledriver import setup
+
+    module, decode = load_module_here(args)
+    return setup(module, decode)
+
+
+def _module_parent_setup(args: dict[str, Any], load: Callable[[dict[str, Any]], Any]) -> tuple[Any, dict[str, Any]]:
+    return load(args), {"units": [0]}
+
+
+def _module_parent_finish(state: Any, args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Report:
+    return results[0]
 
 
 def _module_check_run(state: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:
@@ -186,8 +214,8 @@ def _module_check_stopped(args: dict[str, Any], unit: Any, reason: str, data: di
                                  scale=args.get("scale"), softcap=args.get("softcap"))
 
 
-def _intervene_run(module: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:
-    return intervene_module(module, args, progress)
+def _intervene_run(state: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:
+    return intervene_module(state[0], args, progress)
 
 
 def _intervene_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[str, Any]) -> Report:
@@ -199,9 +227,12 @@ def _intervene_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[
 TASKS: dict[str, Task | ParentTask] = {
     "kernel_check": ParentTask(_kernel_setup, _kernel_run, _kernel_stopped, _kernel_finish, _kernel_not_reached,
                          _kernel_timed_out),
-    "module_check": Task(_module_check_setup, _module_check_run, _module_check_stopped, _only,
-                         _module_check_stopped, _never),
-    "intervene_module": Task(_module_setup, _intervene_run, _intervene_stopped, _only, _intervene_stopped, _never),
+    "module_check": ParentTask(_module_parent_setup, _module_check_run, _module_check_stopped, _module_parent_finish,
+                               _module_check_stopped, _never, loads="module"),
+    "module_driver": Task(_module_driver_setup, _module_check_run, _module_check_stopped, _only,
+                          _module_check_stopped, _never),
+    "intervene_module": ParentTask(_module_parent_setup, _intervene_run, _intervene_stopped, _module_parent_finish,
+                                   _intervene_stopped, _never, loads="module"),
 }
 
 RESULT_TYPES: tuple[type, ...] = (Check, Row, Finding, Coverage, Note, Report, Case, CaseResult)

@@ -209,8 +209,13 @@ def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], No
     from attn_ledger.driver import load_local
     from attn_ledger.usertasks import ParentTask
 
+    from attn_ledger.usertasks import load_module_here
+
     judged_here = isinstance(task, ParentTask)
-    state, plan = task.setup(args, load_local) if judged_here else task.setup(args)
+    if judged_here:
+        state, plan = task.setup(args, load_local if task.loads == "kernel" else load_module_here)
+    else:
+        state, plan = task.setup(args)
     units = plan["units"]
     results = []
     for i, unit in enumerate(units):
@@ -233,7 +238,9 @@ def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, An
     sup.end, sup.max_time = limits.end, limits.max_time
     try:
         if judged_here:  # the worker only calls the user's code; this process plans, computes and judges
-            state, plan = task.setup(args, lambda target, field: RemoteKernel(sup, target, field))
+            load = (lambda target, field: RemoteKernel(sup, target, field)) if task.loads == "kernel" \
+                else (lambda task_args: _remote_module(sup, task_args))
+            state, plan = task.setup(args, load)
         else:
             plan = sup.setup(name, args)
     except _Stopped as stop:  # --max-time ran out before the first case: there are no cases to report on
@@ -337,6 +344,16 @@ class _Supervisor:
         self.stop()
         self._start()
         self.conn.send(("setup", name, args))
+        return self.setup_done(args)
+
+    def start_setup(self, name: str, args: dict[str, Any]) -> None:
+        """:meth:`setup` without waiting: :meth:`setup_done` waits for the plan (this process works meanwhile)."""
+        self.stop()
+        self._start()
+        self.conn.send(("setup", name, args))
+
+    def setup_done(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The plan of the setup started; a death here is a SetupError."""
         try:
             return self._await("plan", None)
         except _Stopped as stop:
@@ -365,14 +382,21 @@ class _Supervisor:
                 raise
             raise SetupError(f"{field}: {stop.detail}") from None
 
-    def call_kernel(self, kind: str, meta: dict[str, Any], data: bytes) -> tuple[dict[str, Any], bytes]:
+    def call_kernel(self, kind: str, meta: dict[str, Any], data: bytes, request: str = "call") -> tuple[dict[str, Any], bytes]:
         """One call of the user's function through the driver: the facts, and the raw tensors as safetensors bytes."""
-        self.conn.send(("call", kind, meta, data))
+        self.conn.send((request, kind, meta, data))
         facts = self._await("called", None)
         try:
             return facts, self.conn.recv_bytes()
         except EOFError:
             raise self._death() from None
+
+    def call_module(self, kind: str, meta: dict[str, Any], data: bytes) -> tuple[dict[str, Any], bytes]:
+        """One request to the module driver (:func:`attn_ledger.moduledriver.serve`): facts and raw tensors back."""
+        self.call, self.deadline = str(meta["what"]), time.monotonic() + self.timeout  # the worker does not announce it
+        facts, blob = self.call_kernel(kind, meta, data, request="module_call")
+        self.call, self.deadline = None, math.inf
+        return facts, blob
 
     def _await(self, expected: str, progress: Callable[[int, int], None] | None) -> Any:
         while True:
@@ -567,6 +591,17 @@ class RemoteKernel(KernelTarget):
         return self._call("with_grad", {"q": q, "k": k, "v": v, "d_out": d_out}, kw, {"what": what, "watch": watch})
 
 
+def _remote_module(sup: _Supervisor, args: dict[str, Any]) -> tuple[Any, Any]:
+    """The module built by the user's factory in a fresh worker, as the parent's stand-in, and decode's."""
+    from attn_ledger.moduledriver import Link, RemoteDecode, remote_module
+
+    sup.start_setup("module_driver", args)  # the worker imports torch and builds the module while this process
+    import attn_ledger.modulecheck  # noqa: F401 - imports torch and the checks meanwhile
+
+    plan = sup.setup_done(args)
+    return remote_module(Link(sup), plan["module"]), (RemoteDecode() if args.get("decode") is not None else None)
+
+
 def _threads() -> int:
     import torch
 
@@ -635,6 +670,8 @@ def _serve(conn: Any, capture_path: str) -> None:
                     state = _load(channel, request[1], request[2])
                 elif request[0] == "call":
                     _call(channel, state, *request[1:])
+                elif request[0] == "module_call":
+                    _module_call(channel, state, *request[1:])
                 else:
                     progress = lambda done, total: channel.send("progress", done=done, total=total)  # noqa: E731
                     channel.send("result", value=encode(task.run(state, args, request[1], progress)))
@@ -681,6 +718,22 @@ def _call(channel: _Channel, state: tuple[Any, dict[str, Any]], kind: str, meta:
         called.facts["error"] = {"kind": "returned", "text": text, "data": {}}
         blob = pack({})
     channel.send("called", value=encode(called.facts))
+    channel.conn.send_bytes(blob)
+
+
+def _module_call(channel: _Channel, state: Any, kind: str, meta: dict[str, Any], data: bytes) -> None:
+    """The module driver's side of :meth:`_Supervisor.call_module`: one call on the tensors sent, raw tensors back."""
+    from attn_ledger.driver import pack, unpack
+    from attn_ledger.moduledriver import laid_flat, serve
+
+    facts, tensors = serve(state, kind, meta, unpack(data))
+    try:
+        flat, facts["layouts"] = laid_flat(tensors)
+        blob = pack(flat)
+    except Exception as exc:  # noqa: BLE001 - a tensor safetensors cannot carry: what no check can read
+        text = f"returned a tensor that cannot be sent back ({type(exc).__name__}: {str(exc)[:100]})"
+        facts, blob = {"error": {"kind": "returned", "text": text, "data": {}}}, pack({})
+    channel.send("called", value=encode(facts))
     channel.conn.send_bytes(blob)
 
 

@@ -327,3 +327,18 @@ def test_grouped_kv_heads_repeated_in_decode_and_not_in_the_full_forward():
         assert par.status == "fail" and par.data["diagnosis"] == "positions_offset", name
         assert par.data["diagnosed_by"] == "observed q and k" and par.data["evidence"]["query_offset"] == 1
         assert par.data["evidence"]["keys_misplaced"] == par.location["chunk_size"]  # the new keys only
+
+
+@pytest.mark.parametrize("factory, decode, diagnosis", [("past_rotary", "decode_past_off_by_one", "positions_offset"),
+                                                       ("plain_rotary", "decode_list_one_short", "cache_one_short")])
+def test_cli_decode_judged_apart_from_the_worker_matches_in_process(factory, decode, diagnosis):
+    """Through the worker every decode step, the full forwards and the observed cores are round trips;
+    the report is the one the in-process check makes, diagnosis included."""
+    args = ["check", "--module", f"{FIXTURE}:{factory}", "--decode", f"{FIXTURE}:{decode}", "--embed-dim", "64",
+            "--heads", "4", "--format", "json"]
+    worker = runner.invoke(app, args)
+    here = runner.invoke(app, [*args, "--in-process"])
+    assert worker.exit_code == here.exit_code == 1, worker.output[-2000:]
+    assert worker.stdout == here.stdout
+    rows = {r["name"]: r for r in json.loads(worker.stdout)["rows"]}
+    assert rows["decode_prefill_5"]["fields"]["diagnosis"] == diagnosis

@@ -107,12 +107,41 @@ def test_clobbered_inputs_fail_inputs_unchanged(extra):
     assert check_data["changed"] == ["q", "k", "v", "allow_mask"]
 
 
-@pytest.mark.xfail(strict=True, reason="check --module still judges in the worker: a factory that patches "
-                                       "usertasks.check_built_module is not yet caught")
-def test_a_module_factory_that_patches_the_module_check_fails():
-    res = runner.invoke(app, ["check", "--module", f"{HOSTILE / 'judge_patch_module_check.py'}:factory",
-                              "--embed-dim", "8", "--heads", "2", "--format", "json"])
-    assert res.exit_code == 1, res.output
+def check_module(spec: str, *extra: str) -> tuple[int, dict]:
+    res = runner.invoke(app, ["check", "--module", f"{HOSTILE / spec}", "--embed-dim", "8", "--heads", "2",
+                              "--format", "json", "--timeout", "60", *extra])
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads(res.stdout)
+
+
+def test_the_module_they_are_built_from_fails_effective_scale_and_attention_core_only():
+    code, report = check_module("judge_modules_common.py:no_scale")
+    assert code == 1 and report["first_finding"]["check"] == "effective_scale"
+    assert failing(report) == {"effective_scale", "attention_core"}
+
+
+@pytest.mark.parametrize("spec", ["judge_patch_module_check.py:factory", "judge_module_patches.py:patched_audit",
+                                  "judge_module_patches.py:patched_fit"],
+                         ids=["check_built_module", "coreaudit.audit_core", "corefit.fit_scores+reference_context"])
+def test_a_module_factory_that_patches_the_module_check_fails(spec):
+    """The factory patches the tool where it runs (the worker); the module is judged in the parent, so
+    the patch changes nothing: the module's own findings stand, the first at L4 effective_scale."""
+    code, report = check_module(spec)
+    assert code == 1
+    assert report["first_finding"]["check"] == "effective_scale" and report["first_finding"]["level"] == 4
+    assert report["first_finding"]["value"] == pytest.approx(1.0, rel=1e-3)  # unscaled: 1, not 1/sqrt(Dh) = 0.5
+    assert failing(report) == {"effective_scale", "attention_core"}
+
+
+def test_a_module_factory_that_patches_the_module_check_fools_only_an_in_process_check(monkeypatch):
+    """``--in-process`` runs the factory where the module is judged, by design (documented as exempt)."""
+    import attn_ledger.coreaudit as coreaudit
+    import attn_ledger.corefit as corefit
+
+    for space, name in ((coreaudit, "fit_scores"), (corefit, "fit_scores"), (coreaudit, "reference_context")):
+        monkeypatch.setattr(space, name, getattr(space, name))  # put back after the test: the factory patches them
+    code, report = check_module("judge_module_patches.py:patched_fit", "--in-process")
+    assert code == 0
 
 
 # --- the driver's pieces ------------------------------------------------------------------------------
@@ -212,3 +241,37 @@ def test_the_tools_process_never_imports_the_users_file():
     assert code == 1  # the patch ran in the worker, where nothing is judged
     assert (kernelcheck._check_case, kernelref.attention) == before[:2]
     assert not [m for m in set(sys.modules) - before[2] if m.startswith("_attn_ledger_user_") or "judge_" in m]
+
+
+# --- the module driver's pieces -------------------------------------------------------------------------
+
+
+def test_a_view_crosses_with_its_strides_and_comes_back_the_same_view():
+    import torch
+
+    from attn_ledger.driver import pack, unpack
+    from attn_ledger.moduledriver import laid_flat, relaid
+
+    qkv = torch.arange(2 * 3 * 12, dtype=torch.float32).reshape(2, 3, 12)
+    views = {"q": qkv[..., :4], "kt": qkv[..., 4:8].transpose(-2, -1), "mask": torch.ones(3, 1, dtype=torch.bool).expand(3, 5),
+             "plain": torch.randn(2, 3)}
+    flat, layouts = laid_flat(views)
+    back = relaid(unpack(pack(flat)), layouts)
+    assert set(layouts) == {"q", "kt", "mask"}  # a plain tensor crosses as it is
+    for name, t in views.items():
+        assert torch.equal(back[name], t) and back[name].stride() == t.stride(), name
+
+
+def test_an_observation_is_rebuilt_into_the_observation_classes_only():
+    import torch
+
+    from attn_ledger.moduledriver import flatten, rebuild
+    from attn_ledger.observe import Projection
+
+    tensors: dict = {}
+    out = torch.randn(2, 3, 4)
+    data = flatten((Projection(0, "linear", out, "w"), {"same": out}), tensors)
+    projection, extra = rebuild(data, tensors)
+    assert isinstance(projection, Projection) and extra["same"] is projection.output  # one tensor, one object
+    with pytest.raises(ValueError, match="not an observation"):
+        rebuild({"__dataclass__": "Report", "fields": {}}, {})

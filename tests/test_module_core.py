@@ -4,6 +4,7 @@ recognised (never failing), a core that is not attention, the merge, gradcheck."
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +191,28 @@ def test_gradcheck_fails_on_a_wrong_backward():
 def test_gradcheck_allows_for_float32_inside_a_float64_copy(factory):
     c = check(run(factory), "gradcheck")
     assert c.status == "pass" and c.data["lower_precision_inside"] is True and c.data["eps"] == 1e-2
+
+
+@pytest.mark.parametrize("name, status", [("WqWkWv", "pass"), ("WrongGradient", "fail")])
+def test_gradcheck_through_the_worker_matches_in_process(name, status, tmp_path):
+    """In a worker, gradcheck's finite differences run in one request and its backward passes are round
+    trips to the graph kept there; the check's numbers are the ones the in-process check computes."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from attn_ledger.cli import app
+
+    path = Path(L.__file__).resolve()
+    (tmp_path / "made.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('layout_modules_copy', {str(path)!r})\n"
+        "L = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(L)\n"
+        f"make = L.factory(L.{name})\n")
+    args = ["check", "--module", f"{tmp_path / 'made.py'}:make", "--embed-dim", str(E), "--heads", str(NH),
+            "--format", "json"]
+    worker, here = CliRunner().invoke(app, args), CliRunner().invoke(app, [*args, "--in-process"])
+    assert worker.exit_code == here.exit_code, worker.output[-2000:]
+    checks = {c["name"]: c for r in json.loads(worker.stdout)["rows"] for c in r["checks"]}
+    assert checks["gradcheck"]["status"] == status
+    assert worker.stdout == here.stdout

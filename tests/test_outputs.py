@@ -248,6 +248,50 @@ def test_control_and_bidi_characters_in_a_file_name_print_escaped_in_the_table(t
     assert json.loads(res.stdout)["details"]["target"] == f"{name}:attention"
 
 
+def _hostile_report():
+    from attn_ledger.report import Check, Report, Row
+
+    bad = "a\u202eb\x1bc\nd"
+    fail = Check(4, "reference", "fail", "max |out - ref|", 1.0, 0.1, "<=", reason=f"why {bad}")
+    warn = Check(4, "precision", "warn", "ratio", 2.0, 1.5, "<=", reason=f"loose {bad}")
+    return bad, Report("check", f"CHECK {bad}.py:attention", (Row(f"case {bad}", "fail", (fail, warn),
+                                                                     note=f"picture\nline {bad}"),),
+                       notes=(f"note {bad}",), unit="case")
+
+
+@pytest.mark.parametrize("fmt", ["markdown", "github", "junit"])
+def test_control_and_bidi_characters_print_escaped_in_markdown_github_and_junit(fmt):
+    from xml.etree import ElementTree as ET
+
+    from attn_ledger.render.github import render_github
+    from attn_ledger.render.junit import render_junit
+    from attn_ledger.render.markdown import render_markdown
+
+    bad, report = _hostile_report()
+    text = {"markdown": render_markdown, "github": render_github, "junit": render_junit}[fmt](report)
+    assert "\u202e" not in text and "\x1b" not in text
+    assert "a\\u202eb\\u001bc\\nd" in text  # as the JSON writes them
+    if fmt == "markdown":  # one table row per row: a name's newline does not break it
+        assert sum(ln.startswith("| case ") or ln.startswith("| `case") for ln in text.splitlines()) == 1
+        assert "picture<br>line" in text  # a note's own line breaks are kept
+    if fmt == "github":  # one annotation per line
+        assert all(ln.startswith("::") for ln in text.splitlines()[:-1])
+    if fmt == "junit":
+        ET.fromstring(text.split("\n", 1)[1])  # well-formed XML: no raw control character
+
+
+@pytest.mark.parametrize("fmt", ["markdown", "github", "junit"])
+def test_a_file_name_with_a_bidi_override_prints_escaped_in_every_text_format(tmp_path, monkeypatch, fmt):
+    monkeypatch.chdir(tmp_path)
+    name = "k\u202ex.py"
+    (tmp_path / name).write_text(WRONG_KERNEL)
+    res = runner.invoke(app, ["check", f"{name}:attention", "--case", CASE, "--in-process", "--format", fmt])
+    assert res.exit_code == 1, res.output[-2000:]
+    assert "\u202e" not in res.stdout
+    if fmt == "markdown":  # the title names the target (github and junit name the case only)
+        assert "k\\u202ex.py" in res.stdout
+
+
 def test_printable_escapes_controls_and_bidi_and_keeps_the_rest():
     from attn_ledger.render.text import printable
 

@@ -279,6 +279,10 @@ def intervene_module(module: "nn.Module", args: dict[str, Any], progress: Callab
     x = x.to(module_dtype(module, dtype))  # [B, T, E]
     with_controls = args["with_controls"]
     control_list = builtin_controls(args["embed_dim"], args["num_heads"], args["seed"], x.dtype) if with_controls else []
+    from attn_ledger.guard import forwarded as is_remote
+
+    if is_remote(module):  # the forwards draw from the worker's generator: seeded there as it is here
+        module.manual_seed(args["seed"])
     with torch.random.fork_rng(devices=[]):
         manual_seed(args["seed"])
         return intervene_report(module, x, subject=f"module {args['spec']}", num_heads=args["num_heads"],

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_ledger.render.text import describe, finding_line
+from attn_ledger.render.text import describe, finding_line, printable
 from attn_ledger.report import Report
 
 
 def _escape(text: str) -> str:
-    # GitHub's workflow-command escaping for messages and property values
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    # Control and bidirectional characters escaped as the JSON writes them (a name from a user stays one
+    # line that reads as it is stored), then GitHub's workflow-command escaping for messages and properties
+    return printable(text).replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
 
 def _prop(text: str) -> str:

@@ -14,7 +14,19 @@ from xml.etree import ElementTree as ET
 
 from attn_ledger.render.notes import note_text
 from attn_ledger.render.text import STATUS_WORD, bound_text, describe, fmt_value
+from attn_ledger.render.text import STATUS_WORD, bound_text, describe, fmt_value, printable
 from attn_ledger.report import UNJUDGED, Check, Report, Row
+
+
+def _printable(tree: ET.Element) -> None:
+    """Every attribute and text escaped as the JSON writes control and bidirectional characters
+    (:func:`~attn_ledger.render.text.printable`); XML 1.0 cannot carry most control characters at all.
+    Text keeps the line breaks that join its lines."""
+    for el in tree.iter():
+        for key, value in el.attrib.items():
+            el.set(key, printable(value))
+        if el.text:
+            el.text = printable(el.text, keep="\n")
 
 
 def _failure_message(row: str, c: Check) -> str:
@@ -68,5 +80,6 @@ def render_junit(report: Report) -> str:
         el.set("failures", str(failures))
         el.set("errors", "0")
         el.set("skipped", str(skipped))
+    _printable(suites)
     ET.indent(suites)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
