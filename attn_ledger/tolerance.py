@@ -64,7 +64,7 @@ EPS = {"float64": 2.220446049250313e-16, "float32": 1.1920928955078125e-07, "flo
 
 # --- check on a kernel: error bounds from how rounding grows --------------------------------------
 
-ROUNDING_QUANTITIES = ("out", "dq", "dk", "dv")
+ROUNDING_QUANTITIES = ("out", "dq", "dk", "dv", "scores", "weights", "context")
 
 # c per (quantity, dtype) in ``|err| <= c * eps(dtype) * M``. Each is at least twice the worst
 # error / (eps * M) measured on correct kernels, so that a correct kernel stays within half its
@@ -86,6 +86,10 @@ ROUNDING_C: dict[str, dict[str, float]] = {
     # half dv: the upstream gradient is rounded to the dtype before the kernel sees it, the result rounds
     # again, and the imprecise kernels reach 3.8 (bfloat16 softmax) and 3.7 (float16 sum): c stays at 8
     "dv": {"float64": 2.0, "float32": 2.0, "float16": 8.0, "bfloat16": 8.0},  # 0.13, 0.37, 0.69 (3.8), 1.16 (3.7)
+    # the ledger's stage tensors (``run``, attn_ledger.engine.rounding; the context is ``out``), float32 and float64
+    "scores": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
+    "weights": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
+    "context": {"float64": 4.0, "float32": 4.0, "float16": 4.0, "bfloat16": 4.0},
 }
 
 # The kernel suites' view, kept beside the rule as data (each finding reports their limits too):
