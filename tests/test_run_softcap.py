@@ -108,10 +108,26 @@ def test_run_tensors_takes_softcap_from_the_command_line(tmp_path):
     (["--softcap", "nan"], "--softcap"),
     (["--softcap", "inf"], "--softcap"),
     (["--softcap", "50", "--grad"], "softcap"),
-    (["--softcap", "50", "--backends", "all"], "backends"),
     (["--fault", "softcap-after-mask"], "fault"),
-], ids=["zero", "nan", "inf", "with-grad", "with-backends", "fault-without-cap"])
+], ids=["zero", "nan", "inf", "with-grad", "fault-without-cap"])
 def test_bad_softcap_options_exit_2_naming_the_field(args, named):
     res = runner.invoke(app, ["run", *args])
     assert res.exit_code == 2, res.output
     assert res.output.startswith(f"error: {named}") and "Traceback" not in res.output
+
+
+def test_pinned_backends_get_the_capped_scores_and_agree_with_a_capped_pipeline():
+    report = run_ledger(load_config(overrides={"softcap": 1.0, "scale": 2.0}), backends="math,flash")
+    assert report.exit_code == 0, failing(report)
+    matrix = report.details["sdpa_backends"]
+    assert matrix["math"]["float32"] is True and matrix["flash"]["float32"] is True
+    assert any("and so does each pinned backend" in n for n in report.notes)
+
+
+def test_pinned_backends_fail_a_pipeline_that_caps_after_the_mask():
+    report = run_ledger(load_config(overrides={"softcap": 1.0, "scale": 2.0, "fault": "softcap-after-mask",
+                                               "mask": "padding", "valid_lengths": [5, 3]}),
+                        backends="math,flash", keep_going=True)
+    assert report.exit_code == 1
+    matrix = report.details["sdpa_backends"]
+    assert matrix["math"]["float32"] is False and matrix["flash"]["float32"] is False

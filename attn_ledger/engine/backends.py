@@ -20,20 +20,27 @@ _BACKEND_MEMBERS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EF
 BACKEND_GRID = SMALL_GRID  # grids up to this size also get the other half/float dtypes in the backend matrix
 
 
-def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor | None", scale: float) -> "Tensor":
+def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor | None", scale: float,
+                softcap: float | None = None) -> "Tensor":
     """F.scaled_dot_product_attention with one backend pinned through ``torch.nn.attention.sdpa_kernel``.
 
     torch explains why a pinned backend cannot run in warnings; they are collected and, if the
     call fails, become its error message (the ledger reports them, so they are not printed).
+    With ``softcap``, the pinned backend gets the capped scores as its additive mask, q zeroed
+    (:func:`attn_ledger.engine.execute.sdpa_capped`): a backend that takes no float mask cannot run.
     """
     import warnings
 
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from attn_ledger.engine.execute import sdpa_capped
+
     with warnings.catch_warnings(record=True) as said, sdpa_kernel([getattr(SDPBackend, _BACKEND_MEMBERS[name])]):
         warnings.simplefilter("always")
         try:
+            if softcap is not None:
+                return sdpa_capped(q, k, v, mask, scale, softcap)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale)
         except RuntimeError as exc:
             why = "; ".join(dict.fromkeys(str(w.message).strip().splitlines()[0] for w in said if str(w.message).strip()))
@@ -42,7 +49,7 @@ def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor 
 
 def resolve_backends(
     requested: "str | list[str] | tuple[str, ...] | None", device: "torch.device", run_dtype: "torch.dtype",
-    masked: bool, grid: int,
+    masked: bool, grid: int, softcap: float | None = None,
 ) -> tuple[tuple[tuple[str, "torch.dtype"], ...], dict[tuple[str, str], str]]:
     """The (backend, dtype) pairs of the backend matrix that this device can run, and why the others cannot.
 
@@ -50,6 +57,8 @@ def resolve_backends(
         requested: ``"all"``, a comma-separated string, or a list of names from :data:`SDPA_BACKENDS`.
         masked: whether the run has a relation (the probe then passes a boolean mask, as the ledger will).
         grid: B*Nh*Tq*Tk; small grids also get float32, float16 and bfloat16 next to the run's dtype.
+        softcap: the run's soft-cap: each backend is probed as the ledger will call it, with the capped
+            scores as its additive mask.
 
     Returns:
         ``(pairs, unavailable)``: pairs in matrix order; ``unavailable`` maps ``(name, dtype name)`` to the reason.
@@ -76,7 +85,7 @@ def resolve_backends(
             q = torch.randn(1, 2, 4, 8, device=device).to(dt)  # [B, Nh, Tq, Dh]
             mask = torch.ones(4, 4, dtype=torch.bool, device=device).tril()[None, None] if masked else None
             try:
-                out = sdpa_pinned(name, q, q, q, mask, 0.35)
+                out = sdpa_pinned(name, q, q, q, mask, 0.35, softcap)
                 if not bool(torch.isfinite(out).all()):
                     raise RuntimeError("non-finite output on the probe")
             except Exception as exc:  # a backend this device, dtype or mask cannot run is not available

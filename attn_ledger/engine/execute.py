@@ -366,14 +366,14 @@ class Execution:
         from attn_ledger.reference import repeat_kv
 
         yield from backend_measures(self.backends, c, (t.qb, t.kb, t.vb), None, t.ai, self.ref_scale, None, self.dtype,
-                                    t.blk.q0)
+                                    t.blk.q0, self.softcap)
         if t.ref is not None:
             a, z = t.blk.sample
             q0, lo, hi, nh = t.blk.q0, t.lay.lo, t.lay.hi, self.plan.nh
             q_ref, k_ref, v_ref = self.ref
             ref_in = (q_ref[:, :, q0 + a:q0 + z], repeat_kv(k_ref[:, :, lo:hi], nh), repeat_kv(v_ref[:, :, lo:hi], nh))
             yield from backend_measures(self.backends, c[:, :, a:z], (t.qb[:, :, a:z], t.kb, t.vb), ref_in,
-                                        self._ai_rows(t), self.ref_scale, t.ref, self.dtype, q0 + a)
+                                        self._ai_rows(t), self.ref_scale, t.ref, self.dtype, q0 + a, self.softcap)
 
 
 def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
@@ -403,7 +403,7 @@ def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", s
 def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor",
                      pipe_in: tuple["Tensor", "Tensor", "Tensor"], ref_in: "tuple[Tensor, Tensor, Tensor] | None",
                      ai: "Tensor | None", scale: float, ref: "dict[str, Tensor] | None", run_dtype: "torch.dtype",
-                     q0: int) -> Iterator[Agreement]:
+                     q0: int, softcap: float | None = None) -> Iterator[Agreement]:
     """The L4 context comparison once per (backend, dtype).
 
     In the run's dtype: float32/float64 compare the pipeline's context with the pinned backend
@@ -425,7 +425,7 @@ def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor
             continue
         qb, kb, vb = (x.to(dt) for x in (pipe_in if dt == run_dtype else ref_in))
         try:
-            out = sdpa_pinned(name, qb, kb, vb, ai, scale)  # [B, Nh, rows, Dv]
+            out = sdpa_pinned(name, qb, kb, vb, ai, scale, softcap)  # [B, Nh, rows, Dv]
         except Exception:  # passed the probe but not this block (e.g. a mask shape): count it as failing
             yield Agreement("context", "sdpa", against, math.nan, math.nan, backend=name, dtype=dn)
             continue
@@ -437,7 +437,7 @@ def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor
             yield M.error("context", "sdpa", out, ref["out"], backend=name, dtype=dn)
             if dt != run_dtype:  # in the run's dtype the pipeline's own plain error serves
                 plain = reference_stages(qb, kb, vb, allow_mask=ai, scale=scale,
-                                         empty_rows="zeros" if ai is not None else "nan", dtype=dt)["out"]
+                                         empty_rows="zeros" if ai is not None else "nan", dtype=dt, softcap=softcap)["out"]
                 yield M.error("context", "plain", plain, ref["out"], dtype=dn)
         else:
             yield Agreement("context", "sdpa", "float64", M.excess(out, ref["out"], 0, 0)[0],

@@ -50,18 +50,14 @@ def scale_meta(rows: Rows, meta: dict[str, Any], s: float | None, temperature: f
 
 
 def softcap_meta(rows: Rows, meta: dict[str, Any], softcap: float | None, backends: Any) -> None:
-    """A soft-cap, stated in the notes and details; refused with pinned SDPA backends (SDPA has no cap)."""
-    from attn_ledger.errors import InputError
-
+    """A soft-cap, stated in the notes and details."""
     if softcap is None:
         return
-    if backends is not None:
-        raise InputError(f"backends: got {backends!r} with softcap {softcap:g}, expected no pinned SDPA backends: SDPA "
-                         "has no soft-cap to compare with")
     meta["softcap"] = softcap
+    pinned = ", and so does each pinned backend" if backends is not None else ""
     rows.notes.append(f"soft-cap C = {softcap:g}: the scaled scores become C * tanh(s / C) before the mask, in the "
                       "pipeline and the float64 reference; SDPA, which has no cap, gets the capped scores as its "
-                      "additive mask")
+                      f"additive mask{pinned}")
 
 
 def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
@@ -76,7 +72,7 @@ def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Te
 
     b, nh, tq, dh = q.shape
     tk, dv = k_exp.shape[-2], v_exp.shape[-1]
-    pairs, unavailable = resolve_backends(backends, q.device, q.dtype, bool(relation.parts), b * nh * tq * tk)
+    pairs, unavailable = resolve_backends(backends, q.device, q.dtype, bool(relation.parts), b * nh * tq * tk, softcap)
     if unavailable:
         rows.notes.append("SDPA backends not available here: "
                           + ", ".join(f"{n},{dt} ({why})" for (n, dt), why in unavailable.items()))
