@@ -10,9 +10,12 @@ Markdown tables (for docs/check.md):
 
 * the worst correct kernel's ``value / limit`` for each (check, dtype) over every kernel, case, seed and
   capability, with the kernel, case, seed and capability where it was met. It should stay <= 0.5.
-* for each near-threshold fault of the catalogue, the seeds (times capabilities) where ``check``
-  caught it, and for each bounded check and dtype the smallest over those runs of its largest
-  ``value / limit`` (> 1 where that check alone catches it on every run).
+* for each near-threshold fault of the catalogue, and each imprecise half kernel of
+  ``fixtures/kernels/precision`` (``precision:NAME``, caught by the ``precision`` warning), the seeds
+  (times capabilities) where ``check`` caught it, and for each bounded check and dtype the smallest
+  over those runs of its largest ``value / limit`` (> 1 where that check alone catches it on every
+  run). The correct kernels' ``precision`` row of the first table and these rows are the half-precision
+  bar's two margins.
 
 Exit status 0 when every correct kernel passed with margin <= 0.5 and every fault was caught on every
 run, 1 otherwise, 2 on bad arguments.
