@@ -157,7 +157,8 @@ def _after_context(rows: Rows, ops: Any, cfg: "RunConfig", inp: builtin.Inputs, 
     properties_row(rows, ops, *entered, relation, run_scale, cfg.grad)
     if cfg.grad and not (rows.failed() and not keep_going):
         fwd = backward_rows.Forward(*entered, *qkv, (inp.q64, inp.k64, inp.v64), relation, grid.plan, run_scale, scale,
-                                    cfg.empty_rows == "zeros", None if spec is None else Rotation(spec, cfg.tk - tq))
+                                    cfg.empty_rows == "zeros", None if spec is None else Rotation(spec, cfg.tk - tq),
+                                    cfg.softcap)
         backward_rows.config_backward(rows, ops, cfg, inp, fwd, merged[0], relation, keep_going)
 
 
@@ -279,7 +280,8 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         from attn_ledger.engine.backward import Rotation
 
         fwd = backward_rows.Forward(qr, k_exp, v_exp, q, k, v, (q, k, v), relation, grid.plan, ref_scale, ref_scale,
-                                    empty_zero, None if rotation_spec is None else Rotation(rotation_spec, tk - tq))
+                                    empty_zero, None if rotation_spec is None else Rotation(rotation_spec, tk - tq),
+                                    softcap)
         backward_rows.tensor_backward(rows, fwd, grad_output, grads, one_head, replay)
     return done()
 
