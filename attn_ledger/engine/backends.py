@@ -27,14 +27,12 @@ def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor 
     torch explains why a pinned backend cannot run in warnings; they are collected and, if the
     call fails, become its error message (the ledger reports them, so they are not printed).
     With ``softcap``, the pinned backend gets the capped scores as its additive mask, q zeroed
-    (:func:`attn_ledger.engine.execute.sdpa_capped`): a backend that takes no float mask cannot run.
+    (:func:`sdpa_capped`): a backend that takes no float mask cannot run.
     """
     import warnings
 
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from attn_ledger.engine.execute import sdpa_capped
 
     with warnings.catch_warnings(record=True) as said, sdpa_kernel([getattr(SDPBackend, _BACKEND_MEMBERS[name])]):
         warnings.simplefilter("always")
@@ -45,6 +43,30 @@ def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor 
         except RuntimeError as exc:
             why = "; ".join(dict.fromkeys(str(w.message).strip().splitlines()[0] for w in said if str(w.message).strip()))
             raise RuntimeError(why or str(exc)) from exc
+
+
+def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+                cap: float) -> "Tensor":
+    """SDPA's softmax and mix on soft-capped scores: ``[B, Nh, rows, Dv]``.
+
+    SDPA has no soft-cap, so it gets the capped scores ``cap * tanh(scale * q.k / cap)`` (in the
+    run's dtype, -inf where forbidden) as its additive mask, with q zeroed so that its own
+    scores are 0. A query with no allowed key gets what SDPA gives it under the boolean mask.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    s = (q * scale) @ k.transpose(-2, -1)  # [B, Nh, rows, kw]
+    bias = torch.tanh(s / cap) * cap
+    if allow is not None:
+        bias = bias.masked_fill(~allow, float("-inf"))
+    out = F.scaled_dot_product_attention(torch.zeros_like(q), k, v, attn_mask=bias, dropout_p=0.0)
+    if allow is not None:
+        dead = ~allow.any(dim=-1, keepdim=True)  # [B|1, Nh|1, rows, 1]
+        if bool(dead.any()):
+            plain = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=0.0, scale=scale)
+            out = torch.where(dead, plain, out)
+    return out  # [B, Nh, rows, Dv]
 
 
 def resolve_backends(
@@ -85,7 +107,8 @@ def resolve_backends(
             q = torch.randn(1, 2, 4, 8, device=device).to(dt)  # [B, Nh, Tq, Dh]
             mask = torch.ones(4, 4, dtype=torch.bool, device=device).tril()[None, None] if masked else None
             try:
-                out = sdpa_pinned(name, q, q, q, mask, 0.35, softcap)
+                out = (sdpa_pinned(name, q, q, q, mask, 0.35) if softcap is None
+                       else sdpa_pinned(name, q, q, q, mask, 0.35, softcap))
                 if not bool(torch.isfinite(out).all()):
                     raise RuntimeError("non-finite output on the probe")
             except Exception as exc:  # a backend this device, dtype or mask cannot run is not available

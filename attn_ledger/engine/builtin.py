@@ -213,7 +213,7 @@ def grad_input(ops: Any, dq: "Tensor", dk: "Tensor", dv: "Tensor", w: Any, cross
 def sdpa_chain_gradients(inp: Inputs, nh: int, nkv: int, allow: "Tensor | None", whole_causal: bool, scale: float,
                          rotation: Any, grad_output: "Tensor", softcap: float | None = None) -> dict[str, "Tensor"]:
     """Autograd, in the run's dtype, of the same multi-head attention built on F.scaled_dot_product_attention
-    (with a soft-cap, SDPA gets the capped scores as its additive mask: :func:`~attn_ledger.engine.execute.sdpa_capped`)."""
+    (with a soft-cap, SDPA gets the capped scores as its additive mask: :func:`~attn_ledger.engine.backends.sdpa_capped`)."""
     import torch
     import torch.nn.functional as F
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from attn_ledger import tolerance
 from attn_ledger.engine import measure as M
+from attn_ledger.engine.backends import sdpa_capped
 from attn_ledger.engine import plan as P
 from attn_ledger.engine import rounding
 from attn_ledger.engine.measure import Agreement, Broken, Measure, Peak
@@ -376,30 +377,6 @@ class Execution:
                                         self._ai_rows(t), self.ref_scale, t.ref, self.dtype, q0 + a, self.softcap)
 
 
-def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                cap: float) -> "Tensor":
-    """SDPA's softmax and mix on soft-capped scores: ``[B, Nh, rows, Dv]``.
-
-    SDPA has no soft-cap, so it gets the capped scores ``cap * tanh(scale * q.k / cap)`` (in the
-    run's dtype, -inf where forbidden) as its additive mask, with q zeroed so that its own
-    scores are 0. A query with no allowed key gets what SDPA gives it under the boolean mask.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    s = (q * scale) @ k.transpose(-2, -1)  # [B, Nh, rows, kw]
-    bias = torch.tanh(s / cap) * cap
-    if allow is not None:
-        bias = bias.masked_fill(~allow, float("-inf"))
-    out = F.scaled_dot_product_attention(torch.zeros_like(q), k, v, attn_mask=bias, dropout_p=0.0)
-    if allow is not None:
-        dead = ~allow.any(dim=-1, keepdim=True)  # [B|1, Nh|1, rows, 1]
-        if bool(dead.any()):
-            plain = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=0.0, scale=scale)
-            out = torch.where(dead, plain, out)
-    return out  # [B, Nh, rows, Dv]
-
-
 def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor",
                      pipe_in: tuple["Tensor", "Tensor", "Tensor"], ref_in: "tuple[Tensor, Tensor, Tensor] | None",
                      ai: "Tensor | None", scale: float, ref: "dict[str, Tensor] | None", run_dtype: "torch.dtype",
@@ -425,7 +402,8 @@ def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor
             continue
         qb, kb, vb = (x.to(dt) for x in (pipe_in if dt == run_dtype else ref_in))
         try:
-            out = sdpa_pinned(name, qb, kb, vb, ai, scale, softcap)  # [B, Nh, rows, Dv]
+            out = (sdpa_pinned(name, qb, kb, vb, ai, scale) if softcap is None  # [B, Nh, rows, Dv]
+                   else sdpa_pinned(name, qb, kb, vb, ai, scale, softcap))
         except Exception:  # passed the probe but not this block (e.g. a mask shape): count it as failing
             yield Agreement("context", "sdpa", against, math.nan, math.nan, backend=name, dtype=dn)
             continue
