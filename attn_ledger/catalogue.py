@@ -1,7 +1,7 @@
 """A catalogue of broken attention kernels and modules, and what each level of checking sees of them.
 
 Every kernel here follows the kernel protocol (see :mod:`attn_ledger.kernelcheck`) and is
-correct except for one deliberate, realistic fault. The two module faults go through
+correct except for one deliberate, realistic fault. The module faults go through
 :func:`attn_ledger.modulecheck.check_module`. Where the built-in pipeline has the same
 fault (``attn-ledger run --fault``), the white-box ledger's first divergence is shown
 beside the black-box level, since the ledger sees every stage and ``check`` sees only
@@ -277,6 +277,30 @@ def _batch_first_module(embed_dim: int, num_heads: int) -> "nn.Module":
     return BatchFirstConfusion()
 
 
+def _softcap_dropped_module(embed_dim: int, num_heads: int) -> "nn.Module":
+    """A causal layer declared soft-capped (Gemma 2's ``attn_logit_softcapping = 50``) whose hand-written
+    core leaves the cap out: ``softmax(s)`` where ``softmax(50 * tanh(s / 50))`` was meant."""
+    import torch
+    from torch import nn
+
+    class SoftcapDropped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_heads = num_heads
+            self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
+            self.out = nn.Linear(embed_dim, embed_dim, bias=False)
+
+        def forward(self, x):
+            t = x.shape[1]
+            q, k, v = (_split(p, self.num_heads) for p in self.qkv(x).chunk(3, dim=-1))  # [B, Nh, T, Dh]
+            s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # [B, Nh, T, T]; the cap belongs here
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            w = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+            return self.out(_merge(w @ v))  # [B, T, E]
+
+    return SoftcapDropped()
+
+
 # --- the catalogue ----------------------------------------------------------------------
 
 MODULE_EMBED_DIM, MODULE_HEADS = 12, 3  # the sizes the module faults are built and checked at
@@ -293,6 +317,7 @@ class Fault:
         target: the broken kernel function, or the module factory.
         pipeline_fault: the same fault in the built-in pipeline (``run --fault``), if any.
         module_causal: for modules, whether the module is meant to be causal.
+        module_softcap: for modules, the soft-cap declared (``check --module --softcap``), or None.
         near_threshold: a fault just past what rounding explains (its margin is printed by
             ``scripts/margins.py``).
     """
@@ -304,6 +329,7 @@ class Fault:
     pipeline_fault: str | None = None
     module_causal: bool = True
     near_threshold: bool = False
+    module_softcap: float | None = None
 
 
 CATALOGUE: tuple[Fault, ...] = (
@@ -322,6 +348,8 @@ CATALOGUE: tuple[Fault, ...] = (
     Fault("dropout-at-eval", "module", "dropout_p passed to SDPA regardless of .training", _dropout_module),
     Fault("batch-first", "module", "nn.MultiheadAttention(batch_first=False) fed [B, T, E], not causal",
           _batch_first_module, module_causal=False),
+    Fault("softcap-dropped", "module", "a layer declared soft-capped at 50 (--softcap 50) whose core leaves the cap out",
+          _softcap_dropped_module, module_softcap=50.0),
     Fault("gqa-repeat", "kernel", "grouped-query kv heads paired by repeat, not repeat_interleave", gqa_repeat),
     Fault("causal-top-left", "kernel", "is_causal forwarded to SDPA: top-left where decode needs bottom-right",
           causal_top_left),
@@ -389,7 +417,7 @@ def _module_view(fault: Fault, seed: int) -> _BlackBox:
     from attn_ledger.modulecheck import check_module
 
     report = check_module(fault.target, MODULE_EMBED_DIM, MODULE_HEADS, causal=fault.module_causal, seed=seed,
-                          subject=fault.name)
+                          subject=fault.name, softcap=fault.module_softcap)
     first = report.first_finding
     checks = tuple(c for _, c in report.checks())
     return _BlackBox(None if first is None else first.level, None if first is None else first.name, None, checks)

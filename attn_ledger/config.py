@@ -216,9 +216,6 @@ class RunConfig(BaseModel):
             raise ValueError(f"grad_output: got {self.grad_output!r}, expected it only with grad (--grad)")
         if self.fault in GRAD_FAULTS and not self.grad:
             raise ValueError(f"fault: got {self.fault!r}, a fault in a backward stage, expected it only with grad (--grad)")
-        if self.softcap is not None and self.grad:
-            raise ValueError(f"softcap: got {self.softcap:g} with grad (--grad), expected it without grad: the backward "
-                             "stages through a soft-cap are not built yet")
         if self.fault in CAP_FAULTS and self.softcap is None:
             raise ValueError(f"fault: got {self.fault!r}, a fault in the soft-cap, expected it only with softcap "
                              "(--softcap)")

@@ -172,7 +172,8 @@ def _after_context(rows: Rows, ops: Any, cfg: "RunConfig", inp: builtin.Inputs, 
     properties_row(rows, ops, *entered, relation, run_scale, cfg.grad)
     if cfg.grad and not (rows.failed() and not keep_going):
         fwd = backward_rows.Forward(*entered, *qkv, (inp.q64, inp.k64, inp.v64), relation, grid.plan, run_scale, scale,
-                                    cfg.empty_rows == "zeros", None if spec is None else Rotation(spec, cfg.tk - tq))
+                                    cfg.empty_rows == "zeros", None if spec is None else Rotation(spec, cfg.tk - tq),
+                                    cfg.softcap)
         backward_rows.config_backward(rows, ops, cfg, inp, fwd, merged[0], relation, keep_going)
 
 
@@ -289,13 +290,13 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         return done()
     _tensors_after_context(rows, ops, relation, grid, (qr, k_exp, v_exp), (q, k, v), ref_scale, empty_zero, keep_going,
                            rotation_spec=rotation_spec, grad=grad, grad_output=grad_output, grads=grads,
-                           one_head=one_head, replay=replay)
+                           one_head=one_head, replay=replay, softcap=softcap)
     return done()
 
 
 def _tensors_after_context(rows: Rows, ops: Any, relation: "Relation", grid: Grid, entered: tuple, given: tuple,
                            scale: float, empty_zero: bool, keep_going: bool, *, rotation_spec: Any, grad: bool,
-                           grad_output: Any, grads: dict, one_head: bool, replay: bool) -> None:
+                           grad_output: Any, grads: dict, one_head: bool, replay: bool, softcap: float | None) -> None:
     """Given tensors after the score grid: the replay, properties, the backward.
 
     Args:
@@ -315,7 +316,8 @@ def _tensors_after_context(rows: Rows, ops: Any, relation: "Relation", grid: Gri
 
         shift = k.shape[2] - q.shape[2]  # Tk - Tq: query i sits at position i + Tk - Tq
         fwd = backward_rows.Forward(qr, k_exp, v_exp, q, k, v, (q, k, v), relation, grid.plan, scale, scale,
-                                    empty_zero, None if rotation_spec is None else Rotation(rotation_spec, shift))
+                                    empty_zero, None if rotation_spec is None else Rotation(rotation_spec, shift),
+                                    softcap)
         backward_rows.tensor_backward(rows, fwd, grad_output, grads, one_head, replay)
 
 

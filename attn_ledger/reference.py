@@ -148,6 +148,7 @@ def reference_gradients(
     empty_rows: str = "zeros",
     rope: "tuple | None" = None,
     dtype: "torch.dtype | None" = None,
+    softcap: float | None = None,
 ) -> dict[str, "torch.Tensor"]:
     """Float64 autograd of :func:`reference_stages` for some query rows, with ``O-bar`` on those rows.
 
@@ -172,7 +173,7 @@ def reference_gradients(
     with torch.enable_grad():
         q64, k64, v64 = (t.detach().to(dtype).requires_grad_(True) for t in (q_rows, k, v))
         st = _rotated_stages(q64, k64, v64, q_positions, rope, allow_mask=allow_mask, scale=scale, empty_rows=empty_rows,
-                             dtype=dtype)
+                             dtype=dtype, softcap=softcap)
         loss = (st["out"] * grad_context.to(dtype)).sum()
         gq, gk, gv, gw, gs = torch.autograd.grad(loss, (q64, k64, v64, st["weights"], st["scores"]))
     return {"grad_q": gq, "grad_k": gk, "grad_values": gv, "grad_weights": gw, "grad_scores": gs,

@@ -14,7 +14,9 @@ module-level literals (read without importing it):
 * ``PRECISION_WARNING = True``: it computes float64 cases at float32 precision, so ``precision``
   warnings are real.
 
-``--kernels near`` runs the near-threshold faults of the catalogue instead (``power`` in the output).
+``--kernels near`` runs the near-threshold faults of the catalogue instead (``power`` in the output),
+and the imprecise half kernels of ``fixtures/kernels/precision`` (``precision:NAME``), caught when
+``check`` warns on ``precision`` or fails.
 The capability is whatever ``ATEN_CPU_CAPABILITY`` says when this process starts (the fork server
 keeps the environment it started with, so each capability needs its own process); the output says
 which one torch runs at, and ``fell_back`` where the machine lacks the requested one.
@@ -167,7 +169,37 @@ def run_near(tier: str, seeds: list[int], only: set[str] | None) -> dict[str, An
             runs.append({"seed": seed, "caught": report.exit_code == 1, "failed_checks": failed,
                          "ratios": seen["ratios"]})
         power[fault.name] = {"summary": fault.summary, "runs": runs}
+    power.update(run_precision(tier, seeds, only))
     return {"power": power}
+
+
+PRECISION = ROOT / "fixtures" / "kernels" / "precision"
+
+
+def run_precision(tier: str, seeds: list[int], only: set[str] | None) -> dict[str, Any]:
+    """The imprecise half kernels of ``fixtures/kernels/precision`` (correct to their own precision, not to
+    the inputs'): at each seed whether ``check`` warns on ``precision`` (or fails), and the largest ratio
+    of each bounded check, ``precision``'s being the ratio over the half-precision bar. Forward only:
+    the bar judges the output."""
+    from attn_ledger.kernelcheck import check_kernel
+    from attn_ledger.userload import load_object
+
+    power: dict[str, Any] = {}
+    for path in sorted(p for p in PRECISION.glob("*.py") if not p.name.startswith("_")):
+        name = f"precision:{path.stem}"
+        if only is not None and name not in only and path.stem not in only:
+            continue
+        fn = load_object(f"{path}:attention")
+        runs = []
+        for seed in seeds:
+            report = check_kernel(fn, tier=tier, target=f"{_shown(path)}:attention", seed=seed, backward=False)
+            seen = judge(report, name, seed, {})
+            warned = any(w["check"] == "precision" for w in seen["warnings"])
+            runs.append({"seed": seed, "caught": report.exit_code == 1 or warned,
+                         "failed_checks": sorted({f["check"] for f in seen["failures"]}), "ratios": seen["ratios"]})
+        doc = (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "").split("\n")[0]
+        power[name] = {"summary": doc, "runs": runs}
+    return power
 
 
 def main(argv: list[str] | None = None) -> int:

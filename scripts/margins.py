@@ -9,10 +9,15 @@ For each capability (``unset`` leaves ``ATEN_CPU_CAPABILITY`` out) one process r
 Markdown tables (for docs/check.md):
 
 * the worst correct kernel's ``value / limit`` for each (check, dtype) over every kernel, case, seed and
-  capability, with the kernel, case, seed and capability where it was met. It should stay <= 0.5.
-* for each near-threshold fault of the catalogue, the seeds (times capabilities) where ``check``
-  caught it, and for each bounded check and dtype the smallest over those runs of its largest
-  ``value / limit`` (> 1 where that check alone catches it on every run).
+  capability, with the kernel, case, seed and capability where it was met. It should stay <= 0.5
+  (``precision`` in half precision, a ratio of errors: <= 0.7, just above the 1 / 1.5 where a kernel
+  computing as the plain computations sits).
+* for each near-threshold fault of the catalogue, and each imprecise half kernel of
+  ``fixtures/kernels/precision`` (``precision:NAME``, caught by the ``precision`` warning), the seeds
+  (times capabilities) where ``check`` caught it, and for each bounded check and dtype the smallest
+  over those runs of its largest ``value / limit`` (> 1 where that check alone catches it on every
+  run). The correct kernels' ``precision`` row of the first table and these rows are the half-precision
+  bar's two margins.
 
 Exit status 0 when every correct kernel passed with margin <= 0.5 and every fault was caught on every
 run, 1 otherwise, 2 on bad arguments.
@@ -34,6 +39,16 @@ CAPABILITIES = ("unset", "avx2", "default")
 DTYPE_ORDER = ("float32", "float64", "float16", "bfloat16")
 POWER_CHECKS = ("reference", "precision", "grad_q", "grad_k", "grad_v", "forbidden_keys")
 MARGIN = 0.5
+# precision in half precision is a ratio of errors, not an error over a bound: a correct kernel that computes
+# as one of the plain computations sits at 1 / HALF_PRECISION_RATIO (0.667), its margin by construction, and
+# another summation order moves it a little (grouped query heads: 1.00013 / 1.5)
+PRECISION_MARGIN = 0.7
+HALF = ("float16", "bfloat16")
+
+
+def margin(check: str, dtype: str) -> float:
+    """The largest value / limit a correct kernel may reach for ``check`` in ``dtype``."""
+    return PRECISION_MARGIN if check == "precision" and dtype in HALF else MARGIN
 
 
 def run_capabilities(caps: list[str], seeds: int, tier: str) -> dict[str, dict[str, Any]]:
@@ -106,7 +121,7 @@ def margins_table(folded: dict[str, Any]) -> str:
     for w in folded["worst"]:
         if w["ratio"] == 0.0 and w["check"] not in ("reference", "grad_q", "grad_k", "grad_v"):
             continue  # exact where no rounding enters (a probe's unmoved rows): nothing to show
-        mark = " **over 0.5**" if w["ratio"] > MARGIN else ""
+        mark = f" **over {margin(w['check'], w['dtype']):.3g}**" if w["ratio"] > margin(w["check"], w["dtype"]) else ""
         lines.append(f"| `{w['check']}` | {w['dtype']} | {_ratio(w['ratio'])}{mark} | `{w['kernel']}` | "
                      f"`{w['case']}` | {w['seed']} | {w['capability']} ({w['actual']}) |")
     return "\n".join(lines)
@@ -170,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f['case']}: {f['value']} (limit {f['limit']})")
     if args.json:
         Path(args.json).write_text(json.dumps(folded, indent=1) + "\n", encoding="utf-8")
-    over = [w for w in folded["worst"] if w["ratio"] > MARGIN]
+    over = [w for w in folded["worst"] if w["ratio"] > margin(w["check"], w["dtype"])]
     missed = [n for n, p in folded["power"].items() if p["caught"] < p["runs"]]
     return 1 if folded["failures"] or unexpected or over or missed else 0
 

@@ -75,6 +75,7 @@ EXPECTED_BLACK_BOX = {
     "no-scale": (3, "finite"),
     "dropout-at-eval": (4, None),  # eval-mode calls disagree
     "batch-first": (2, "batch_independence"),  # same shape out; examples read as positions
+    "softcap-dropped": (4, "score_design"),  # the declared cap, bent on a probe, is not in the core
     # near threshold: just past what rounding explains
     "scale-off-1pct": (4, "reference"),  # every local invariant holds; only the reference sees it
     "leaked-weight": (3, None),  # forbidden keys take part, a little
@@ -169,3 +170,17 @@ def test_near_threshold_faults_are_catalogued_and_written_as_fixtures_alike():
         mine, theirs = fault.target(q, k, v, **kw), fixture(q, k, v, **kw)
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
         assert not torch.equal(mine, catalogue._attend(q, k, v, allow, True, 0.3)), fault.name  # it is a fault
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_dropped_soft_cap_is_caught_at_every_seed(seed):
+    fault = next(f for f in catalogue.CATALOGUE if f.name == "softcap-dropped")
+    row = catalogue.check_fault(fault, seed)
+    assert row.status == "pass" and row.fields["check"] == "score_design"
+
+
+def test_the_layer_with_the_dropped_cap_is_a_correct_uncapped_one():
+    from attn_ledger.modulecheck import check_module
+
+    fault = next(f for f in catalogue.CATALOGUE if f.name == "softcap-dropped")
+    assert check_module(fault.target, catalogue.MODULE_EMBED_DIM, catalogue.MODULE_HEADS).exit_code == 0

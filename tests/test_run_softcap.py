@@ -108,11 +108,62 @@ def test_run_tensors_takes_softcap_from_the_command_line(tmp_path):
     (["--softcap", "0"], "--softcap"),
     (["--softcap", "nan"], "--softcap"),
     (["--softcap", "inf"], "--softcap"),
-    (["--softcap", "50", "--grad"], "softcap"),
-    (["--softcap", "50", "--backends", "all"], "backends"),
     (["--fault", "softcap-after-mask"], "fault"),
-], ids=["zero", "nan", "inf", "with-grad", "with-backends", "fault-without-cap"])
+], ids=["zero", "nan", "inf", "fault-without-cap"])
 def test_bad_softcap_options_exit_2_naming_the_field(args, named):
     res = runner.invoke(app, ["run", *args])
     assert res.exit_code == 2, res.output
     assert res.output.startswith(f"error: {named}") and "Traceback" not in res.output
+
+
+def test_pinned_backends_get_the_capped_scores_and_agree_with_a_capped_pipeline():
+    report = run_ledger(load_config(overrides={"softcap": 1.0, "scale": 2.0}), backends="math,flash")
+    assert report.exit_code == 0, failing(report)
+    matrix = report.details["sdpa_backends"]
+    assert matrix["math"]["float32"] is True and matrix["flash"]["float32"] is True
+    assert any("and so does each pinned backend" in n for n in report.notes)
+
+
+def test_pinned_backends_fail_a_pipeline_that_caps_after_the_mask():
+    report = run_ledger(load_config(overrides={"softcap": 1.0, "scale": 2.0, "fault": "softcap-after-mask",
+                                               "mask": "padding", "valid_lengths": [5, 3]}),
+                        backends="math,flash", keep_going=True)
+    assert report.exit_code == 1
+    matrix = report.details["sdpa_backends"]
+    assert matrix["math"]["float32"] is False and matrix["flash"]["float32"] is False
+
+
+GRAD_ROWS = ("grad_weights", "grad_values", "grad_scores", "grad_q", "grad_k", "grad_projections", "grad_input")
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"mask": "padding", "valid_lengths": [5, 0], "empty_rows": "zeros"},
+    {"rope": "half"},
+    {"mask": "none", "seq_len": 9, "block_size": 4},
+    {"dtype": "float64"},
+], ids=["default", "empty-rows", "rope", "blocks", "float64"])
+def test_the_backward_runs_through_the_cap_and_agrees_with_float64_and_sdpa(overrides):
+    report = run_ledger(load_config(overrides={"softcap": 2.0, "scale": 1.5, "grad": True, **overrides}))
+    assert report.exit_code == 0, failing(report)
+    judged = {(row.name, c.name): c.status for row in report.rows for c in row.checks}
+    assert judged[("grad_q", "matches_reference")] == "pass" and judged[("grad_k", "matches_reference")] == "pass"
+    assert judged[("grad_k", "key_sum_zero")] == "not_applicable"  # the cap's slope breaks the zero row sums
+    if not overrides.get("mask") == "padding":  # SDPA's rows are compared where every query has a key
+        assert judged[("grad_q", "matches_sdpa")] == "pass"
+
+
+def test_a_backward_that_forgets_the_caps_slope_fails_at_grad_q(monkeypatch):
+    from attn_ledger.engine import backward
+
+    monkeypatch.setattr(backward, "cap_chain", lambda gs, masked, cap: gs)  # S-bar taken as the raw scores' gradient
+    report = run_ledger(load_config(overrides={"softcap": 2.0, "scale": 1.5, "grad": True}))
+    first = report.first_finding
+    assert report.exit_code == 1 and (first.row, first.name) == ("grad_q", "matches_reference")
+
+
+def test_saved_tensors_take_grad_with_a_cap():
+    q, k, v, _ = saved(2.0)
+    good = ledger_on_qkv(q, k, v, mask="causal", softcap=2.0, grad=True)
+    assert good.exit_code == 0, failing(good)
+    assert {row.name for row in good.rows} >= {"grad_q", "grad_k", "grad_values"}

@@ -21,11 +21,14 @@ _BACKEND_MEMBERS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EF
 BACKEND_GRID = SMALL_GRID  # grids up to this size also get the other half/float dtypes in the backend matrix
 
 
-def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor | None", scale: float) -> "Tensor":
+def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor | None", scale: float,
+                softcap: float | None = None) -> "Tensor":
     """F.scaled_dot_product_attention with one backend pinned through ``torch.nn.attention.sdpa_kernel``.
 
     torch explains why a pinned backend cannot run in warnings; they are collected and, if the
     call fails, become its error message (the ledger reports them, so they are not printed).
+    With ``softcap``, the pinned backend gets the capped scores as its additive mask, q zeroed
+    (:func:`sdpa_capped`): a backend that takes no float mask cannot run.
     """
     import warnings
 
@@ -35,15 +38,41 @@ def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor 
     with warnings.catch_warnings(record=True) as said, sdpa_kernel([getattr(SDPBackend, _BACKEND_MEMBERS[name])]):
         warnings.simplefilter("always")
         try:
+            if softcap is not None:
+                return sdpa_capped(q, k, v, mask, scale, softcap)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale)
         except RuntimeError as exc:
             why = "; ".join(dict.fromkeys(str(w.message).strip().splitlines()[0] for w in said if str(w.message).strip()))
             raise RuntimeError(why or str(exc)) from exc
 
 
+def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+                cap: float) -> "Tensor":
+    """SDPA's softmax and mix on soft-capped scores: ``[B, Nh, rows, Dv]``.
+
+    SDPA has no soft-cap, so it gets the capped scores ``cap * tanh(scale * q.k / cap)`` (in the
+    run's dtype, -inf where forbidden) as its additive mask, with q zeroed so that its own
+    scores are 0. A query with no allowed key gets what SDPA gives it under the boolean mask.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    s = (q * scale) @ k.transpose(-2, -1)  # [B, Nh, rows, kw]
+    bias = torch.tanh(s / cap) * cap
+    if allow is not None:
+        bias = bias.masked_fill(~allow, float("-inf"))
+    out = F.scaled_dot_product_attention(torch.zeros_like(q), k, v, attn_mask=bias, dropout_p=0.0)
+    if allow is not None:
+        dead = ~allow.any(dim=-1, keepdim=True)  # [B|1, Nh|1, rows, 1]
+        if bool(dead.any()):
+            plain = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=0.0, scale=scale)
+            out = torch.where(dead, plain, out)
+    return out  # [B, Nh, rows, Dv]
+
+
 def resolve_backends(
     requested: "str | list[str] | tuple[str, ...] | None", device: "torch.device", run_dtype: "torch.dtype",
-    masked: bool, grid: int,
+    masked: bool, grid: int, softcap: float | None = None,
 ) -> tuple[tuple[tuple[str, "torch.dtype"], ...], dict[tuple[str, str], str]]:
     """The (backend, dtype) pairs of the backend matrix that this device can run, and why the others cannot.
 
@@ -51,6 +80,8 @@ def resolve_backends(
         requested: ``"all"``, a comma-separated string, or a list of names from :data:`SDPA_BACKENDS`.
         masked: whether the run has a relation (the probe then passes a boolean mask, as the ledger will).
         grid: B*Nh*Tq*Tk; small grids also get float32, float16 and bfloat16 next to the run's dtype.
+        softcap: the run's soft-cap: each backend is probed as the ledger will call it, with the capped
+            scores as its additive mask.
 
     Returns:
         ``(pairs, unavailable)``: pairs in matrix order; ``unavailable`` maps ``(name, dtype name)`` to the reason.
@@ -77,7 +108,8 @@ def resolve_backends(
             q = torch.randn(1, 2, 4, 8, device=device).to(dt)  # [B, Nh, Tq, Dh]
             mask = torch.ones(4, 4, dtype=torch.bool, device=device).tril()[None, None] if masked else None
             try:
-                out = sdpa_pinned(name, q, q, q, mask, 0.35)
+                out = (sdpa_pinned(name, q, q, q, mask, 0.35) if softcap is None
+                       else sdpa_pinned(name, q, q, q, mask, 0.35, softcap))
                 if not bool(torch.isfinite(out).all()):
                     raise RuntimeError("non-finite output on the probe")
             except Exception as exc:  # a backend this device, dtype or mask cannot run is not available

@@ -98,13 +98,14 @@ class Backward:
 
     def __init__(self, plan: P.Plan, relation: "Relation", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
                  grad_context: "Tensor", *, scale: float, sdpa_scale: float, empty_zero: bool, n_kv: int,
-                 rotation: Rotation | None = None, ref: "dict[str, Tensor] | None" = None, sdpa: bool = True) -> None:
+                 rotation: Rotation | None = None, ref: "dict[str, Tensor] | None" = None, sdpa: bool = True,
+                 softcap: float | None = None) -> None:
         import torch
 
         self.plan, self.relation, self.ops = plan, relation, ops
         self.q, self.k_exp, self.v_exp, self.go = q, k_exp, v_exp, grad_context
         self.scale, self.sdpa_scale, self.empty_zero, self.n_kv = scale, sdpa_scale, empty_zero, n_kv
-        self.rotation, self.ref = rotation, ref
+        self.rotation, self.ref, self.softcap = rotation, ref, softcap
         self.rtol, self.atol = tolerance.reference(q.dtype)
         b, nh, tq, dh = q.shape
         like = dict(dtype=q.dtype, device=q.device)
@@ -154,7 +155,7 @@ class Backward:
         lo, hi, q0, q1 = lay.lo, lay.hi, blk.q0, blk.q1
         qb, kb, vb, gob = self.q[:, :, q0:q1], self.k_exp[:, :, lo:hi], self.v_exp[:, :, lo:hi], self.go[:, :, q0:q1]
         self._reachable(allow_i)
-        _, w = block_stages(ops, qb, kb, None if allow_p is None else allow_p[..., lo:hi], lay.pipe_band, self.scale,
+        m, w = block_stages(ops, qb, kb, None if allow_p is None else allow_p[..., lo:hi], lay.pipe_band, self.scale,
                             self.empty_zero)  # [B, Nh, rows, kw]
         grid, dh, dv = (b, nh, blk.rows, lay.width), qb.shape[-1], vb.shape[-1]
         gw = yield from _stage("grad_weights", lambda: ops.grad_weights(gob, vb), grid)
@@ -169,8 +170,9 @@ class Backward:
         if rule is not None:
             yield Count("grad_scores", "nonfinite", 0) if clean else M.nonfinite("grad_scores", gs, q0=q0, k0=lo)
             yield rule
-        gq = None if gs is None else (yield from _stage("grad_q", lambda: ops.grad_q(gs, kb, self.scale), (b, nh, blk.rows, dh)))
-        gk = None if gq is None else (yield from _stage("grad_k", lambda: ops.grad_k(gs, qb, self.scale), (b, nh, lay.width, dh)))
+        gsc = None if gs is None else cap_chain(gs, m, self.softcap)  # S-bar through the soft-cap, where there is one
+        gq = None if gs is None else (yield from _stage("grad_q", lambda: ops.grad_q(gsc, kb, self.scale), (b, nh, blk.rows, dh)))
+        gk = None if gq is None else (yield from _stage("grad_k", lambda: ops.grad_k(gsc, qb, self.scale), (b, nh, lay.width, dh)))
         self.ran.update(name for name, t in (("grad_values", gv), ("grad_q", gq)) if t is not None)
         if gk is None:
             return False
@@ -178,7 +180,7 @@ class Backward:
         self.dv_exp[:, :, lo:hi] += gv
         self.dq_post[:, :, q0:q1] = gq
         self.dk_exp[:, :, lo:hi] += gk
-        yield from self._sample(blk, lay, w, gw, gs, gob, qb)
+        yield from self._sample(blk, lay, w, gw, gs, gob, qb, gsc)
         if self.plan.keep:
             self.kept.setdefault("grad_weights", []).append(gw)
             self.kept.setdefault("grad_scores", []).append(gs)
@@ -191,7 +193,7 @@ class Backward:
         self.reach = seen if self.reach is None else (self.reach | seen)
 
     def _sample(self, blk: P.Block, lay: P.Layout, w: "Tensor", gw: "Tensor", gs: "Tensor", gob: "Tensor",
-                qb: "Tensor") -> Iterator[Measure]:
+                qb: "Tensor", gsc: "Tensor") -> Iterator[Measure]:
         """The sampled rows' A-bar and S-bar, and what those rows alone give K-bar and V-bar."""
         if self.ref is None or blk.sample is None:
             return
@@ -202,7 +204,7 @@ class Backward:
         if not self.partial:
             return
         try:
-            self.partial["grad_k"][:, :, lay.lo:lay.hi] += self.ops.grad_k(gs[:, :, a:z], qb[:, :, a:z], self.scale)
+            self.partial["grad_k"][:, :, lay.lo:lay.hi] += self.ops.grad_k(gsc[:, :, a:z], qb[:, :, a:z], self.scale)
             self.partial["grad_values"][:, :, lay.lo:lay.hi] += self.ops.grad_values(w[:, :, a:z], gob[:, :, a:z])
         except Exception:  # the stage ran on the whole block but not on its sampled rows: nothing to compare
             self.partial = {key: t.fill_(math.nan) for key, t in self.partial.items()}
@@ -215,7 +217,8 @@ class Backward:
 
         for stage, t in (("grad_values", self.dv_exp), ("grad_k", self.dk_exp)):
             yield from self._blocked(stage, t)
-        yield key_sum(self.dk_exp)
+        if self.softcap is None:  # through a cap the rows of the scores' gradient no longer sum to zero
+            yield key_sum(self.dk_exp)
         self.dq, self.dk, self.dv = self._unrotated(self.dq_post, reduce_kv(self.dk_exp, self.n_kv),
                                                     reduce_kv(self.dv_exp, self.n_kv))
         if self.ref is not None:
@@ -274,7 +277,7 @@ class Backward:
         if plan.b == 0 or not all(blk.layout.all_live for blk in plan.blocks):
             return  # no example, or queries with every key blocked: SDPA's rows there are not defined alike
         with torch.enable_grad():
-            if plan.sdpa_whole_causal:  # exactly causal: one is_causal call on the whole input, as the forward
+            if plan.sdpa_whole_causal and self.softcap is None:  # exactly causal: one is_causal call, as the forward
                 q, k, v = (t.detach().clone().requires_grad_(True) for t in (self.q, self.k_exp, self.v_exp))
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True, scale=self.sdpa_scale)
                 gq, gk, gv = torch.autograd.grad(out, (q, k, v), self.go)
@@ -301,13 +304,30 @@ class Backward:
             lo, hi = P.key_hull(allow, self.plan.tk)
             q = self.q[:, :, g.q0:g.q1].detach().clone().requires_grad_(True)
             k, v = (t[:, :, lo:hi].detach().clone().requires_grad_(True) for t in (self.k_exp, self.v_exp))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if allow is None else allow[..., lo:hi],
-                                                 dropout_p=0.0, scale=self.sdpa_scale)  # [B, Nh, rows, Dv]
+            mask = None if allow is None else allow[..., lo:hi]
+            if self.softcap is not None:
+                from attn_ledger.engine.execute import sdpa_capped
+
+                out = sdpa_capped(q, k, v, mask, self.sdpa_scale, self.softcap)  # [B, Nh, rows, Dv]
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
+                                                     scale=self.sdpa_scale)  # [B, Nh, rows, Dv]
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), self.go[:, :, g.q0:g.q1])
             gq[:, :, g.q0:g.q1] = dq
             gk[:, :, lo:hi] += dk
             gv[:, :, lo:hi] += dv
         return gq, gk, gv
+
+
+def cap_chain(gs: "Tensor", masked: "Tensor", cap: float | None) -> "Tensor":
+    """``S-bar`` (the gradient of the capped scores) through the soft-cap ``C * tanh(s / C)`` to the scaled
+    scores: times ``1 - (capped / C)^2``, the cap's slope; zero where a score was excluded (-inf)."""
+    import torch
+
+    if cap is None:
+        return gs
+    slope = 1.0 - (masked / cap) ** 2  # [B, Nh, rows, kw]
+    return gs * torch.where(torch.isfinite(masked), slope, torch.zeros((), dtype=slope.dtype, device=slope.device))
 
 
 def _stage(name: str, fn: Callable[[], "Tensor"], want: tuple[int, ...]) -> Iterator[Measure]:
@@ -400,7 +420,7 @@ def _compare(stage: str, against: str, got: "Tensor", ref: "Tensor", rtol: float
 # --- gradcheck: the hand backward against central differences of the pipeline's forward ------------
 
 def gradcheck(ops: Any, q: "Tensor", k: "Tensor", v: "Tensor", grad_context: "Tensor", allow: "Tensor | None",
-              scale: float, empty_zero: bool, rotation: Rotation | None) -> dict[str, Check]:
+              scale: float, empty_zero: bool, rotation: Rotation | None, softcap: float | None = None) -> dict[str, Check]:
     """The pipeline's hand backward, run in float64, against central differences of its own forward.
 
     ``L = sum(context * O-bar)``; for up to GRADCHECK_MAX coordinates of each of q, k, v (all of them
@@ -432,6 +452,9 @@ def gradcheck(ops: Any, q: "Tensor", k: "Tensor", v: "Tensor", grad_context: "Te
     try:
         _, st, (qr, ke, ve) = forward(*x)
         g = attend_backward(ops, go, qr, ke, ve, st["weights"], scale)
+        if softcap is not None:  # through the cap's slope to the scaled scores
+            gsc = cap_chain(g["grad_scores"], st["masked_scores"], softcap)
+            g = {**g, "grad_q": ops.grad_q(gsc, ke, scale), "grad_k": ops.grad_k(gsc, qr, scale)}
         analytic = back._unrotated(g["grad_q"], reduce_kv(g["grad_k"], n_kv), reduce_kv(g["grad_values"], n_kv))
         return {name: _coordinates(name, i, x, analytic[i], forward) for i, name in
                 enumerate(("grad_q", "grad_k", "grad_values"))}

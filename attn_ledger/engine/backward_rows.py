@@ -53,6 +53,7 @@ class Forward:
     sdpa_scale: float
     empty_zero: bool
     rotation: Rotation | None
+    softcap: float | None = None  # the scores' soft-cap, through which the backward runs too
 
 
 def sampled_words(plan: "Plan") -> str:
@@ -65,7 +66,8 @@ def core_backward(rows: Rows, ops: Any, fwd: Forward, go: "Tensor", ref: "dict[s
     b, nh, tq, dh = fwd.q.shape
     nkv, tk, dv = fwd.k_in.shape[1], fwd.k_exp.shape[2], fwd.v_exp.shape[-1]
     run = Backward(fwd.plan, fwd.relation, ops, fwd.q, fwd.k_exp, fwd.v_exp, go, scale=fwd.scale,
-                   sdpa_scale=fwd.sdpa_scale, empty_zero=fwd.empty_zero, n_kv=nkv, rotation=fwd.rotation, ref=ref)
+                   sdpa_scale=fwd.sdpa_scale, empty_zero=fwd.empty_zero, n_kv=nkv, rotation=fwd.rotation, ref=ref,
+                   softcap=fwd.softcap)
     tally = Tally.of(run.run())
     derived = {"grad_weights": (b, nh, tq, tk), "grad_values": (b, nkv, tk, dv), "grad_scores": (b, nh, tq, tk),
                "grad_q": (b, nh, tq, dh), "grad_k": (b, nkv, tk, dh)}
@@ -81,7 +83,7 @@ def core_backward(rows: Rows, ops: Any, fwd: Forward, go: "Tensor", ref: "dict[s
     if sum(t.numel() for t in (fwd.q_in, fwd.k_in, fwd.v_in)) <= GRADCHECK_ENTRIES:
         allow = fwd.relation.block(0, tq)
         for stage, check in gradcheck(ops, fwd.q_in, fwd.k_in, fwd.v_in, go, allow, fwd.scale, fwd.empty_zero,
-                                      fwd.rotation).items():
+                                      fwd.rotation, fwd.softcap).items():
             rows.checks[stage].append(check)
     if replay:
         rows.checks["grad_k"].append(_replayed(ops, fwd, go, run))
@@ -97,7 +99,7 @@ def _replayed(ops: Any, fwd: Forward, go: "Tensor", first: Backward) -> Check:
     """The backward run again: Q-bar, K-bar and V-bar bitwise the same."""
     second = Backward(fwd.plan, fwd.relation, ops, fwd.q, fwd.k_exp, fwd.v_exp, go, scale=fwd.scale,
                       sdpa_scale=fwd.sdpa_scale, empty_zero=fwd.empty_zero, n_kv=fwd.k_in.shape[1],
-                      rotation=fwd.rotation, sdpa=False)
+                      rotation=fwd.rotation, sdpa=False, softcap=fwd.softcap)
     for _ in second.run():
         pass
     from attn_ledger.engine.replay import replay_check
@@ -259,7 +261,7 @@ def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merg
                                     cfg.num_heads, cfg.nkv, picked, go_out[:, picked],
                                     allow_mask=sample_allow(relation, plan.reference_spans, cfg.tk),
                                     scale=fwd.sdpa_scale, empty_rows="zeros" if fwd.empty_zero else "nan",
-                                    rope=rot, dtype=reference_dtype(inp.x.device))
+                                     rope=rot, dtype=reference_dtype(inp.x.device), softcap=fwd.softcap)
     go = config_context_row(rows, ops, go_out, w.wo, cfg.num_heads, cfg.dv, ref, plan, seed_data(cfg.grad_output))
     if go is None or (rows.failed() and not keep_going):
         return
@@ -268,9 +270,10 @@ def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merg
         return
     sdpa = None
     if b and all(blk.layout.all_live for blk in plan.blocks):
-        allow = None if plan.sdpa_whole_causal else relation.block(0, tq)
-        sdpa = sdpa_chain_gradients(inp, cfg.num_heads, cfg.nkv, allow, plan.sdpa_whole_causal, fwd.sdpa_scale,
-                                    fwd.rotation, go_out)
+        whole = plan.sdpa_whole_causal and fwd.softcap is None
+        allow = None if whole else relation.block(0, tq)
+        sdpa = sdpa_chain_gradients(inp, cfg.num_heads, cfg.nkv, allow, whole, fwd.sdpa_scale, fwd.rotation, go_out,
+                                    fwd.softcap)
     config_rows(rows, ops, run, inp, go_out, merged, ref, sdpa, plan)
 
 
@@ -280,7 +283,7 @@ def tensor_backward(rows: Rows, fwd: Forward, grad_output: Any, grads: "dict[str
     from attn_ledger.engine import inputs
     from attn_ledger.devices import reference_dtype
     from attn_ledger.engine.execute import sample_allow, sample_rows
-    from attn_ledger.pipeline import HEALTHY
+    from attn_ledger.pipeline import HEALTHY, with_softcap
     from attn_ledger.reference import reference_gradients
 
     q_in, k_in, v_in = fwd.q_in, fwd.k_in, fwd.v_in
@@ -302,7 +305,7 @@ def tensor_backward(rows: Rows, fwd: Forward, grad_output: Any, grads: "dict[str
                               allow_mask=sample_allow(fwd.relation, plan.reference_spans, k_in.shape[2]),
                               scale=fwd.sdpa_scale, empty_rows="zeros" if fwd.empty_zero else "nan",
                               rope=None if fwd.rotation is None else (fwd.rotation.spec,),
-                              dtype=reference_dtype(q_in.device))
-    run = core_backward(rows, HEALTHY, fwd, go, ref, replay=replay)
+                              dtype=reference_dtype(q_in.device), softcap=fwd.softcap)
+    run = core_backward(rows, with_softcap(HEALTHY, fwd.softcap), fwd, go, ref, replay=replay)
     if run is not None:
         user_grads(rows, run, ref, given, broken, plan, seeded)

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from attn_ledger import tolerance
 from attn_ledger.devices import reference_dtype
 from attn_ledger.engine import measure as M
+from attn_ledger.engine.backends import sdpa_capped
 from attn_ledger.engine import plan as P
+from attn_ledger.engine import rounding
 from attn_ledger.engine.measure import Agreement, Broken, Measure, Peak
 
 if TYPE_CHECKING:
@@ -65,6 +67,7 @@ class _BlockState:
     ref: "dict[str, Tensor] | None" = None  # the float64 reference on the block's sampled rows
     plain: "dict[str, Tensor] | None" = None  # the plain same-dtype reference there (half precision)
     forbid: "Tensor | None" = None  # ~ai on the band
+    mags: "dict[str, Tensor] | None" = None  # the rounding rule's M on the sampled rows (given tensors)
     clean: bool = False  # every score finite
 
     @property
@@ -138,6 +141,10 @@ class Execution:
         empty = "zeros" if self.empty_zero else "nan"
         self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype,
                                                self.softcap), plan.reference_spans)
+        if not self.half and ref_dtype == torch.float64:  # half precision keeps the factor rule
+            self.sample.mags = sampled_rounding(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, self.softcap,
+                                                (self.q, self.k_exp, self.v_exp))
+            self.sample.dtype = self.dtype_name
         if self.sdpa_whole_causal:
             # the intended relation is exactly causal: SDPA gets it as is_causal on the whole input, once
             self.sdpa_context = F.scaled_dot_product_attention(self.q, self.k_exp, self.v_exp, dropout_p=0.0,
@@ -188,6 +195,10 @@ class Execution:
             if self.half or self.given or self.backends:  # compared block by block: the block's key range
                 for key in ("scores", "masked_scores", "weights"):
                     t.ref[key] = ref_all[key][:, :, at, lo:hi]  # [B, Nh, z - a, kw]
+            mags = self.sample.mags
+            if self.given and mags is not None:  # the given tensors are judged by the rounding rule too
+                t.mags = {"scores": mags["scores"][:, :, at, lo:hi], "weights": mags["weights"][:, :, at, lo:hi],
+                          "out": mags["out"][:, :, at]}
             if self.half:
                 t.plain = reference_stages(t.qb[:, :, a:z], t.kb, t.vb, allow_mask=self._ai_rows(t), scale=self.ref_scale,
                                            empty_rows="zeros" if self.empty_zero else "nan", dtype=self.dtype,
@@ -219,7 +230,12 @@ class Execution:
             if "scores" in self.given:
                 a, z = blk.sample
                 us = self.given["scores"][:, :, blk.q0 + a:blk.q0 + z]
-                yield M.agreement("scores", "given", "float64", us, t.ref["scores"], self.rtol, self.atol, blk.q0 + a, 0)
+                if t.mags is not None:
+                    yield rounding.agreement("scores", "given", us[..., lay.lo:lay.hi], t.ref["scores"],
+                                             t.mags["scores"], self.dtype_name, blk.q0 + a, lay.lo)
+                else:
+                    yield M.agreement("scores", "given", "float64", us, t.ref["scores"], self.rtol, self.atol,
+                                      blk.q0 + a, 0)
         return s
 
     def _masked(self, t: _BlockState, s: "Tensor") -> Iterator[Measure]:
@@ -268,7 +284,10 @@ class Execution:
             yield M.nonfinite("weights", uw, "given", blk.q0, 0)
             yield from M.weight_invariants("weights", "given", uw, t.ai, t.live, self.empty_zero, self.sum_limit,
                                            blk.q0, 0)
-            if t.ref is not None:
+            if t.ref is not None and t.mags is not None:
+                yield rounding.agreement("weights", "given", uw[:, :, t.rows, lay.lo:lay.hi], t.ref["weights"],
+                                         t.mags["weights"], self.dtype_name, blk.q0 + t.rows.start, lay.lo)
+            elif t.ref is not None:
                 yield M.agreement("weights", "given", "float64", uw[:, :, t.rows], t.ref["weights"], self.rtol,
                                   self.atol, blk.q0 + t.rows.start, 0)
         return w
@@ -329,7 +348,10 @@ class Execution:
         if not self.half:  # SDPA covers every row, also those the float64 sample leaves out
             yield M.agreement("context", "given", "sdpa", uo, sd, self.rtol, self.atol * max(1.0, M.max_abs(sd)),
                               blk.q0, None)
-        if t.ref is not None:
+        if t.ref is not None and t.mags is not None:
+            yield rounding.agreement("context", "given", uo[:, :, t.rows], t.ref["out"], t.mags["out"], self.dtype_name,
+                                     blk.q0 + t.rows.start, None)
+        elif t.ref is not None:
             ref_out = t.ref["out"]
             yield M.agreement("context", "given", "float64", uo[:, :, t.rows], ref_out, self.rtol,
                               self.atol * max(1.0, M.max_abs(ref_out)), blk.q0 + t.rows.start, None)
@@ -339,44 +361,20 @@ class Execution:
         from attn_ledger.reference import repeat_kv
 
         yield from backend_measures(self.backends, c, (t.qb, t.kb, t.vb), None, t.ai, self.ref_scale, None, self.dtype,
-                                    t.blk.q0)
+                                    t.blk.q0, self.softcap)
         if t.ref is not None:
             a, z = t.blk.sample
             q0, lo, hi, nh = t.blk.q0, t.lay.lo, t.lay.hi, self.plan.nh
             q_ref, k_ref, v_ref = self.ref
             ref_in = (q_ref[:, :, q0 + a:q0 + z], repeat_kv(k_ref[:, :, lo:hi], nh), repeat_kv(v_ref[:, :, lo:hi], nh))
             yield from backend_measures(self.backends, c[:, :, a:z], (t.qb[:, :, a:z], t.kb, t.vb), ref_in,
-                                        self._ai_rows(t), self.ref_scale, t.ref, self.dtype, q0 + a)
-
-
-def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                cap: float) -> "Tensor":
-    """SDPA's softmax and mix on soft-capped scores: ``[B, Nh, rows, Dv]``.
-
-    SDPA has no soft-cap, so it gets the capped scores ``cap * tanh(scale * q.k / cap)`` (in the
-    run's dtype, -inf where forbidden) as its additive mask, with q zeroed so that its own
-    scores are 0. A query with no allowed key gets what SDPA gives it under the boolean mask.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    s = (q * scale) @ k.transpose(-2, -1)  # [B, Nh, rows, kw]
-    bias = torch.tanh(s / cap) * cap
-    if allow is not None:
-        bias = bias.masked_fill(~allow, float("-inf"))
-    out = F.scaled_dot_product_attention(torch.zeros_like(q), k, v, attn_mask=bias, dropout_p=0.0)
-    if allow is not None:
-        dead = ~allow.any(dim=-1, keepdim=True)  # [B|1, Nh|1, rows, 1]
-        if bool(dead.any()):
-            plain = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=0.0, scale=scale)
-            out = torch.where(dead, plain, out)
-    return out  # [B, Nh, rows, Dv]
+                                        self._ai_rows(t), self.ref_scale, t.ref, self.dtype, q0 + a, self.softcap)
 
 
 def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor",
                      pipe_in: tuple["Tensor", "Tensor", "Tensor"], ref_in: "tuple[Tensor, Tensor, Tensor] | None",
                      ai: "Tensor | None", scale: float, ref: "dict[str, Tensor] | None", run_dtype: "torch.dtype",
-                     q0: int) -> Iterator[Agreement]:
+                     q0: int, softcap: float | None = None) -> Iterator[Agreement]:
     """The L4 context comparison once per (backend, dtype).
 
     In the run's dtype: float32/float64 compare the pipeline's context with the pinned backend
@@ -398,7 +396,8 @@ def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor
             continue
         qb, kb, vb = (x.to(dt) for x in (pipe_in if dt == run_dtype else ref_in))
         try:
-            out = sdpa_pinned(name, qb, kb, vb, ai, scale)  # [B, Nh, rows, Dv]
+            out = (sdpa_pinned(name, qb, kb, vb, ai, scale) if softcap is None  # [B, Nh, rows, Dv]
+                   else sdpa_pinned(name, qb, kb, vb, ai, scale, softcap))
         except Exception:  # passed the probe but not this block (e.g. a mask shape): count it as failing
             yield Agreement("context", "sdpa", against, math.nan, math.nan, backend=name, dtype=dn)
             continue
@@ -410,7 +409,7 @@ def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor
             yield M.error("context", "sdpa", out, ref["out"], backend=name, dtype=dn)
             if dt != run_dtype:  # in the run's dtype the pipeline's own plain error serves
                 plain = reference_stages(qb, kb, vb, allow_mask=ai, scale=scale,
-                                         empty_rows="zeros" if ai is not None else "nan", dtype=dt)["out"]
+                                         empty_rows="zeros" if ai is not None else "nan", dtype=dt, softcap=softcap)["out"]
                 yield M.error("context", "plain", plain, ref["out"], dtype=dn)
         else:
             yield Agreement("context", "sdpa", "float64", M.excess(out, ref["out"], 0, 0)[0],
@@ -479,6 +478,8 @@ class Sample:
         self.spans = spans  # absolute query rows of the sample, in order
         self.got = {key: ref[key].clone() for key, _ in self.KEYS}
         self.filled = {key: 0 for key, _ in self.KEYS}  # rows written so far, block after block
+        self.mags: dict[str, "Tensor"] | None = None  # M of each stage on the sampled rows (the rounding rule)
+        self.dtype = "float32"  # the run's dtype, for the rounding rule's eps and c
 
     def put(self, key: str, at: int, t: "Tensor", lo: int = 0, hi: int | None = None) -> None:
         dst = self.got[key][:, :, at:at + t.shape[2]]
@@ -494,6 +495,11 @@ class Sample:
             if not n:
                 continue
             got, ref = self.got[key][:, :, :n], self.ref[key][:, :, :n]
+            if self.mags is not None:  # elementwise within c * eps * M
+                a = rounding.agreement(stage, "pipeline", got, ref, self.mags[key][:, :, :n], self.dtype, 0,
+                                       None if key == "out" else 0)
+                found.append(a if a.where is None else Agreement(**{**a.__dict__, "where": self._absolute(a.where)}))
+                continue
             if key == "scores":
                 masked = self.ref["masked_scores"][:, :, :n]  # -inf on forbidden pairs
                 size = M.max_abs(torch.where(torch.isneginf(masked), 0.0, masked))
@@ -530,6 +536,24 @@ def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation
     qs = q[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([q[:, :, r0:r1] for r0, r1 in spans], dim=2)
     ref = reference_block(qs, k, v, sample_allow(relation, spans, tk), scale, empty, dtype, softcap)
     return {key: t for key, t in ref.items() if key != "allow"}
+
+
+def sampled_rounding(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation", plan: P.Plan, scale: float,
+                     softcap: float | None, pipeline: tuple["Tensor", "Tensor", "Tensor"]) -> dict[str, "Tensor"]:
+    """The rounding rule's ``M`` of each stage on the sampled rows (:func:`rounding.sampled_magnitudes`),
+    shaped as :func:`sampled_reference`'s tensors; ``pipeline``: the pipeline's q, k, v (kv heads
+    expanded), whose own error against the reference's is carried through."""
+    import torch
+
+    spans = plan.reference_spans
+    contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
+
+    def rows(x: "Tensor") -> "Tensor":
+        return x[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([x[:, :, r0:r1] for r0, r1 in spans], dim=2)
+
+    pq, pk, pv = pipeline
+    return rounding.sampled_magnitudes(rows(q), k, v, sample_allow(relation, spans, k.shape[-2]), scale, softcap,
+                                       (rows(pq), pk, pv), tolerance.EPS.get(tolerance.dtype_name(pq.dtype), 1.0))
 
 
 def sample_allow(relation: "Relation", spans: tuple[tuple[int, int], ...], tk: int) -> "Tensor | None":

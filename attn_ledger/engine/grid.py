@@ -50,16 +50,11 @@ def scale_meta(rows: Rows, meta: dict[str, Any], s: float | None, temperature: f
 
 
 def softcap_meta(rows: Rows, meta: dict[str, Any], softcap: float | None, backends: Any) -> None:
-    """A soft-cap, stated in the notes and details; refused with pinned SDPA backends (SDPA has no cap)."""
-    from attn_ledger.errors import InputError
-
+    """A soft-cap, stated in the notes and details."""
     if softcap is None:
         return
-    if backends is not None:
-        raise InputError(f"backends: got {backends!r} with softcap {softcap:g}, expected no pinned SDPA backends: SDPA "
-                         "has no soft-cap to compare with")
     meta["softcap"] = softcap
-    rows.notes.append(Note("softcap", {"C": softcap}))
+    rows.notes.append(Note("softcap", {"C": softcap, "pinned": backends is not None}))
 
 
 def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
@@ -74,7 +69,7 @@ def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Te
 
     b, nh, tq, dh = q.shape
     tk, dv = k_exp.shape[-2], v_exp.shape[-1]
-    pairs, unavailable = resolve_backends(backends, q.device, q.dtype, bool(relation.parts), b * nh * tq * tk)
+    pairs, unavailable = resolve_backends(backends, q.device, q.dtype, bool(relation.parts), b * nh * tq * tk, softcap)
     if unavailable:
         rows.notes.append(Note("backends_unavailable", {"unavailable": [
             {"backend": n, "dtype": dt, "reason": why} for (n, dt), why in unavailable.items()]}))

@@ -220,15 +220,12 @@ def rope_spec(rope: Any, dh: int) -> Any:
 
 def check_options(scale: Any, temperature: Any, grad: bool, grad_output: Any, grads: "dict[str, Tensor]",
                   softcap: Any = None) -> None:
-    """A scale, temperature or soft-cap that is not a positive finite number, a backward option without ``grad``,
-    or a soft-cap with ``grad``: exit 2."""
+    """A scale, temperature or soft-cap that is not a positive finite number, or a backward option without
+    ``grad``: exit 2."""
     for name, value in (("scale", scale), ("temperature", temperature), ("softcap", softcap)):
         if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                       and math.isfinite(value) and value > 0):
             raise InputError(f"{name}: got {value!r}, expected a finite number greater than 0")
-    if softcap is not None and grad:
-        raise InputError(f"softcap: got {softcap:g} with grad (--grad), expected it without grad: the backward stages "
-                         "through a soft-cap are not built yet")
 
     if grad_output is not None and not grad:
         raise InputError(f"grad_output: got {grad_output if isinstance(grad_output, str) else 'a tensor'!r}, "

@@ -95,7 +95,8 @@ class Tally:
         take = _worse(m.excess, old.excess)
         self.agreements[m.key] = replace(old, diff=_fold_max(old.diff, m.diff),
                                          excess=_fold_max(old.excess, m.excess) if m.excess is not None else old.excess,
-                                         where=m.where if take else old.where)
+                                         where=m.where if take else old.where,
+                                         parts=m.parts if take and m.parts is not None else old.parts)
 
     def count(self, stage: str, name: str, of: str = "pipeline") -> Count | None:
         return self.counts.get((stage, of, name))
@@ -292,12 +293,24 @@ def _reference(v: Verdicts, t: Tally, stage: str, dtype: str) -> None:
         _compare(v, stage, "matches_reference", t.agreement(stage, "pipeline", "float64"), dtype, "float64 reference")
 
 
+def _rounded(v: Verdicts, stage: str, name: str, a: Agreement, against: str) -> Check:
+    """L4: every element within ``c * eps * M`` of the reference (:mod:`attn_ledger.engine.rounding`),
+    the rule's parts as data (``tolerance``) and in the sentence."""
+    from attn_ledger.engine.rounding import limit_of
+
+    parts = dict(a.parts or {})
+    check = C.bound_check(4, name, a.diff, limit_of(a), f"max |diff| vs {against}")
+    return v.add(stage, replace(check, data={"excess": a.excess, "tolerance": parts}), a.where)
+
+
 # --- one function per kind of check ---------------------------------------------------------
 
 def _compare(v: Verdicts, stage: str, name: str, a: Agreement | None, dtype: str, against: str) -> Check | None:
     """L4: agreement within the dtype's reference tolerance (nothing when it was not measured)."""
     if a is None:
         return None
+    if a.parts is not None and a.parts.get("rule") == "c * eps * M":
+        return _rounded(v, stage, name, a, against)
     rtol, atol = tolerance.reference(dtype)
     check = C.compare_check(name, a.diff, math.nan if a.excess is None else a.excess, rtol, atol, against)
     return v.add(stage, check, a.where)
@@ -380,8 +393,12 @@ def judge_backward(t: Tally, dtype: str, *, derived: dict[str, tuple[int, ...]],
             _blocked_keys(v, t, stage)
         if stage == "grad_k":
             p = t.peak(stage, "key_sum")
-            v.add(stage, _bound(3, "key_sum_zero", 0.0 if p is None else p.value, tolerance.row_sum(dtype),
-                                "max |sum over keys of K-bar| / sum over keys of |K-bar|"))
+            if p is None:
+                v.add(stage, _not_applicable(3, "key_sum_zero", "soft-capped scores: the cap's slope leaves the rows of "
+                                             "the scores' gradient summing to other than zero"))
+            else:
+                v.add(stage, _bound(3, "key_sum_zero", p.value, tolerance.row_sum(dtype),
+                                    "max |sum over keys of K-bar| / sum over keys of |K-bar|"))
         _compare(v, stage, "matches_reference", t.agreement(stage, "pipeline", "float64"), dtype,
                  f"float64 autograd ({sampled})")
         _compare(v, stage, "matches_sdpa", t.agreement(stage, "pipeline", "sdpa"), dtype,

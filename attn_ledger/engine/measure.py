@@ -80,7 +80,8 @@ class Peak(Measured):
 @dataclass(frozen=True)
 class Agreement:
     """The tensor ``of`` (pinned ``backend``, computed in ``dtype`` where given) against ``against`` at ``stage``:
-    the largest |difference| and the largest excess over the tolerance (None for the factor rule)."""
+    the largest |difference| and the largest excess over the tolerance (None for the factor rule; for the
+    rounding rule, the worst error / bound - 1)."""
 
     stage: str
     of: str
@@ -90,6 +91,7 @@ class Agreement:
     backend: str | None = None
     dtype: str | None = None
     where: Where | None = None
+    parts: dict[str, Any] | None = None  # the rounding rule's parts at the worst element (engine.rounding)
 
     @property
     def key(self) -> tuple[str, str, str, str | None, str | None]:

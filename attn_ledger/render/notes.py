@@ -75,7 +75,7 @@ def _score_scale(d: Mapping[str, Any]) -> str:
 def _softcap(d: Mapping[str, Any]) -> str:
     return (f"soft-cap C = {d['C']:g}: the scaled scores become C * tanh(s / C) before the mask, in the "
             "pipeline and the float64 reference; SDPA, which has no cap, gets the capped scores as its "
-            "additive mask")
+            f"additive mask{', and so does each pinned backend' if d.get('pinned') else ''}")
 
 
 def _backends_unavailable(d: Mapping[str, Any]) -> str:

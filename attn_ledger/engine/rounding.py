@@ -1,0 +1,149 @@
+"""The ledger's stage tensors against float64 by the rounding rule: ``|err| <= c * eps(dtype) * M``.
+
+``M`` is, per element, the magnitude of the element's summands: the same computation on
+absolute values, in float64 (:func:`attn_ledger.kernelref.magnitudes` carries it through a
+kernel's output and gradients the same way). On the sampled rows of the reference, with
+``A = |q| |k|^T |scale|`` the scores' own magnitude and P the float64 weights:
+
+* scores ``s = q k^T scale``: ``M = A (1 + sqrt(Dh)) + |s|`` (a sum of Dh products, its own
+  rounding, the scale's, and tanh's under a soft-cap, whose slope is at most one);
+* weights ``P = exp(s - L)``: ``M = P (|s| + A (1 + sqrt(Dh)) + row)``, ``row`` the error of the
+  row's log-sum-exp or normaliser (the weighted mean of the scores' errors, ``1 + sqrt(Tk)``
+  for the sum over keys, the row maximum's rounding): what a weight inherits from its score
+  and from its row;
+* context ``P V``: ``M = (P + E) |V| (1 + sqrt(Tk))``, E the weights' bound in eps units.
+
+``c`` per stage and dtype is :data:`attn_ledger.tolerance.ROUNDING_C` (``scores``,
+``weights``, ``context``), with the measurement that set it. Rows a relation
+leaves empty have ``M = 0``: there the pipeline must give what the reference gives, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from attn_ledger import tolerance
+from attn_ledger.engine import measure as M
+from attn_ledger.engine.measure import Agreement
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+QUANTITY = {"scores": "scores", "weights": "weights", "context": "context"}  # the stage's c in ROUNDING_C
+
+
+def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+                     softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
+                     eps: float = 1.0) -> dict[str, "Tensor"]:
+    """``M`` of the scores, weights and context, in float64.
+
+    Args:
+        q: ``[B, Nh, R, Dh]``; k: ``[B, Nkv, Tk, Dh]``; v: ``[B, Nkv, Tk, Dv]`` (any dtype; cast).
+        allow: bool broadcastable to ``[B, Nh, R, Tk]`` (True = may attend), or None.
+        softcap: the cap the scores pass through before the mask, or None.
+        carried: the pipeline's own q, k, v as they enter the scores stage (``[B, Nh, R, Dh]``,
+            ``[B, Nh, Tk, Dh]``, ``[B, Nh, Tk, Dv]``), where they are not the reference's: the
+            error they already carry (a projection's or rotation's rounding, judged at its own
+            stage) is carried through, ``(|dq| |k|^T + |q| |dk|^T + |dq| |dk|^T) |scale|`` into
+            the scores and ``P |dv|`` into the context, in units of ``eps``.
+
+    Returns:
+        ``{"scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``.
+    """
+    import torch
+
+    from attn_ledger.reference import repeat_kv
+
+    f64 = torch.float64
+    nh, dh = q.shape[1], q.shape[-1]
+    tk = k.shape[-2]
+    qd = q.detach().to(f64)
+    kk = repeat_kv(k.detach().to(f64), nh)  # [B, Nh, Tk, Dh]
+    va = repeat_kv(v.detach().to(f64), nh).abs()  # [B, Nh, Tk, Dv]
+    s = torch.matmul(qd, kk.transpose(-2, -1)) * scale  # [B, Nh, R, Tk]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    a = torch.matmul(qd.abs(), kk.abs().transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
+    dot = 1.0 + math.sqrt(dh)  # q . k sums Dh products
+    sa = s.abs()
+    m_scores = a * dot + sa
+    dv_in = None
+    if carried is not None:
+        cq, ck, cv = (t.detach().to(f64) for t in carried)
+        dq, dk = (cq - qd).abs(), (ck - kk).abs()
+        dv_in = (cv - repeat_kv(v.detach().to(f64), nh)).abs()  # [B, Nh, Tk, Dv]
+        m_scores = m_scores + (torch.matmul(dq, kk.abs().transpose(-2, -1)) + torch.matmul(qd.abs() + dq, dk.transpose(-2, -1))) * (abs(scale) / eps)
+    ok = torch.ones_like(s, dtype=torch.bool) if allow is None else allow.expand_as(s)
+    live = ok.any(dim=-1, keepdim=True)  # [B, Nh, R, 1]
+    p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
+    err_s = torch.where(ok, m_scores, 0.0)  # [B, Nh, R, Tk]: each allowed score's bound (eps units)
+    row = (p * err_s).sum(dim=-1, keepdim=True) + err_s.amax(dim=-1, keepdim=True) + 1.0 + math.sqrt(max(tk, 1))
+    e = torch.where(ok & live, p * (err_s + row), 0.0)  # [B, Nh, R, Tk]: the weights' bound (eps units)
+    m_out = torch.matmul(p + e, va) * (1.0 + math.sqrt(max(tk, 1)))  # [B, Nh, R, Dv]
+    if dv_in is not None:
+        m_out = m_out + torch.matmul(p + e * eps, dv_in) / eps
+    return {"scores": m_scores, "weights": e, "out": m_out}
+
+
+def sampled_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
+                       softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
+                       eps: float = 1.0, chunk_bytes: int = 1 << 22) -> dict[str, "Tensor"]:
+    """:func:`stage_magnitudes` a few kv heads at a time (heads are independent), as the reference runs."""
+    import torch
+
+    nh, nkv = q.shape[1], k.shape[1]
+    group = nh // nkv
+    per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * 8 * (1 + group)
+    step = max(1, chunk_bytes // max(1, per_kv_head))
+    if step >= nkv:
+        return stage_magnitudes(q, k, v, allow, scale, softcap, carried, eps)
+    parts = []
+    for j0 in range(0, nkv, step):
+        j1 = min(j0 + step, nkv)
+        h0, h1 = j0 * group, j1 * group
+        a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
+        c = None if carried is None else (carried[0][:, h0:h1], carried[1][:, h0:h1], carried[2][:, h0:h1])
+        parts.append(stage_magnitudes(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], a, scale, softcap, c, eps))
+    return {key: torch.cat([p[key] for p in parts], dim=1) for key in ("scores", "weights", "out")}
+
+
+def agreement(stage: str, of: str, got: "Tensor", ref: "Tensor", m: "Tensor", dtype: str, q0: int = 0,
+              k0: int | None = 0, **kw: Any) -> Agreement:
+    """``got`` against ``ref`` elementwise within ``c * eps * M``: the largest |difference| (``diff``),
+    ``excess`` = worst error / bound - 1 (``<= 0`` within), and the rule's parts at the worst element.
+
+    An element that errs where its bound is zero, or is NaN against a number, has an infinite
+    ratio; NaN against NaN and equal infinities agree.
+    """
+    import torch
+
+    c, eps = tolerance.rounding(QUANTITY[stage], dtype)
+    base = {"rule": "c * eps * M", "quantity": QUANTITY[stage], "stage": stage, "dtype": dtype, "c": c, "eps": eps}
+    if got.numel() == 0 or got.shape != ref.shape:
+        return Agreement(stage, of, "float64", 0.0 if got.numel() == 0 else math.nan,
+                         -1.0 if got.numel() == 0 else math.nan, parts=base, **kw)
+    g, r = got.to(torch.float64), ref.to(torch.float64)
+    same = (torch.isnan(g) & torch.isnan(r)) | (torch.isinf(g) & (g == r))
+    err = torch.nan_to_num((g - r).abs(), nan=math.inf).masked_fill(same, 0.0)  # [B, Nh, R, *]
+    bound = (c * eps) * m
+    ratio = torch.where(bound > 0, err / bound.clamp_min(1e-300), torch.where(err > 0, math.inf, 0.0))
+    flat = int(torch.argmax(ratio))
+    worst = float(ratio.reshape(-1)[flat])
+    diff = float(err.amax())
+    e_w, m_w, b_w = (float(t.reshape(-1)[flat]) for t in (err, m, bound))
+    parts = {**base, "M": m_w, "bound": b_w, "error": e_w, "ratio": worst, "max_error": diff}
+    where = M.where_in(M.unravel(flat, tuple(ratio.shape)), q0, k0) if worst > 1.0 else None
+    return Agreement(stage, of, "float64", diff, worst - 1.0, where=where, parts=parts, **kw)
+
+
+def limit_of(a: Agreement) -> float:
+    """The bound on the largest |difference| that holds exactly when every element is within its own:
+    ``diff / ratio`` (the worst element's bound where the ratio is infinite or zero)."""
+    ratio = 1.0 + (a.excess if a.excess is not None else math.nan)
+    bound = (a.parts or {}).get("bound", 0.0)
+    if math.isnan(ratio):
+        return bound
+    if ratio == 0.0 or math.isinf(ratio):
+        return bound if ratio else max(bound, a.diff)
+    return a.diff / ratio

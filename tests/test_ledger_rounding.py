@@ -1,0 +1,91 @@
+"""The ledger's stage tensors against float64 by the rounding rule ``|err| <= c * eps * M``.
+
+A healthy pipeline sits well within the bound at each stage, with the rule's parts as data; a pipeline
+or a given tensor off by a few times the rounding error fails at the stage it is off at, and the
+sentence names the parts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attn_ledger import tolerance
+from attn_ledger.config import load_config
+from attn_ledger.engine import rounding
+from attn_ledger.ledger import run_ledger, run_ledger_tensors
+from attn_ledger.pipeline import HEALTHY, qk_scores
+from attn_ledger.render.jsondoc import report_json
+from attn_ledger.render.text import describe
+
+STAGES = ("scores", "weights", "context")
+
+
+def reference_checks(report, of: str = "matches_reference"):
+    return {row.name: c for row in report.rows for c in row.checks if c.name == of}
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"dtype": "float64"},
+    {"embed_dim": 64, "num_heads": 4, "num_kv_heads": 2, "seq_len": 33, "mask": "sliding-window", "window": 4},
+    {"mask": "padding", "valid_lengths": [5, 0], "empty_rows": "zeros"},
+    {"softcap": 1.0, "scale": 2.0},
+], ids=["default", "float64", "gqa-window", "empty-rows", "softcap"])
+def test_a_healthy_pipeline_sits_within_half_its_rounding_bound(overrides):
+    report = run_ledger(load_config(overrides=overrides))
+    assert report.exit_code == 0
+    checks = reference_checks(report)
+    for stage in STAGES:
+        parts = checks[stage].data["tolerance"]
+        assert parts["rule"] == "c * eps * M" and parts["stage"] == stage
+        assert parts["dtype"] == overrides.get("dtype", "float32")
+        assert parts["c"] == tolerance.rounding_c(rounding.QUANTITY[stage], parts["dtype"])
+        assert parts["eps"] == tolerance.EPS[parts["dtype"]]
+        assert parts["ratio"] <= 0.5, (stage, parts)
+
+
+def _ops_scaled(factor: float):
+    return replace(HEALTHY, scores=lambda q, k, scale: qk_scores(q, k, scale) * factor)
+
+
+def test_scores_off_by_a_few_rounding_errors_fail_at_the_scores_stage_with_the_parts_named():
+    eps = tolerance.EPS["float32"]
+    report = run_ledger(load_config(), ops=_ops_scaled(1 + 64 * eps))
+    assert report.exit_code == 1
+    finding = report.first_finding
+    assert (finding.row, finding.check.name) == ("scores", "matches_reference")
+    parts = finding.check.data["tolerance"]
+    assert parts["ratio"] > 1 and parts["error"] > parts["bound"] == pytest.approx(parts["c"] * parts["eps"] * parts["M"])
+    text = describe(finding.check)
+    assert "worst element: error" in text and "bound c 2 x eps 1.19e-07 x M" in text
+    doc = json.loads(json.dumps(report_json(report)))  # the parts are data in the JSON too
+    assert "bound c 2 x eps 1.19e-07 x M" in doc["first_finding"]["message"]
+    row = next(r for r in doc["rows"] if r["name"] == "scores")
+    data = next(c for c in row["checks"] if c["name"] == "matches_reference")["data"]["tolerance"]
+    assert {k: data[k] for k in ("error", "bound", "c", "eps", "M")} == pytest.approx(
+        {k: parts[k] for k in ("error", "bound", "c", "eps", "M")})
+
+
+def test_the_same_scores_off_by_a_fraction_of_a_rounding_error_pass():
+    report = run_ledger(load_config(), ops=_ops_scaled(1 + tolerance.EPS["float32"] / 4))
+    assert report.exit_code == 0
+
+
+@pytest.mark.parametrize("nudge, verdict", [(0.0, 0), (1e-5, 1)], ids=["sdpa-out", "out-nudged-1e-5"])
+def test_a_given_out_is_judged_by_the_rounding_rule(tmp_path, nudge, verdict):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    out = out + nudge * out.abs().amax()
+    path = tmp_path / "t.pt"
+    torch.save({"q": q, "k": k, "v": v, "out": out}, path)
+    report = run_ledger_tensors(str(path))
+    assert report.exit_code == verdict
+    check = reference_checks(report, "user_out_matches_reference")["context"]
+    parts = check.data["tolerance"]
+    assert parts["rule"] == "c * eps * M" and parts["stage"] == "context"
+    assert (parts["ratio"] > 1) == bool(verdict)
