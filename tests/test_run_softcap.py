@@ -18,6 +18,7 @@ from attn_ledger.cli import app
 from attn_ledger.config import load_config
 from attn_ledger.engine.execute import sdpa_capped
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
+from attn_ledger.render.notes import notes_text
 from attn_ledger.reference import reference_stages
 from attn_ledger.render.notes import notes_text
 
@@ -121,7 +122,7 @@ def test_pinned_backends_get_the_capped_scores_and_agree_with_a_capped_pipeline(
     assert report.exit_code == 0, failing(report)
     matrix = report.details["sdpa_backends"]
     assert matrix["math"]["float32"] is True and matrix["flash"]["float32"] is True
-    assert any("and so does each pinned backend" in n for n in report.notes)
+    assert any("and so does each pinned backend" in n for n in notes_text(report))
 
 
 def test_pinned_backends_fail_a_pipeline_that_caps_after_the_mask():
