@@ -231,6 +231,7 @@ class Magnitudes:
         return dict(self.lengths).get(quantity, 1)
 
 
+# long: one derivation, each quantity's magnitude in turn, kept beside the formulas its docstring gives
 def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
                d_out: "Tensor | None" = None, accumulate: float = 1.0, tiny: float = 0.0) -> Magnitudes:
     """The magnitudes ``M`` (and ``U``) of attention's summands, a query block at a time, in float64.

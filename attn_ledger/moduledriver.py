@@ -544,7 +544,7 @@ def remote_module(link: Link, facts: dict[str, Any]) -> Any:
 _CLASS: list[type] = []
 
 
-def _remote_class() -> type:
+def _remote_class() -> type:  # long: the stand-in's class body, made on first use so that importing this loads no torch
     if not _CLASS:
         import torch
 
