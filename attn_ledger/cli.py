@@ -221,7 +221,7 @@ def main() -> None:
     """The ``attn-ledger`` process: SIGTERM unwinds like Ctrl-C, and nothing it started outlives it."""
     import signal
 
-    from attn_ledger import reaper
+    from attn_ledger.runner import reaper
 
     signal.signal(signal.SIGTERM, _terminate)
     try:

@@ -20,7 +20,7 @@ What :func:`user_call` does depends on the policy in force, and the check never 
   ``SIGALRM`` (it interrupts Python code; a hang inside C code returns only when the C code
   does, which is why the CLI runs user code in a worker), and optionally everything the call
   writes to stdout, at the file-descriptor level, sent to stderr, so stdout carries one report.
-* In a worker process (:mod:`attn_ledger.worker`): the guard tells the parent "call starting:
+* In a worker process (:mod:`attn_ledger.runner.worker`): the guard tells the parent "call starting:
   WHAT" and "call done" around the call. The parent owns the clock; if the worker hangs, exits
   or crashes, the parent knows which call was in flight and reports it.
 
@@ -98,7 +98,7 @@ _what: str | None = None  # the call in flight (the outermost block's name)
 
 def forwarded(obj: Any) -> bool:
     """Whether ``obj`` is a stand-in whose calls into user code go to a worker
-    (:class:`attn_ledger.moduledriver.RemoteModule`): a check then asks it, not torch, to observe or copy."""
+    (:class:`attn_ledger.probes.module.driver.RemoteModule`): a check then asks it, not torch, to observe or copy."""
     return getattr(type(obj), "forwards_user_calls", False) is True
 
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
-from attn_ledger.engine import assemble, builtin, inputs, relations
+from attn_ledger.engine import assemble, builtin, given as inputs
+from attn_ledger.maths import relations
 from attn_ledger.engine.backends import SDPA_BACKENDS, resolve_backends
 from attn_ledger.devices import reference_dtype, resolve_device, torch_dtype
 from attn_ledger.engine.execute import ProgressFn
@@ -42,8 +43,8 @@ from attn_ledger.report import Report
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from attn_ledger.config import RunConfig
-    from attn_ledger.engine.relations import Relation, RelationSpec
+    from attn_ledger.inputs.config import RunConfig
+    from attn_ledger.maths.relations import Relation, RelationSpec
 
 __all__ = ["CONFIG_STAGES", "TENSOR_STAGES", "SDPA_BACKENDS", "ProgressFn", "ledger_on_qkv", "resolve_backends",
            "run_ledger", "run_ledger_tensors"]
@@ -53,16 +54,16 @@ TENSOR_STAGES = ("input", "scores", "masked_scores", "weights", "context")
 
 
 def config_stages(rope: bool = False, grad: bool = False) -> tuple[str, ...]:
-    """The built-in pipeline's rows, in order (:mod:`attn_ledger.stages`): ``rope`` after ``v``, ``properties``
+    """The built-in pipeline's rows, in order (:mod:`attn_ledger.engine.stages`): ``rope`` after ``v``, ``properties``
     after ``output``, the backward last."""
-    from attn_ledger import stages
+    from attn_ledger.engine import stages
 
     return stages.stage_names(stages.PIPELINE, rope=rope, grad=grad)
 
 
 def tensor_stages(rope: bool = False, grad: bool = False) -> tuple[str, ...]:
     """The rows of a ledger on given Q, K, V, in order."""
-    from attn_ledger import stages
+    from attn_ledger.engine import stages
 
     return stages.stage_names(stages.TENSORS, rope=rope, grad=grad)
 
@@ -72,19 +73,19 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     """Run the built-in multi-head attention as named stages and check each.
 
     Args:
-        config: a validated :class:`~attn_ledger.config.RunConfig` (``grad``, ``replay``, ``rope``,
+        config: a validated :class:`~attn_ledger.inputs.config.RunConfig` (``grad``, ``replay``, ``rope``,
             ``scale`` and ``temperature`` among its keys).
         keep_going: evaluate every row after the first divergence (marked ``downstream``)
             instead of stopping there (later rows ``not_reached``).
         progress: optional ``callback(done, total)`` over query blocks.
         backends: ``"all"`` or SDPA backend names: the context comparison per backend (see :func:`ledger_on_qkv`).
-        ops: stage functions to run instead of the built-in ones (a :class:`~attn_ledger.pipeline.Ops`;
+        ops: stage functions to run instead of the built-in ones (a :class:`~attn_ledger.maths.pipeline.Ops`;
             for testing an implementation of the stages, or the ledger itself); the config's fault is then ignored.
 
     Returns:
         The :class:`~attn_ledger.report.Report`; ``report.first_finding`` is the diagnosis.
     """
-    from attn_ledger.pipeline import ops_for, with_softcap
+    from attn_ledger.maths.pipeline import ops_for, with_softcap
 
     cfg = config
     device, dtype = resolve_device(cfg.device), torch_dtype(cfg.dtype)
@@ -218,7 +219,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         key_valid: bool ``[B, Tk]``, True = a real key (placed as ``[B, 1, 1, Tk]``).
         mask: relations to add by name, joined by ``+``: ``causal`` (bottom-right),
             ``causal-top-left``, ``sliding-window`` (with ``window``), ``prefix-lm`` (with ``prefix_len``);
-            or a :class:`~attn_ledger.engine.relations.RelationSpec` parsed already (its own window and prefix_len
+            or a :class:`~attn_ledger.maths.relations.RelationSpec` parsed already (its own window and prefix_len
             apply where those arguments are None).
         scores, weights, out: the user's own intermediates (scores scaled, before masking),
             shaped like the derived grid / context; each is compared with the reference, and
@@ -231,7 +232,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
             pipeline and every reference alike.
         softcap: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask (Gemma 2's
             logit soft-capping), in the pipeline and every reference alike (not with ``grad`` or ``backends``).
-        rope: rotary positions applied to q and k before the scores (a :class:`~attn_ledger.rotary.RotarySpec`
+        rope: rotary positions applied to q and k before the scores (a :class:`~attn_ledger.maths.rotary.RotarySpec`
             or its text, ``PAIRING[,base=B][,dim=D]``); query i at position ``i + Tk - Tq``.
         grad: run and check the backward stages, seeded with ``grad_output`` on the context: ``"ones"``
             (default), ``"identity"`` (I on each head's ``[Tq, Dv]`` block), a tensor file or a tensor.
@@ -244,7 +245,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         context, properties (and the backward's).
     """
     from attn_ledger.errors import InputError
-    from attn_ledger.pipeline import HEALTHY, with_softcap
+    from attn_ledger.maths.pipeline import HEALTHY, with_softcap
 
     inputs.validate_qkv(q, k, v)
     one_head = q.dim() == 3
@@ -348,7 +349,7 @@ def run_ledger_tensors(
     ``grad_out``, ``dq``, ``dk``, ``dv``) and run the ledger (see :func:`ledger_on_qkv`).
 
     ``path`` may also be the file's tensors, loaded already with
-    :func:`~attn_ledger.tensorio.load_tensor_file`; ``source`` then names them in the title.
+    :func:`~attn_ledger.inputs.tensorio.load_tensor_file`; ``source`` then names them in the title.
     """
     source = source or (str(path) if isinstance(path, (str, os.PathLike)) else "tensors")
     t = inputs.load(path, None if dtype is None else torch_dtype(dtype), resolve_device(device), source)

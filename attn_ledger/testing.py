@@ -13,12 +13,12 @@ Example::
 
 A function is checked under the kernel protocol
 (``attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None)``, see
-:mod:`attn_ledger.kernelcheck`), on the default tier unless told otherwise, with what the
+:mod:`attn_ledger.probes.kernel.check`), on the default tier unless told otherwise, with what the
 kernel supports read from ``[tool.attn-ledger.check]`` in the ``pyproject.toml`` of pytest's
 rootdir (the table ``attn-ledger check`` reads; the helper's arguments override it); a module
 factory under the module protocol
 (``factory(embed_dim, num_heads) -> nn.Module``, ``[B, T, E] -> [B, T, E]``, see
-:mod:`attn_ledger.modulecheck`). On any finding the ``AssertionError`` message is the
+:mod:`attn_ledger.probes.module.check`). On any finding the ``AssertionError`` message is the
 diagnosis: the first failing level and check (per failing case, for kernels), what else
 failed or could not be judged, and the exact command and Python call that reproduce it.
 
@@ -113,9 +113,9 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
         attn_ledger.errors.SetupError: ``fn`` cannot take the protocol's arguments.
     """
     from attn_ledger.guard import in_process
-    from attn_ledger.kernelcheck import check_kernel, select_cases
-    from attn_ledger.kernelspec import from_sources
-    from attn_ledger.worker import check_timeout
+    from attn_ledger.probes.kernel.check import check_kernel, select_cases
+    from attn_ledger.probes.kernel.spec import from_sources
+    from attn_ledger.runner.worker import check_timeout
 
     __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
     check_timeout(timeout, "timeout")
@@ -140,7 +140,7 @@ def diagnosis(report: "Report", max_cases: int = 3) -> str:
     """Plain text from a ``check`` report: the summary, each distinct failure once (with its count and
     smallest case), the failing checks of the smallest failing cases of different failures (at most
     ``max_cases``), and the lines that reproduce the smallest one."""
-    from attn_ledger.kernelcheck import parse_case
+    from attn_ledger.probes.kernel.check import parse_case
     from attn_ledger.render.notes import cli_line, note_text, python_lines
     from attn_ledger.render.text import STATUS_WORD, describe
 
@@ -205,7 +205,7 @@ def assert_module_matches(
         batch_size, seq_len: the inputs (B >= 2, T >= 2).
         declared: ``causal``, ``window``, ``scale``, ``softcap``: what the module is meant to compute
             (causal or not, a causal sliding window of ``window`` keys, its own softmax scale, a soft-cap
-            on its scores), and ``seed``; as :func:`~attn_ledger.modulecheck.check_module` takes them,
+            on its scores), and ``seed``; as :func:`~attn_ledger.probes.module.check.check_module` takes them,
             with its defaults (causal, no window, 1/sqrt(Dh), no cap, seed 0).
         name: how to name the factory in the message and the command (default
             ``path/to/file.py:QUALNAME`` where the factory can be imported that way).
@@ -218,8 +218,8 @@ def assert_module_matches(
         attn_ledger.errors.SetupError: the factory raised or returned no module.
     """
     from attn_ledger.guard import in_process
-    from attn_ledger.modulecheck import check_module
-    from attn_ledger.worker import check_timeout
+    from attn_ledger.probes.module.check import check_module
+    from attn_ledger.runner.worker import check_timeout
 
     __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
     check_timeout(timeout, "timeout")
@@ -235,10 +235,10 @@ DECLARED = ("causal", "window", "scale", "softcap", "seed")  # what assert_modul
 
 
 def _declaration(declared: dict[str, Any]) -> dict[str, Any]:
-    """``declared`` over :func:`~attn_ledger.modulecheck.check_built_module`'s defaults, in :data:`DECLARED` order."""
+    """``declared`` over :func:`~attn_ledger.probes.module.check.check_built_module`'s defaults, in :data:`DECLARED` order."""
     import inspect
 
-    from attn_ledger.modulecheck import check_built_module
+    from attn_ledger.probes.module.check import check_built_module
 
     unknown = sorted(set(declared) - set(DECLARED))
     if unknown:
@@ -273,7 +273,7 @@ def _module_reproduction(spec: str, embed_dim: int, num_heads: int, options: dic
         cli.append(f"--softcap {options['softcap']!r}")
     cli.append(f"--seed {options['seed']} --batch-size {options['batch_size']} --seq-len {options['seq_len']}")
     args = ", ".join(f"{k}={v!r}" for k, v in options.items() if k != "softcap" or v is not None)
-    python = ("from attn_ledger.modulecheck import check_module\n"
+    python = ("from attn_ledger.probes.module.check import check_module\n"
               f"report = check_module(factory, {embed_dim}, {num_heads}, {args})\n"
               "print(report.first_finding)")
     return {"cli": " ".join(cli), "python": python}

@@ -13,7 +13,7 @@ measured against:
 * :func:`rounding` (``check`` on a kernel, for out, dq, dk and dv against float64, and ``run``'s
   scores, weights and context on float32 and float64 runs): elementwise
   ``|err| <= c * eps(dtype) * M``, where ``M`` is the magnitude of the quantity's summands (the
-  same computation on absolute values, :func:`attn_ledger.kernelref.magnitudes`) and ``c`` is
+  same computation on absolute values, :func:`attn_ledger.probes.kernel.reference.magnitudes`) and ``c`` is
   calibrated per quantity and dtype (:data:`ROUNDING_C`, with the measurement that set it). The
   suites' views (:data:`SUITES`) are kept beside it as data;
 * :data:`HALF_PRECISION_RATIO`: how much worse than the float32-accumulating plain computation a

@@ -6,7 +6,7 @@
 
 Runs fixtures/kernels/good.py (grouped kv heads expanded, the causal relation built, then
 F.scaled_dot_product_attention) through the path the CLI takes: the worker process
-(:func:`attn_ledger.worker.run_user_task`), the argument check, every case with its backward
+(:func:`attn_ledger.runner.worker.run_user_task`), the argument check, every case with its backward
 checks, and the report. Prints the CPU model, the load average before and after, the median
 wall time of the default tier (target: at most 10 s) and of the full tier (target: at most
 120 s), and one whole ``attn-ledger check`` process (interpreter and torch import included).
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from attn_ledger.kernelcases import tier_cases
+from attn_ledger.probes.kernel.cases import tier_cases
 from attn_ledger.testing import diagnosis
-from attn_ledger.userload import load_object
-from attn_ledger.worker import run_user_task
+from attn_ledger.inputs.userload import load_object
+from attn_ledger.runner.worker import run_user_task
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = ROOT / "fixtures" / "kernels" / "good.py"
@@ -51,7 +51,7 @@ def bench_module(runs: int) -> None:
     """``check --module`` on the Llama-style fixture at E=256, Nh=8, T=32, B=2: medians and the load."""
     import torch.nn.functional as F
 
-    from attn_ledger.modulecheck import check_module
+    from attn_ledger.probes.module.check import check_module
     from attn_ledger.testing import module_diagnosis
 
     factory = load_object(f"{MODULES}:llama_style")
@@ -140,7 +140,7 @@ def decode_section(runs: int, embed_dim: int = 256, num_heads: int = 8, length: 
     """Median wall time of the decode checks on a correct module and on one that fails every scenario."""
     import torch.nn.functional as F
 
-    from attn_ledger.decodecheck import decode_rows, plan_scenarios
+    from attn_ledger.probes.module.decode import decode_rows, plan_scenarios
 
     calls = sum(sc.calls for sc in plan_scenarios(length))
     print(f"decode checks: E={embed_dim} Nh={num_heads} T={length}, {calls} decode calls, torch {torch.__version__}, "

@@ -79,7 +79,7 @@ def _bounded(check: Any) -> bool:
 
 
 def _dtype(case_id: str) -> str:
-    from attn_ledger.kernelcheck import parse_case
+    from attn_ledger.probes.kernel.check import parse_case
 
     return parse_case(case_id).dtype_name
 
@@ -113,9 +113,9 @@ def judge(report: Any, name: str, seed: int, worst: dict[tuple[str, str], dict[s
 
 
 def run_correct(tier: str, seeds: list[int], only: set[str] | None) -> dict[str, Any]:
-    from attn_ledger.kernelcheck import check_kernel
-    from attn_ledger.kernelspec import declaration
-    from attn_ledger.userload import load_object
+    from attn_ledger.probes.kernel.check import check_kernel
+    from attn_ledger.probes.kernel.spec import declaration
+    from attn_ledger.inputs.userload import load_object
 
     kernels: dict[str, Any] = {}
     skipped: dict[str, str] = {}
@@ -153,8 +153,8 @@ def run_correct(tier: str, seeds: list[int], only: set[str] | None) -> dict[str,
 
 def run_near(tier: str, seeds: list[int], only: set[str] | None) -> dict[str, Any]:
     """Each near-threshold fault of the catalogue: caught (some check failed) at each seed, and its ratios."""
-    from attn_ledger.catalogue import NEAR_THRESHOLD
-    from attn_ledger.kernelcheck import check_kernel
+    from attn_ledger.probes.catalogue import NEAR_THRESHOLD
+    from attn_ledger.probes.kernel.check import check_kernel
 
     power: dict[str, Any] = {}
     for fault in NEAR_THRESHOLD:
@@ -162,7 +162,7 @@ def run_near(tier: str, seeds: list[int], only: set[str] | None) -> dict[str, An
             continue
         runs = []
         for seed in seeds:
-            report = check_kernel(fault.target, tier=tier, target=f"attn_ledger.catalogue:{fault.target.__name__}",
+            report = check_kernel(fault.target, tier=tier, target=f"attn_ledger.probes.catalogue:{fault.target.__name__}",
                                   seed=seed)
             seen = judge(report, fault.name, seed, {})
             failed = sorted({f["check"] for f in seen["failures"]})
@@ -181,8 +181,8 @@ def run_precision(tier: str, seeds: list[int], only: set[str] | None) -> dict[st
     the inputs'): at each seed whether ``check`` warns on ``precision`` (or fails), and the largest ratio
     of each bounded check, ``precision``'s being the ratio over the half-precision bar. Forward only:
     the bar judges the output."""
-    from attn_ledger.kernelcheck import check_kernel
-    from attn_ledger.userload import load_object
+    from attn_ledger.probes.kernel.check import check_kernel
+    from attn_ledger.inputs.userload import load_object
 
     power: dict[str, Any] = {}
     for path in sorted(p for p in PRECISION.glob("*.py") if not p.name.startswith("_")):

@@ -15,7 +15,7 @@ Marked blocks (the marker is an HTML comment on the line before the block; GitHu
 
     <!-- example [raises] -->
     ```pycon
-    >>> from attn_ledger.config import load_config   <- written by hand
+    >>> from attn_ledger.inputs.config import load_config   <- written by hand
     >>> report.verdict
     'fail'                                            <- generated
     ```
@@ -460,8 +460,8 @@ def worker() -> None:
 # --- generated tables --------------------------------------------------------------------
 
 def gen_stage_checks(arg: str) -> str:
-    """The ledger's stages and their checks, from attn_ledger.stages (the list the ledger is tested against)."""
-    from attn_ledger.stages import markdown_table
+    """The ledger's stages and their checks, from attn_ledger.engine.stages (the list the ledger is tested against)."""
+    from attn_ledger.engine.stages import markdown_table
 
     return markdown_table(arg or "pipeline")
 
@@ -487,7 +487,7 @@ def gen_options(command: str) -> str:
 
 def gen_faults(arg: str) -> str:
     """The fault catalogue of ``attn-ledger faults``: each fault's kind and what it does."""
-    from attn_ledger.catalogue import CATALOGUE
+    from attn_ledger.probes.catalogue import CATALOGUE
 
     rows = ["| fault | kind | what it does | in `run --fault` |", "| --- | --- | --- | --- |"]
     for fault in CATALOGUE:
@@ -497,9 +497,9 @@ def gen_faults(arg: str) -> str:
 
 def gen_pipeline_faults(arg: str) -> str:
     """The built-in pipeline's faults, what each does, and where the default ledger first sees it."""
-    from attn_ledger.config import FAULT_NEEDS, load_config
+    from attn_ledger.inputs.config import FAULT_NEEDS, load_config
     from attn_ledger.ledger import run_ledger
-    from attn_ledger.pipeline import FAULT_SUMMARIES
+    from attn_ledger.maths.pipeline import FAULT_SUMMARIES
     from attn_ledger.report import LEVEL_NAMES
 
     rows = ["| `--fault` | what it does | first finding on the default config |", "| --- | --- | --- |"]

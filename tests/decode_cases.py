@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "decode_modules.py"
 

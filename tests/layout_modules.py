@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 
 def _causal_allow(t: int, device=None) -> torch.Tensor:

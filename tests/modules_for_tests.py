@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 FIXTURE_FILE = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "attention_modules.py"
 SdpaAttention = load_object(f"{FIXTURE_FILE}:SdpaAttention")

@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.errors import InputError
 from attn_ledger.ledger import SDPA_BACKENDS, ledger_on_qkv, resolve_backends, run_ledger
 

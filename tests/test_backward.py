@@ -11,9 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attn_ledger import pipeline as P
+from attn_ledger.maths import pipeline as P
 from attn_ledger.cli import app
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.engine.backward import GRADCHECK_TOL
 from attn_ledger.ledger import config_stages, ledger_on_qkv, run_ledger, tensor_stages
 from attn_ledger.render.notes import note_text, notes_text
@@ -336,7 +336,7 @@ def test_options_the_mode_does_not_use_are_refused(args, needle):
 
 
 def test_identity_seed_on_a_config_where_tq_equals_dv():
-    from attn_ledger.engine.inputs import grad_seed
+    from attn_ledger.engine.given import grad_seed
 
     led = run_ledger(load_config(overrides={"grad": True, "grad_output": "identity", "seq_len": 4}))
     assert led.first_finding is None and "identity" in note_text(led.row("grad_context").note)

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.kernelcases import case_inputs, parse_case
-from attn_ledger.kernelcheck import check_case
-from attn_ledger.kernelref import Computed, Magnitudes, attention, judge_rounding, magnitudes
+from attn_ledger.probes.kernel.cases import case_inputs, parse_case
+from attn_ledger.probes.kernel.check import check_case
+from attn_ledger.probes.kernel.reference import Computed, Magnitudes, attention, judge_rounding, magnitudes
 from attn_ledger.render.text import describe
 from attn_ledger.tolerance import EPS, rounding, tiny
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "fixtures" / "kernels"
@@ -211,7 +211,7 @@ def test_under_any_a_leak_from_a_forbidden_key_into_a_row_with_an_allowed_key_st
 
 
 def test_the_report_names_half_precision_warnings_apart_from_float64_ones():
-    from attn_ledger.kernelcheck import HALF_PRECISION_WARNING, check_kernel
+    from attn_ledger.probes.kernel.check import HALF_PRECISION_WARNING, check_kernel
 
     report = check_kernel(kernel("precision/fp16_accumulator"), [parse_case(F16_BLOCKED), parse_case(F16_REAL)])
     notes = [n for n in report.notes if "precise" in n]

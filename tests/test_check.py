@@ -1,4 +1,4 @@
-"""``attn-ledger check`` and :mod:`attn_ledger.kernelcheck`: the grid, every check passing and failing, the CLI."""
+"""``attn-ledger check`` and :mod:`attn_ledger.probes.kernel.check`: the grid, every check passing and failing, the CLI."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from attn_ledger import catalogue
+from attn_ledger.probes import catalogue
 from attn_ledger.cli import app
 from attn_ledger.errors import InputError
-from attn_ledger.kernelcheck import (
+from attn_ledger.probes.kernel.check import (
     CHECK_ORDER,
     DEFAULT_GRID,
     Case,
@@ -27,7 +27,7 @@ from attn_ledger.kernelcheck import (
 )
 from attn_ledger.render import render
 from attn_ledger.render.jsondoc import report_json, schema
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "fixtures" / "kernels"
@@ -248,7 +248,7 @@ def test_first_finding_is_the_smallest_failing_case():
     assert {k: repro[k] for k in ("case", "cli", "python")} == {
         "case": ids[1],
         "cli": f"attn-ledger check k.py:attention --case {ids[1]}",
-        "python": f"from attn_ledger.kernelcheck import case_inputs\nq, k, v, kw = case_inputs({ids[1]!r})\n"
+        "python": f"from attn_ledger import case_inputs\nq, k, v, kw = case_inputs({ids[1]!r})\n"
                   "out = attention(q, k, v, **kw)",
     }
     assert (d["reproduce"]["case"], d["reproduce"]["options"], d["reproduce"]["call"]) == (
@@ -501,7 +501,7 @@ def test_cli_module_protocol():
                                "--embed-dim", "12", "--heads", "3", "--format", "json"])
     assert good.exit_code == 0, good.output
     assert json.loads(good.stdout)["details"]["protocol"] == "module"
-    bad = runner.invoke(app, ["check", "--module", "attn_ledger.catalogue:_batch_first_module",
+    bad = runner.invoke(app, ["check", "--module", "attn_ledger.probes.catalogue:_batch_first_module",
                               "--embed-dim", "12", "--heads", "3", "--no-causal", "--format", "json"])
     assert bad.exit_code == 1
     first = json.loads(bad.stdout)["first_finding"]
@@ -558,8 +558,8 @@ def test_cli_output_file_holds_the_json(tmp_path):
 
 
 def test_explicit_scale_cases_catch_a_kernel_that_ignores_scale():
-    from attn_ledger import catalogue
-    from attn_ledger.kernelcheck import DEFAULT_GRID, check_kernel, parse_case
+    from attn_ledger.probes import catalogue
+    from attn_ledger.probes.kernel.check import DEFAULT_GRID, check_kernel, parse_case
 
     scaled = [c for c in DEFAULT_GRID if c.scale is not None]
     assert scaled, "the default grid must pass an explicit scale somewhere"
@@ -574,8 +574,8 @@ def test_explicit_scale_cases_catch_a_kernel_that_ignores_scale():
 
 
 def test_index_inputs_say_where_a_wrong_value_came_from():
-    from attn_ledger import catalogue
-    from attn_ledger.kernelcheck import check_kernel, parse_case
+    from attn_ledger.probes import catalogue
+    from attn_ledger.probes.kernel.check import check_kernel, parse_case
 
     case = "b2-h4kv2-tq5tk9-dh8dv4-causal-flag-index-f32"
     r = check_kernel(catalogue.causal_top_left, [parse_case(case)])

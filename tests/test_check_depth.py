@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from attn_ledger.cli import app
 from attn_ledger.errors import InputError, SetupError
-from attn_ledger.kernelcases import (
+from attn_ledger.probes.kernel.cases import (
     DEFAULT_TIER,
     EXP_LIMIT,
     FULL_TIER,
@@ -32,12 +32,12 @@ from attn_ledger.kernelcases import (
     pairwise,
     parse_case,
 )
-from attn_ledger.kernelcheck import CHECK_ORDER, check_case, check_kernel, value_range
-from attn_ledger.kernelspec import Declaration
+from attn_ledger.probes.kernel.check import CHECK_ORDER, check_case, check_kernel, value_range
+from attn_ledger.probes.kernel.spec import Declaration
 from attn_ledger.render import render
 from attn_ledger.testing import assert_attention_matches
 from attn_ledger.tolerance import kernel_bound
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "fixtures" / "kernels"
@@ -215,7 +215,7 @@ def test_a_tolerance_is_never_infinite_it_falls_back_to_the_dtype_floor_and_says
 
 
 def test_an_unstable_softmax_overflows_on_the_edge_cases():
-    from attn_ledger import catalogue
+    from attn_ledger.probes import catalogue
 
     for dt in ("f16", "bf16"):
         case = parse_case(f"b1-h2kv2-tq64tk128-dh64dv64-causal-flag-edge-{dt}")
@@ -248,7 +248,7 @@ def test_online_softmax_with_a_leading_blocked_block_is_caught(block):
 
 
 def test_value_range_streams_and_matches_the_full_tensor():
-    from attn_ledger.reference import combined_allow
+    from attn_ledger.maths.reference import combined_allow
 
     for cid in ("b2-h4kv2-tq9tk40-dh8dv8-lpad16-causal-rand-f64", "b2-h2kv1-tq7tk40-dh8dv6-gap8x16-causal-rand-f64",
                 "b2-h4kv2-tq5tk9-dh8dv4-pad-causal-rand-f64", "b1-h2kv2-tq6tk6-dh4dv4-none-rand-f64"):
@@ -513,7 +513,7 @@ def test_a_device_that_is_absent_is_exit_2():
 
 
 def test_a_failure_repeated_across_cases_is_shown_once_with_its_count():
-    from attn_ledger import catalogue
+    from attn_ledger.probes import catalogue
 
     report = check_kernel(catalogue.no_scale, backward=False)
     failures = report.details["failures"]
@@ -579,8 +579,8 @@ def test_a_case_of_the_old_4_gib_shape_checks_in_well_under_1_gib(tmp_path):
     script = tmp_path / "peak.py"
     script.write_text(
         "import resource, sys\n"
-        "from attn_ledger.kernelcheck import check_case, parse_case\n"
-        "from attn_ledger.userload import load_object\n"
+        "from attn_ledger.probes.kernel.check import check_case, parse_case\n"
+        "from attn_ledger.inputs.userload import load_object\n"
         f"fn = load_object({str(KERNELS / 'good.py')!r} + ':attention')\n"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "r = check_case(fn, parse_case('b2-h32kv32-tq256tk128-dh64dv128-causal-flag-rand-f32'))\n"

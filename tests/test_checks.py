@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from attn_ledger import checks as C
+from attn_ledger.engine import checks as C
 from attn_ledger.engine.judge import _headroom
 from attn_ledger.engine.measure import range_excess
-from attn_ledger.pipeline import expand_kv, merge_heads, split_heads
+from attn_ledger.maths.pipeline import expand_kv, merge_heads, split_heads
 
 
 def test_shape_check():

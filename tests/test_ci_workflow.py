@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from attn_ledger.kernelcases import tier_cases
+from attn_ledger.probes.kernel.cases import tier_cases
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (in the dev extra: pip install -e '.[dev]')") \
     if not os.environ.get("CI") else __import__("yaml")

@@ -7,7 +7,6 @@ points down only, and the declared torch requirement admits newer releases.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -23,7 +22,6 @@ from attn_ledger.cli import app
 from attn_ledger.render.jsondoc import schema
 
 ROOT = Path(__file__).parent.parent
-PKG = ROOT / "attn_ledger"
 runner = CliRunner()
 
 
@@ -138,79 +136,7 @@ def test_output_is_written_whole(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o666 & ~mask  # the usual mode of a new file, not mkstemp's 0600
 
 
-# --- the import graph ----------------------------------------------------------------------------
-
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-def _imports() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
-    modules = {_module_name(p) for p in PKG.rglob("*.py")}
-    for path in PKG.rglob("*.py"):
-        name = _module_name(path)
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            for t in targets:
-                if t in modules and t != name:
-                    found.add(t)
-        graph[name] = found
-    return graph
-
-
-def _rank(module: str) -> int:
-    """Layers from the bottom: the report model, its renderers, the library, experiments (with the
-    worker that runs the commands' work on user code), commands."""
-    if module in ("attn_ledger", "attn_ledger._version", "attn_ledger.errors", "attn_ledger.report"):
-        return 0
-    if module.startswith("attn_ledger.render"):
-        return 1
-    if module.startswith("attn_ledger.experiments") or module in ("attn_ledger.usertasks", "attn_ledger.worker"):
-        return 3
-    if module.startswith("attn_ledger.commands") or module in ("attn_ledger.testing",):
-        return 4
-    if module in ("attn_ledger.cli", "attn_ledger.__main__"):
-        return 5
-    return 2
-
-
-def test_imports_point_down_only():
-    bad = [(a, b) for a, targets in _imports().items() for b in targets if _rank(b) > _rank(a)]
-    assert not bad, bad
-
-
-def test_import_graph_has_no_cycles():
-    graph = _imports()
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(n: str) -> None:
-        state[n] = 1
-        stack.append(n)
-        for m in sorted(graph.get(n, ())):
-            if state.get(m) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
-            if m not in state:
-                visit(m)
-        stack.pop()
-        state[n] = 2
-
-    for n in sorted(graph):
-        if n not in state:
-            visit(n)
-
-
-def test_the_report_model_imports_no_renderer():
-    assert all(not t.startswith("attn_ledger.render") for t in _imports()["attn_ledger.report"])
+# The import graph's floors and loops: tests/test_layering.py.
 
 
 # --- installing like a library --------------------------------------------------------------------

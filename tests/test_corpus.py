@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from attn_ledger.kernelcheck import DEFAULT_TIER, check_case, parse_case
+from attn_ledger.probes.kernel.check import DEFAULT_TIER, check_case, parse_case
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -130,7 +130,7 @@ def test_the_corpus_reports_a_wrong_kernel_as_a_failure(tmp_path, monkeypatch):
         (ROOT / "fixtures/kernels/near_threshold.py").read_text(encoding="utf-8")
         + "\nattention = scale_off_by_1pct\n", encoding="utf-8")
     monkeypatch.setattr(corpus, "CORPUS", tmp_path)
-    from attn_ledger import kernelcheck
+    from attn_ledger.probes.kernel import check as kernelcheck
 
     monkeypatch.setattr(kernelcheck, "tier_cases", lambda tier: DEFAULT_TIER[:12])
     out = corpus.run_correct("default", [0], None)

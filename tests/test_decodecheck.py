@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import decode_cases as cases
 from attn_ledger.cli import app
-from attn_ledger.decodecheck import (
+from attn_ledger.probes.module.decode import (
     DIAGNOSES,
     _judge_dependency,
     decode_rows,
@@ -18,7 +18,7 @@ from attn_ledger.decodecheck import (
     validate_decode,
 )
 from attn_ledger.errors import InputError, SetupError
-from attn_ledger.modulecheck import check_module
+from attn_ledger.probes.module.check import check_module
 from attn_ledger.render.jsondoc import schema
 
 E, NH, T = 16, 2, 18  # T = 18 keeps the prefill past a block of 16 and one single token after it

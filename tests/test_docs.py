@@ -165,7 +165,7 @@ def test_every_command_has_its_page_naming_every_option(command):
 
 
 def test_check_page_names_every_kernel_check_and_the_protocol():
-    from attn_ledger.kernelcheck import CHECK_ORDER
+    from attn_ledger.probes.kernel.check import CHECK_ORDER
 
     page = (ROOT / "docs" / "check.md").read_text()
     for _, name in CHECK_ORDER:

@@ -9,10 +9,10 @@ import torch
 
 from attn_ledger.engine import measure as M
 from attn_ledger.engine import plan as PL
-from attn_ledger.engine import relations
+from attn_ledger.maths import relations
 from attn_ledger.engine.execute import Execution
 from attn_ledger.engine.measure import Agreement, Broken, Count, Peak, Where
-from attn_ledger.pipeline import HEALTHY, Ops
+from attn_ledger.maths.pipeline import HEALTHY, Ops
 
 
 def _by_name(records):

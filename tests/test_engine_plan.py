@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attn_ledger.engine import plan as PL
-from attn_ledger.engine import relations
+from attn_ledger.maths import relations
 
 
 @pytest.fixture(autouse=True)

@@ -18,17 +18,17 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
-from attn_ledger import kernelcheck
-from attn_ledger.kernelcases import DEFAULT_TIER
+from attn_ledger.probes.kernel import check as kernelcheck
+from attn_ledger.probes.kernel.cases import DEFAULT_TIER
 from attn_ledger.cli import app
 from attn_ledger.errors import InputError
-from attn_ledger.kernelcheck import EVIDENCE, Options, check_case, failed_call, kernel_report, parse_case
-from attn_ledger.kernelspec import from_sources
+from attn_ledger.probes.kernel.check import EVIDENCE, Options, check_case, failed_call, kernel_report, parse_case
+from attn_ledger.probes.kernel.spec import from_sources
 from attn_ledger.render import render
 from attn_ledger.render.html import render_html
 from attn_ledger.render.jsondoc import report_json, schema
 from attn_ledger.testing import InconclusiveCases, assert_attention_matches, diagnosis
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = f"{ROOT / 'fixtures' / 'kernels' / 'good.py'}:attention"

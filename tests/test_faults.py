@@ -9,10 +9,10 @@ from xml.etree import ElementTree as ET
 import pytest
 from typer.testing import CliRunner
 
-from attn_ledger import catalogue
+from attn_ledger.probes import catalogue
 from attn_ledger.cli import app
-from attn_ledger.config import FAULTS
-from attn_ledger.kernelcheck import check_case, parse_case
+from attn_ledger.inputs.config import FAULTS
+from attn_ledger.probes.kernel.check import check_case, parse_case
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,8 +155,8 @@ def test_faults_outside_the_pipeline_have_no_white_box(report):
 def test_near_threshold_faults_are_catalogued_and_written_as_fixtures_alike():
     import torch
 
-    from attn_ledger.kernelcheck import case_inputs
-    from attn_ledger.userload import load_object
+    from attn_ledger.probes.kernel.check import case_inputs
+    from attn_ledger.inputs.userload import load_object
 
     names = [f.name for f in catalogue.NEAR_THRESHOLD]
     assert names == ["scale-off-1pct", "leaked-weight", "softmax-bf16"]
@@ -180,7 +180,7 @@ def test_a_dropped_soft_cap_is_caught_at_every_seed(seed):
 
 
 def test_the_layer_with_the_dropped_cap_is_a_correct_uncapped_one():
-    from attn_ledger.modulecheck import check_module
+    from attn_ledger.probes.module.check import check_module
 
     fault = next(f for f in catalogue.CATALOGUE if f.name == "softcap-dropped")
     assert check_module(fault.target, catalogue.MODULE_EMBED_DIM, catalogue.MODULE_HEADS).exit_code == 0

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.config import Fault
+from attn_ledger.inputs.config import Fault
 from attn_ledger.errors import did_you_mean
 from attn_ledger.render.html import render_html
 from attn_ledger.report import Check, Report, Row
@@ -130,7 +130,7 @@ def test_a_module_page_names_its_failing_aspects(tmp_path):
 
 def test_a_declaration_key_close_to_a_known_one_is_named(tmp_path):
     from attn_ledger.errors import InputError
-    from attn_ledger.kernelspec import from_sources
+    from attn_ledger.probes.kernel.spec import from_sources
 
     (tmp_path / "pyproject.toml").write_text("[tool.attn-ledger.check]\nstrict_covrage = true\n")
     with pytest.raises(InputError, match=r"strict_covrage: unknown key, .*; did you mean 'strict_coverage'\?$"):

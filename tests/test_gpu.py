@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger, run_ledger_tensors
 from attn_ledger.render.notes import notes_text
 
@@ -107,8 +107,8 @@ def test_cpu_device_is_honoured():
 def test_check_runs_the_default_tier_on_cuda_with_a_float64_reference():
     from pathlib import Path
 
-    from attn_ledger.kernelcheck import DEFAULT_TIER, check_kernel
-    from attn_ledger.userload import load_object
+    from attn_ledger.probes.kernel.check import DEFAULT_TIER, check_kernel
+    from attn_ledger.inputs.userload import load_object
 
     fn = load_object(f"{Path(__file__).resolve().parents[1] / 'fixtures' / 'kernels' / 'sdpa_adapter.py'}:attention")
     report = check_kernel(fn, device="cuda")
@@ -121,8 +121,8 @@ def test_check_runs_the_default_tier_on_cuda_with_a_float64_reference():
 def test_check_on_cuda_catches_what_it_catches_on_the_cpu():
     from pathlib import Path
 
-    from attn_ledger.kernelcheck import check_kernel, parse_case
-    from attn_ledger.userload import load_object
+    from attn_ledger.probes.kernel.check import check_kernel, parse_case
+    from attn_ledger.inputs.userload import load_object
 
     kernels = Path(__file__).resolve().parents[1] / "fixtures" / "kernels"
     bad = load_object(f"{kernels / 'broken_backward.py'}:wrong_dq")

@@ -351,7 +351,7 @@ KERNEL_ARGS = {"target": f"{KERNELS}:good", "field": "target", "cases": [ONE], "
 
 def test_worker_relays_bad_input_as_the_same_error():
     from attn_ledger.errors import InputError
-    from attn_ledger.worker import run_user_task
+    from attn_ledger.runner.worker import run_user_task
 
     args = {**KERNEL_ARGS, "empty_rows": "ones"}
     with pytest.raises(InputError, match="^empty_rows: got 'ones'"):
@@ -359,7 +359,7 @@ def test_worker_relays_bad_input_as_the_same_error():
 
 
 def test_a_bug_in_the_worker_is_not_a_finding(tmp_path):
-    from attn_ledger.worker import WorkerError, _Supervisor
+    from attn_ledger.runner.worker import WorkerError, _Supervisor
 
     with _Supervisor(tmp_path, 30) as sup:
         sup.start_load(f"{KERNELS}:good", "target")
@@ -369,7 +369,7 @@ def test_a_bug_in_the_worker_is_not_a_finding(tmp_path):
 
 
 def test_a_bug_in_the_tool_while_judging_is_its_own_error_never_a_finding():
-    from attn_ledger.worker import run_user_task
+    from attn_ledger.runner.worker import run_user_task
 
     args = {key: value for key, value in KERNEL_ARGS.items() if key != "seed"}
     with pytest.raises(KeyError, match="seed"):  # the parent judges: its bug is raised here (exit 3 in the CLI)
@@ -379,10 +379,10 @@ def test_a_bug_in_the_tool_while_judging_is_its_own_error_never_a_finding():
 def test_results_cross_as_plain_data_and_only_into_result_types():
     import math
 
-    from attn_ledger.kernelcheck import CaseResult, kernel_report, parse_case
+    from attn_ledger.probes.kernel.check import CaseResult, kernel_report, parse_case
     from attn_ledger.render.jsondoc import report_json
     from attn_ledger.report import Check, bounded
-    from attn_ledger.worker import WorkerError, decode, encode
+    from attn_ledger.runner.worker import WorkerError, decode, encode
 
     checks = (bounded(3, "finite", "non-finite values", math.nan, 0, location={"example": 0, "head": 1, "query": 2}),
               Check(4, "reference", "pass", "max |diff|", math.inf, 1e-6, "<=", data={"tolerance": {"factor": 4.0}}))
@@ -463,7 +463,7 @@ def test_a_module_file_that_disables_grad_at_import_is_checked_normally(tmp_path
 def test_warm_autograd_runs_with_grad_mode_off():
     import torch
 
-    from attn_ledger.driver import warm_autograd
+    from attn_ledger.probes.common.driver import warm_autograd
 
     with torch.no_grad():
         warm_autograd()  # raised RuntimeError (no grad_fn) before

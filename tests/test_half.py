@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
 
 HALF = ["float16", "bfloat16"]
@@ -142,7 +142,7 @@ def test_headroom_warning_in_cli_json(tmp_path):
 
 
 def test_float16_products_on_the_cpu_match_torchs_own_to_an_ulp():
-    from attn_ledger.pipeline import matmul
+    from attn_ledger.maths.pipeline import matmul
 
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(1, 4, 16, 300, generator=g).half(), torch.randn(1, 4, 300, 32, generator=g).half()

@@ -15,9 +15,9 @@ import torch
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.config import load_config, nesting_depth
+from attn_ledger.inputs.config import load_config, nesting_depth
 from attn_ledger.errors import ConfigError
-from attn_ledger.tensorio import save_tensor_file
+from attn_ledger.inputs.tensorio import save_tensor_file
 
 runner = CliRunner()
 
@@ -126,7 +126,7 @@ def test_toml_nested_by_dotted_keys_and_headers_is_refused(tmp_path, text):
 
 
 def test_toml_headers_eight_deep_are_read(tmp_path):
-    from attn_ledger.config import read_config_file
+    from attn_ledger.inputs.config import read_config_file
 
     path = tmp_path / "ok.toml"
     path.write_text("[a.b.c.d.e.f.g]\nx = [1]\n")  # 8 levels, the bound: read
@@ -334,7 +334,7 @@ def test_timeout_is_at_most_a_day(value):
 
 
 def test_a_timeout_of_a_day_is_taken():
-    from attn_ledger.worker import check_timeout
+    from attn_ledger.runner.worker import check_timeout
 
     check_timeout(86_400)  # no error: the bound itself is allowed
     from attn_ledger.errors import InputError

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import modules_for_tests as bad
 from attn_ledger.cli import app
 from attn_ledger.experiments.intervene import intervene_report
-from attn_ledger.intervention import (
+from attn_ledger.probes.common.forward import (
     CutResult,
     builtin_controls,
     causal_intervention,
@@ -21,8 +21,8 @@ from attn_ledger.intervention import (
     module_forward,
     path_check,
 )
-from attn_ledger.model import BuiltinAttention
-from attn_ledger.pipeline import make_input
+from attn_ledger.maths.layer import BuiltinAttention
+from attn_ledger.maths.pipeline import make_input
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "attention_modules.py"
 runner = CliRunner()
@@ -113,7 +113,7 @@ def test_forward_failure_is_a_level_one_finding(factory):
 
 
 def test_hint_only_module_leaks_only_under_no_grad():
-    from attn_ledger.userload import load_object
+    from attn_ledger.inputs.userload import load_object
 
     module = load_object(f"{FIXTURES}:hint_only_causal")(12, 2)
     report = intervene_report(module, x_default(), subject="hint", num_heads=2)
@@ -129,7 +129,7 @@ def test_hint_only_module_leaks_only_under_no_grad():
 
 @pytest.mark.parametrize("name", ["dropout_at_eval", "stateful"])
 def test_eval_nondeterminism_is_its_own_finding(name):
-    from attn_ledger.userload import load_object
+    from attn_ledger.inputs.userload import load_object
 
     factory = load_object(f"{FIXTURES}:{name}") if name == "dropout_at_eval" else bad.stateful
     torch.manual_seed(0)

@@ -135,8 +135,8 @@ def test_a_module_factory_that_patches_the_module_check_fails(spec):
 
 def test_a_module_factory_that_patches_the_module_check_fools_only_an_in_process_check(monkeypatch):
     """``--in-process`` runs the factory where the module is judged, by design (documented as exempt)."""
-    import attn_ledger.coreaudit as coreaudit
-    import attn_ledger.corefit as corefit
+    import attn_ledger.probes.module.core as coreaudit
+    import attn_ledger.probes.module.fit as corefit
 
     for space, name in ((coreaudit, "fit_scores"), (corefit, "fit_scores"), (coreaudit, "reference_context")):
         monkeypatch.setattr(space, name, getattr(space, name))  # put back after the test: the factory patches them
@@ -150,7 +150,7 @@ def test_a_module_factory_that_patches_the_module_check_fools_only_an_in_process
 def test_plain_output_makes_a_function_subclass_plain_before_anything_reads_it():
     import torch
 
-    from attn_ledger.driver import plain_output
+    from attn_ledger.probes.common.driver import plain_output
 
     class Liar(torch.Tensor):
         @classmethod
@@ -165,7 +165,7 @@ def test_plain_output_makes_a_function_subclass_plain_before_anything_reads_it()
 def test_plain_output_materialises_a_wrapper_with_full_tensor_and_names_one_without():
     import torch
 
-    from attn_ledger.driver import plain_output
+    from attn_ledger.probes.common.driver import plain_output
 
     class Sharded(torch.Tensor):
         @staticmethod
@@ -192,7 +192,7 @@ def test_plain_output_materialises_a_wrapper_with_full_tensor_and_names_one_with
 def test_state_changes_name_flags_and_replaced_callables_and_nothing_else():
     import torch
 
-    from attn_ledger.driver import snapshot, state_changes
+    from attn_ledger.probes.common.driver import snapshot, state_changes
 
     before = snapshot()
     assert state_changes(before) == {}
@@ -233,8 +233,8 @@ def test_a_kernel_that_disables_grad_at_import_is_checked_normally(tmp_path):
 def test_the_tools_process_never_imports_the_users_file():
     import sys
 
-    import attn_ledger.kernelcheck as kernelcheck
-    import attn_ledger.kernelref as kernelref
+    import attn_ledger.probes.kernel.check as kernelcheck
+    import attn_ledger.probes.kernel.reference as kernelref
 
     before = (kernelcheck._check_case, kernelref.attention, set(sys.modules))
     code, report = check("judge_patch_check_case", "--no-backward")
@@ -249,8 +249,8 @@ def test_the_tools_process_never_imports_the_users_file():
 def test_a_view_crosses_with_its_strides_and_comes_back_the_same_view():
     import torch
 
-    from attn_ledger.driver import pack, unpack
-    from attn_ledger.moduledriver import laid_flat, relaid
+    from attn_ledger.probes.common.driver import pack, unpack
+    from attn_ledger.probes.module.driver import laid_flat, relaid
 
     qkv = torch.arange(2 * 3 * 12, dtype=torch.float32).reshape(2, 3, 12)
     views = {"q": qkv[..., :4], "kt": qkv[..., 4:8].transpose(-2, -1), "mask": torch.ones(3, 1, dtype=torch.bool).expand(3, 5),
@@ -265,8 +265,8 @@ def test_a_view_crosses_with_its_strides_and_comes_back_the_same_view():
 def test_an_observation_is_rebuilt_into_the_observation_classes_only():
     import torch
 
-    from attn_ledger.moduledriver import flatten, rebuild
-    from attn_ledger.observe import Projection
+    from attn_ledger.probes.module.driver import flatten, rebuild
+    from attn_ledger.probes.common.observe import Projection
 
     tensors: dict = {}
     out = torch.randn(2, 3, 4)

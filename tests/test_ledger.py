@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.ledger import config_stages, ledger_on_qkv, run_ledger, run_ledger_tensors, tensor_stages
 from attn_ledger.render.notes import note_text, notes_text
 
@@ -63,7 +63,7 @@ def test_raising_stage_is_level_one_with_the_error_in_detail():
 
 def test_detection_does_not_depend_on_the_fault_name(monkeypatch):
     """The same broken function under no fault name is still caught: checks look at tensors only."""
-    import attn_ledger.pipeline as P
+    import attn_ledger.maths.pipeline as P
 
     broken = P.ops_for("softmax-axis")
     monkeypatch.setattr(P, "HEALTHY", broken)
@@ -331,7 +331,7 @@ def test_streamed_stage_with_a_wrong_shape_fails_its_shape_check(monkeypatch, st
     """A stage function that returns a tensor of another shape (which could broadcast) is an L1 divergence there."""
     import dataclasses
 
-    import attn_ledger.pipeline as P
+    import attn_ledger.maths.pipeline as P
 
     wrong = {
         "mask": lambda scores, allow: P.apply_mask(scores, allow)[:, :1],  # drops all heads but one
@@ -359,7 +359,7 @@ def test_saved_out_of_the_wrong_shape_is_a_level_one_finding(tmp_path, shape):
     from typer.testing import CliRunner
 
     from attn_ledger.cli import app
-    from attn_ledger.tensorio import save_tensor_file
+    from attn_ledger.inputs.tensorio import save_tensor_file
 
     g = torch.Generator().manual_seed(0)
     path = tmp_path / "qkv_out.safetensors"
@@ -376,7 +376,7 @@ def test_saved_out_of_the_wrong_shape_is_a_level_one_finding(tmp_path, shape):
 
 def test_mask_picture_and_counts_follow_the_example_that_diverged(monkeypatch):
     """Padding differs by example; a softmax wrong only in example 1 shows example 1's relation."""
-    import attn_ledger.pipeline as P
+    import attn_ledger.maths.pipeline as P
 
     def wrong_in_example_1(masked, allow, empty_rows_zero):
         w = P.softmax_keys(masked, allow, empty_rows_zero).clone()

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from attn_ledger import tolerance
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.engine import rounding
 from attn_ledger.ledger import run_ledger, run_ledger_tensors
-from attn_ledger.pipeline import HEALTHY, qk_scores
+from attn_ledger.maths.pipeline import HEALTHY, qk_scores
 from attn_ledger.render.jsondoc import report_json
 from attn_ledger.render.text import describe
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from attn_ledger import limits
+from attn_ledger.inputs import limits
+from attn_ledger.engine import budget
 from attn_ledger.cli import app
 from attn_ledger.commands import options as opt
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.errors import InputError, ResourceError
 
 runner = CliRunner()
@@ -41,9 +42,9 @@ def one_line(r) -> str:
 MEASURE = """
 import json, sys, threading, time
 from attn_ledger.alloc import retain_freed_memory
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.ledger import run_ledger
-from attn_ledger.limits import estimate_run
+from attn_ledger.engine.budget import estimate_run
 
 def anon():
     with open("/proc/self/status") as fh:
@@ -196,7 +197,7 @@ def test_a_config_size_beyond_int64_is_refused_by_the_estimate(tmp_path):
     assert r.exit_code == 2
     assert "memory:" in one_line(r)
     with pytest.raises(ResourceError) as info:
-        limits.require_fits(limits.estimate_run(load_config(cfg)))
+        limits.require_fits(budget.estimate_run(load_config(cfg)))
     assert info.value.needed > 10**60
 
 
@@ -207,20 +208,20 @@ def test_a_tight_budget_refuses_even_the_default_run():
 
 
 def test_the_backward_is_counted_in_the_estimate(tmp_path):
-    forward = limits.estimate_run(load_config(None, {"seq_len": 4096}))
-    backward = limits.estimate_run(load_config(None, {"seq_len": 4096, "grad": True}))
+    forward = budget.estimate_run(load_config(None, {"seq_len": 4096}))
+    backward = budget.estimate_run(load_config(None, {"seq_len": 4096, "grad": True}))
     assert backward.bytes > forward.bytes and "--grad" in backward.what
     assert any(name.startswith("backward stages streaming") for name, _ in backward.parts)
 
 
 def test_a_large_valid_request_is_announced_not_refused():
     said: list[str] = []
-    est = limits.estimate_run(load_config(None, {"seq_len": 100000}))
+    est = budget.estimate_run(load_config(None, {"seq_len": 100000}))
     assert est.grid_entries == 2 * 3 * 100000 * 100000
     opt.guard(est, 64 * GIB, say=said.append)  # fits: not refused
     assert len(said) == 1 and said[0].startswith("estimate: ") and "6e+10 score-grid entries" in said[0]
     quiet: list[str] = []
-    opt.guard(limits.estimate_run(load_config(None, {})), 64 * GIB, say=quiet.append)
+    opt.guard(budget.estimate_run(load_config(None, {})), 64 * GIB, say=quiet.append)
     assert quiet == []
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_ledger import masks
-from attn_ledger.config import load_config
+from attn_ledger.maths import masks
+from attn_ledger.inputs.config import load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
 from attn_ledger.render.notes import note_text, notes_text, relation_picture
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import layout_modules as L
-from attn_ledger.modulecheck import check_module
+from attn_ledger.probes.module.check import check_module
 from attn_ledger.report import Report
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 from test_modulecheck import FIXTURES
 
 E, NH = 32, 4  # Dh = 8

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import layout_modules as L
-from attn_ledger.modulecheck import check_module
+from attn_ledger.probes.module.check import check_module
 from attn_ledger.report import Report
 
 E, NH = 32, 4  # Dh = 8; the GQA modules use Nkv = 2

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 import layout_modules as L
 from attn_ledger.cli import app
-from attn_ledger.coreaudit import BEND_LOGITS, Declared
+from attn_ledger.probes.module.core import BEND_LOGITS, Declared
 from attn_ledger.errors import InputError
-from attn_ledger.modulecheck import check_module
+from attn_ledger.probes.module.check import check_module
 from attn_ledger.report import Report
 
 E, NH = 32, 4  # Dh = 8
@@ -113,7 +113,7 @@ def test_the_pytest_helper_takes_the_cap_and_reproduces_it():
 
 
 def test_without_the_probe_small_linear_scores_leave_a_declared_cap_inconclusive(monkeypatch):
-    import attn_ledger.observe as observe
+    import attn_ledger.probes.common.observe as observe
 
     monkeypatch.setattr(observe, "probe_bent", lambda *args: None)  # the probe forward did not reach the core
     report = check_module(CAPPED, E, NH, softcap=50)

@@ -11,9 +11,9 @@ import pytest
 import modules_for_tests as bad
 from attn_ledger.commands.common import Format, render_text
 from attn_ledger.errors import InputError, SetupError
-from attn_ledger.modulecheck import ASPECTS, check_built_module, check_module
+from attn_ledger.probes.module.check import ASPECTS, check_built_module, check_module
 from attn_ledger.report import Report
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "modules" / "attention_modules.py"
 E, NH = 12, 2  # an even head count, so nn.MultiheadAttention's fast path is reachable
@@ -185,8 +185,8 @@ def test_forward_failure_leaves_later_checks_not_reached():
 
 
 def test_intervention_controls_fail_when_they_do_not_leak(monkeypatch):
-    import attn_ledger.modulecheck as mc
-    from attn_ledger.model import BuiltinAttention
+    import attn_ledger.probes.module.check as mc
+    from attn_ledger.maths.layer import BuiltinAttention
 
     monkeypatch.setattr(mc, "builtin_controls", lambda e, n, seed, dtype: [
         ("causal-off", "not really off", BuiltinAttention(e, n, causal=True, seed=seed).eval())])

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import layout_modules as L
-from attn_ledger.corefit import compare_relations, fit_scores, recognise_bias, relation_of
-from attn_ledger.headtrace import layout_of, locate, trace_vectors
-from attn_ledger.observe import observe_module, probe_weights
+from attn_ledger.probes.module.fit import compare_relations, fit_scores, recognise_bias, relation_of
+from attn_ledger.probes.module.heads import layout_of, locate, trace_vectors
+from attn_ledger.probes.common.observe import observe_module, probe_weights
 
 B, T, E, NH = 2, 6, 32, 4
 
@@ -97,7 +97,7 @@ def test_the_observer_leaves_the_output_unchanged():
     x = x_input()
     with torch.no_grad():
         plain = m(x)
-    from attn_ledger.observe import _mode, _Observer
+    from attn_ledger.probes.common.observe import _mode, _Observer
 
     with torch.no_grad(), _mode(_Observer(x, {}, None)):
         seen = m(x)

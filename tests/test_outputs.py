@@ -201,7 +201,7 @@ def test_the_reproduction_line_is_quoted_in_the_table_json_html_and_pytest_messa
     assert shlex.split(lines[at + 1][:-1] + lines[at + 2]) == expected_argv(target)
     # the pytest helper's message
     from attn_ledger.testing import assert_attention_matches
-    from attn_ledger.userload import load_object
+    from attn_ledger.inputs.userload import load_object
 
     with pytest.raises(AssertionError) as caught:
         assert_attention_matches(load_object(target), CASE, name=target)

@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
 from attn_ledger.render.heatmap import TERMINAL_LIMIT, render_heatmap, shade
 from attn_ledger.render.html import HTML_LIMIT, render_html, weight_fill

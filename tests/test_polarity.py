@@ -8,12 +8,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attn_ledger import masks
+from attn_ledger.maths import masks
 from attn_ledger.cli import app
 from attn_ledger.experiments import polarity as pol
 from attn_ledger.render import render
 from attn_ledger.render.text import fmt_value
-from attn_ledger.tensorio import save_tensor_file
+from attn_ledger.inputs.tensorio import save_tensor_file
 
 runner = CliRunner()
 
@@ -57,7 +57,7 @@ def test_conventions_probed_and_documented(apis_doc):
     kpm = conv["nn.MultiheadAttention key_padding_mask"]
     assert kpm["probed"] == "block" and "ignored" in kpm["doc_line"]
     assert all(c["agree"] for c in apis_doc["details"]["conventions"])
-    for name, api in (("manual", "manual pipeline (attn_ledger.pipeline)"), ("sdpa", "F.scaled_dot_product_attention attn_mask"),
+    for name, api in (("manual", "manual pipeline (attn_ledger.maths.pipeline)"), ("sdpa", "F.scaled_dot_product_attention attn_mask"),
                       ("mha", "nn.MultiheadAttention attn_mask"), ("mha key_padding_mask", "nn.MultiheadAttention key_padding_mask")):
         c = check(apis_doc, name, "convention")
         assert c["status"] == "pass" and c["data"]["api"] == api

@@ -10,9 +10,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attn_ledger import pipeline as P
+from attn_ledger.maths import pipeline as P
 from attn_ledger.cli import app
-from attn_ledger.config import PROPERTY_FAULTS, load_config
+from attn_ledger.inputs.config import PROPERTY_FAULTS, load_config
 from attn_ledger.engine.properties import PROPERTIES
 from attn_ledger.ledger import config_stages, ledger_on_qkv, run_ledger
 from attn_ledger.render.jsondoc import schema

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("diffusers", minversion="0.30")
 
 import real_models  # noqa: E402
-from attn_ledger.modulecheck import check_module  # noqa: E402
+from attn_ledger.probes.module.check import check_module  # noqa: E402
 
 E, NH = 32, 4  # Dh = 8
 

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers", minversion="4.48")
 
-from attn_ledger.modulecheck import check_module  # noqa: E402
+from attn_ledger.probes.module.check import check_module  # noqa: E402
 from attn_ledger.report import Report  # noqa: E402
 import real_models  # noqa: E402
 from attn_ledger.cli import app  # noqa: E402

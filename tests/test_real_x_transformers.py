@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("x_transformers")  # no __version__ to compare; pyproject sets the floor
 
 import real_models  # noqa: E402
-from attn_ledger.modulecheck import check_module  # noqa: E402
+from attn_ledger.probes.module.check import check_module  # noqa: E402
 
 E, NH = 32, 4  # Dh = 8
 ROTARY = {"pairing": "interleaved", "base": 10000.0, "rotated_dim": 4, "head_dim": 8}

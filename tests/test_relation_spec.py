@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.config import load_config
-from attn_ledger.engine import relations
-from attn_ledger.engine.relations import RelationSpec
+from attn_ledger.inputs.config import load_config
+from attn_ledger.maths import relations
+from attn_ledger.maths.relations import RelationSpec
 from attn_ledger.errors import ConfigError, InputError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def test_run_mask_with_parameters_parses_once(parses):
 def test_run_tensors_mask_parses_once(parses, tmp_path: Path):
     import torch
 
-    from attn_ledger.tensorio import save_tensor_file
+    from attn_ledger.inputs.tensorio import save_tensor_file
 
     g = torch.Generator().manual_seed(0)
     path = tmp_path / "qkv.pt"
@@ -175,13 +175,13 @@ def test_relations_import_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, attn_ledger.engine.relations; print('torch' in sys.modules)"
+    code = "import sys, attn_ledger.maths.relations; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
 def test_module_declaration_holds_the_relation():
-    from attn_ledger.coreaudit import Declared
+    from attn_ledger.probes.module.core import Declared
 
     window = Declared(relations.module_relation(True, 4))
     assert (window.relation, window.causal, window.window, window.text) == (
@@ -218,7 +218,7 @@ CASE_MASKS = [  # token, B, Tk -> the relation's text, its lengths, the padded s
 
 @pytest.mark.parametrize("token,b,tk,text,lengths,side,gap,flag,kinds", CASE_MASKS, ids=[c[0] for c in CASE_MASKS])
 def test_a_case_mask_token_is_a_relation(token, b, tk, text, lengths, side, gap, flag, kinds):
-    from attn_ledger.kernelcases import Case, argument_kinds, case_relation
+    from attn_ledger.probes.kernel.cases import Case, argument_kinds, case_relation
 
     spec, causal_flag = case_relation(token, b, tk)
     assert (str(spec), spec.valid_lengths, spec.padding_side, spec.key_gap, causal_flag) == (text, lengths, side, gap, flag)
@@ -228,7 +228,7 @@ def test_a_case_mask_token_is_a_relation(token, b, tk, text, lengths, side, gap,
 
 
 def test_a_bad_case_mask_token_names_its_field():
-    from attn_ledger.kernelcases import case_relation
+    from attn_ledger.probes.kernel.cases import case_relation
 
     with pytest.raises(InputError, match=r"^mask: got 'lpad', expected one of none, causal-flag, causal-mask, pad, "
                                          r"pad-causal, pad-empty, lpadN\[-causal\] or gapSxL\[-causal\]$"):
@@ -236,8 +236,8 @@ def test_a_bad_case_mask_token_names_its_field():
 
 
 def test_a_case_reads_its_mask_token_once(monkeypatch):
-    from attn_ledger import kernelcases
-    from attn_ledger.kernelspec import Declaration
+    from attn_ledger.probes.kernel import cases as kernelcases
+    from attn_ledger.probes.kernel.spec import Declaration
 
     seen: list[str] = []
     real = kernelcases.case_relation

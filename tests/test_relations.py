@@ -9,8 +9,8 @@ import torch
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.config import load_config
-from attn_ledger.engine import relations
+from attn_ledger.inputs.config import load_config
+from attn_ledger.maths import relations
 from attn_ledger.errors import ConfigError, InputError
 from attn_ledger.ledger import ledger_on_qkv
 
@@ -90,7 +90,7 @@ def test_view_of_a_relation_that_differs_by_example():
 
 
 def test_cli_tensors_mask_error_is_one_line_exit_2(tmp_path: Path):
-    from attn_ledger.tensorio import save_tensor_file
+    from attn_ledger.inputs.tensorio import save_tensor_file
 
     g = torch.Generator().manual_seed(0)
     path = tmp_path / "qkv.safetensors"

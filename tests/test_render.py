@@ -9,7 +9,7 @@ from xml.etree import ElementTree as ET
 import jsonschema
 import pytest
 
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.ledger import run_ledger
 from attn_ledger.render import FORMATS, render
 from attn_ledger.render.jsondoc import error_json, report_json, schema

@@ -13,14 +13,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from attn_ledger.config import load_config
-from attn_ledger.kernelcheck import check_kernel, parse_case
+from attn_ledger.inputs.config import load_config
+from attn_ledger.probes.kernel.check import check_kernel, parse_case
 from attn_ledger.ledger import run_ledger
 from attn_ledger.render import render
 from attn_ledger.render.jsondoc import schema
 from attn_ledger.render.notes import note_text, notes_text
 from attn_ledger.report import Heatmap, Note, Report, Row
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 ROOT = Path(__file__).parent.parent
 RENDER = ROOT / "attn_ledger" / "render"
@@ -179,7 +179,7 @@ def test_a_stage_record_that_is_not_plain_is_caught():
 
 
 def test_notes_as_data_cross_the_worker_boundary(checked):
-    from attn_ledger.worker import decode, encode
+    from attn_ledger.runner.worker import decode, encode
 
     back = decode(encode(checked))
     assert back == checked and notes_text(back) == notes_text(checked)

@@ -1,6 +1,6 @@
 """Rotary positions: application against textbook forms, recognition, and the q/k/v judgement.
 
-The references here are written apart from ``attn_ledger.rotary`` on purpose: a per-pair
+The references here are written apart from ``attn_ledger.maths.rotary`` on purpose: a per-pair
 2x2 rotation with ``math.cos``/``math.sin``, Llama's ``rotate_half`` form, and Meta's
 complex-multiplication form. Every recognition result is checked by its fields.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attn_ledger.errors import InputError
-from attn_ledger.rotary import (
+from attn_ledger.maths.rotary import (
     FINDINGS,
     RotarySpec,
     apply_rotary,

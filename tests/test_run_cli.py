@@ -32,7 +32,7 @@ def test_default_run_exits_zero_and_names_no_divergence():
 
 
 def test_golden_default_ledger(update_goldens):
-    from attn_ledger.config import load_config
+    from attn_ledger.inputs.config import load_config
     from attn_ledger.ledger import run_ledger
     from attn_ledger.render import render
 
@@ -44,7 +44,7 @@ def test_golden_default_ledger(update_goldens):
 
 
 def test_golden_fault_ledger_markdown(update_goldens):
-    from attn_ledger.config import load_config
+    from attn_ledger.inputs.config import load_config
     from attn_ledger.ledger import run_ledger
 
     from attn_ledger.render import render
@@ -146,7 +146,7 @@ class Evil:
 
 
 def _bad_tensor_files(tmp: Path) -> dict[str, tuple[Path, str]]:
-    from attn_ledger.tensorio import save_tensor_file
+    from attn_ledger.inputs.tensorio import save_tensor_file
 
     cases = {
         "wrong rank": (_qkv(q=torch.randn(8)), "rank"),
@@ -196,7 +196,7 @@ def test_bad_tensor_inputs_give_one_line_and_exit_2(tmp_path):
 
 
 def test_empty_batch_is_valid(tmp_path):
-    from attn_ledger.tensorio import save_tensor_file
+    from attn_ledger.inputs.tensorio import save_tensor_file
 
     p = tmp_path / "empty.pt"
     save_tensor_file({"q": torch.zeros(0, 2, 2), "k": torch.zeros(0, 2, 2), "v": torch.zeros(0, 2, 3)}, p)

@@ -15,11 +15,11 @@ import torch
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.engine.execute import sdpa_capped
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
 from attn_ledger.render.notes import notes_text
-from attn_ledger.reference import reference_stages
+from attn_ledger.maths.reference import reference_stages
 from attn_ledger.render.notes import notes_text
 
 runner = CliRunner()

@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from attn_ledger import seeding
 from attn_ledger.cli import app
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.errors import ConfigError
-from attn_ledger.kernelcheck import case_inputs
-from attn_ledger.pipeline import make_input, make_weights
+from attn_ledger.probes.kernel.check import case_inputs
+from attn_ledger.maths.pipeline import make_input, make_weights
 
 runner = CliRunner()
 TOP = 2**63 - 1

@@ -1,4 +1,4 @@
-"""The ledger against its list of checks (attn_ledger.stages), the list the docs' stage table is made from.
+"""The ledger against its list of checks (attn_ledger.engine.stages), the list the docs' stage table is made from.
 
 Every check a ledger reports, across the pipeline faults, the mask relations, the dtypes,
 declared-empty rows, SDPA backends and saved-tensor inputs, must be in the list at its stage
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_ledger import stages
-from attn_ledger.config import FAULT_NEEDS, Fault, load_config
+from attn_ledger.engine import stages
+from attn_ledger.inputs.config import FAULT_NEEDS, Fault, load_config
 from attn_ledger.ledger import ledger_on_qkv, run_ledger, run_ledger_tensors
 from attn_ledger.report import Report
 
@@ -82,9 +82,9 @@ def test_every_reported_check_is_listed_at_its_stage_and_level(ledgers):
         for stage, level, name in _emitted(report):
             spec = stages.find(stage, name)
             assert spec is not None, (
-                f"{label}: the ledger reports {name!r} at stage {stage!r}, which attn_ledger/stages.py does not "
+                f"{label}: the ledger reports {name!r} at stage {stage!r}, which attn_ledger/engine/stages.py does not "
                 f"list: add it there (its level and one line on what it means); docs/run.md is generated from it")
-            assert spec.level == level, f"{label}: {stage}.{name} is L{level}, attn_ledger/stages.py says L{spec.level}"
+            assert spec.level == level, f"{label}: {stage}.{name} is L{level}, attn_ledger/engine/stages.py says L{spec.level}"
 
 
 def test_every_listed_check_is_reported_by_some_ledger(ledgers):
@@ -92,7 +92,7 @@ def test_every_listed_check_is_reported_by_some_ledger(ledgers):
     for spec in stages.STAGES:
         for c in (*spec.checks, *(stages.ANY_STAGE if spec.name == "scores" else ())):
             assert any(stage == spec.name and c.matches(name) for stage, name in reported), (
-                f"attn_ledger/stages.py lists {spec.name}.{c.name} but no ledger here reports it")
+                f"attn_ledger/engine/stages.py lists {spec.name}.{c.name} but no ledger here reports it")
 
 
 def test_rows_come_in_the_listed_order(ledgers):

@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from attn_ledger import checks as C
+from attn_ledger.engine import checks as C
 from attn_ledger import tolerance
-from attn_ledger.config import load_config
+from attn_ledger.inputs.config import load_config
 from attn_ledger.engine import execute as X
 from attn_ledger.engine import measure as M
 from attn_ledger.engine import plan as PL
 from attn_ledger.engine.judge import Tally
-from attn_ledger.engine.relations import Relation
+from attn_ledger.maths.relations import Relation
 from attn_ledger.ledger import ledger_on_qkv, run_ledger
 from attn_ledger.render.notes import notes_text
 
@@ -101,7 +101,7 @@ def test_off_by_one_causal_relation_is_caught_at_any_block_size(monkeypatch):
     The pipeline's own relation then differs from the intended one in the key columns the
     mask runs on, so the dropped allowed pairs are counted exactly whatever the blocking.
     """
-    import attn_ledger.pipeline as P
+    import attn_ledger.maths.pipeline as P
 
     def drop_diagonal(allow):
         if allow is None:
@@ -132,7 +132,7 @@ def test_float64_reference_on_a_sample_of_blocks_is_noted(monkeypatch):
 
 def test_sdpa_still_covers_every_block_when_float64_is_sampled(monkeypatch):
     """A wrong output in a block the float64 reference skips is still caught against SDPA."""
-    import attn_ledger.pipeline as P
+    import attn_ledger.maths.pipeline as P
 
     monkeypatch.setattr(PL, "F64_BUDGET", 2 * 2 * 10 * 190)
     monkeypatch.setattr(PL, "F64_SAMPLE", 2 * 2 * 10 * 190)
@@ -224,7 +224,7 @@ def test_band_is_where_the_relation_varies():
 def test_causal_layout_by_arithmetic_equals_the_measured_one(tq, tk, full_keys, step):
     """The shortcut for a relation known to be top-left causal gives the generic layout exactly,
     also with key ranges widened to a multiple of ``step``."""
-    from attn_ledger import masks
+    from attn_ledger.maths import masks
 
     part = (lambda q0, q1: masks.causal(tq, tk, "top-left", q0, q1)[None, None],)
     known = Relation("causal (top-left)", part, top_left_causal=True)
@@ -267,7 +267,7 @@ def test_bfloat16_streaming_with_widened_key_ranges(fault):
 
 @pytest.mark.parametrize("nkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_reference_in_head_chunks_equals_whole(monkeypatch, nkv):
-    from attn_ledger.reference import reference_stages
+    from attn_ledger.maths.reference import reference_stages
 
     g = torch.Generator().manual_seed(4)
     q = torch.randn(2, 4, 6, 8, generator=g)
@@ -294,7 +294,7 @@ def test_inverted_polarity_counts_both_wrong_kinds_exactly(seq_len, block_size):
 
 
 def test_value_range_on_large_blocks_is_noted_and_still_fails_an_output_outside_it(monkeypatch):
-    import attn_ledger.pipeline as P
+    import attn_ledger.maths.pipeline as P
 
     cfg = load_config(overrides={**BASE, "seq_len": 400, "block_size": 64})
     healthy = run_ledger(cfg)

@@ -15,7 +15,7 @@ from attn_ledger.experiments import scale
 from attn_ledger.experiments.scale import ScaleStats, sweep, sweep_report
 from attn_ledger.render import render
 from attn_ledger.render.text import fmt_value
-from attn_ledger.tensorio import save_tensor_file
+from attn_ledger.inputs.tensorio import save_tensor_file
 
 runner = CliRunner()
 

@@ -16,8 +16,8 @@ import torch
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.engine.inputs import TENSOR_NAMES
-from attn_ledger.tensorio import save_tensor_file
+from attn_ledger.engine.given import TENSOR_NAMES
+from attn_ledger.inputs.tensorio import save_tensor_file
 
 runner = CliRunner()
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from attn_ledger.errors import InputError
-from attn_ledger.kernelcheck import case_inputs, check_kernel, parse_case
+from attn_ledger.probes.kernel.check import case_inputs, check_kernel, parse_case
 from attn_ledger.render.text import describe
 from attn_ledger.testing import assert_attention_matches
-from attn_ledger.userload import load_object
+from attn_ledger.inputs.userload import load_object
 
 KERNELS = Path(__file__).resolve().parents[1] / "fixtures" / "kernels"
 attention = load_object(f"{KERNELS / 'good.py'}:attention")

@@ -139,8 +139,8 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
                       "--max-memory": max_memory}
 
     def build():
-        from attn_ledger.userload import parse_spec
-        from attn_ledger.worker import Limits, run_user_task, show_output
+        from attn_ledger.inputs.userload import parse_spec
+        from attn_ledger.runner.worker import Limits, run_user_task, show_output
 
         _refuse_targets(target, module, decode, causal)
         seed_value = opt.seed(seed) or 0
@@ -185,9 +185,9 @@ def _module_args(module: str, decode: Optional[str], given: dict, seed: int) -> 
         given: the module options as typed (``--embed-dim`` -> its text, or None where not given).
     """
     from attn_ledger.errors import InputError
-    from attn_ledger.limits import estimate_module
-    from attn_ledger.modulecheck import BATCH_SIZE, SEQ_LEN, validate_module_options
-    from attn_ledger.userload import parse_spec
+    from attn_ledger.engine.budget import estimate_module
+    from attn_ledger.probes.module.check import BATCH_SIZE, SEQ_LEN, validate_module_options
+    from attn_ledger.inputs.userload import parse_spec
 
     e, nh = opt.integer(given["--embed-dim"], "--embed-dim", 1), opt.integer(given["--heads"], "--heads", 1)
     if e is None or nh is None:
@@ -212,8 +212,8 @@ def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: d
                  device: str) -> dict:
     """What the worker needs to check a kernel, as plain data: the case ids, the options, and the
     declaration (``[tool.attn-ledger.check]`` of ./pyproject.toml under the options given)."""
-    from attn_ledger.kernelcheck import select_cases
-    from attn_ledger.kernelspec import from_sources
+    from attn_ledger.probes.kernel.check import select_cases
+    from attn_ledger.probes.kernel.spec import from_sources
 
     decl, run = from_sources(declared)
     tier = "full" if full else "default"
@@ -230,7 +230,7 @@ def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], modu
 
     from attn_ledger.commands.common import fail, write_atomic
     from attn_ledger.errors import AttnLedgerError
-    from attn_ledger.kernelcases import GRID, describe_tiers
+    from attn_ledger.probes.kernel.cases import GRID, describe_tiers
     from attn_ledger.render.table import wrap_words
 
     if target is not None or module is not None:

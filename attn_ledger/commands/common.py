@@ -295,11 +295,11 @@ def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, comma
     command reads; an output that is an input, or another output, is refused before any work.
 
     Every output is written to a temporary file beside it; only when all are written, and every
-    process the command started has ended (:mod:`attn_ledger.reaper`), are they renamed into
+    process the command started has ended (:mod:`attn_ledger.runner.reaper`), are they renamed into
     place. Any failure leaves every output path as it was. The process keeps freed memory for
     reuse (see :mod:`attn_ledger.alloc`).
     """
-    from attn_ledger import reaper
+    from attn_ledger.runner import reaper
     from attn_ledger.alloc import retain_freed_memory
 
     retain_freed_memory()  # this process is ours: keep freed grid blocks for the next block

@@ -25,7 +25,7 @@ def faults(
     """
 
     def build():
-        from attn_ledger.catalogue import run_catalogue
+        from attn_ledger.probes.catalogue import run_catalogue
 
         with Progress("running the fault catalogue") as bar:
             return run_catalogue(seed=opt.seed(seed) or 0, progress=bar)

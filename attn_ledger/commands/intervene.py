@@ -10,7 +10,7 @@ import typer
 from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute, spec_path
 from attn_ledger.commands.options import INT
-from attn_ledger.limits import MAX_POSITION
+from attn_ledger.inputs.limits import MAX_POSITION
 
 
 # config key -> the option that sets it, so a message about a key names what the user typed
@@ -67,8 +67,8 @@ def intervene(
             with Progress("intervening") as bar:
                 return run_intervene(config, overrides=overrides, at=cut, with_controls=controls, progress=bar,
                                      max_memory=budget, option_names=OPTION_NAMES)
-        from attn_ledger.userload import parse_spec
-        from attn_ledger.worker import Limits, run_user_task, show_output
+        from attn_ledger.inputs.userload import parse_spec
+        from attn_ledger.runner.worker import Limits, run_user_task, show_output
 
         limits = Limits(max_time=max_time)
         cfg, cuts = plan_intervene(config, module_spec=module, overrides=overrides, at=cut, max_memory=budget,

@@ -4,7 +4,7 @@ Integer options are taken as text and parsed here rather than by click, so that 
 digits count (``int("５")`` is 5 in Python, and click would accept it), a value is never
 converted when it is absurdly long, and a refusal is the tool's own one-line message naming
 the option, the value and the range. Sizes have no cap here beyond their digit count: the
-memory estimate bounds them (:mod:`attn_ledger.limits`). Also here: the memory guard every
+memory estimate bounds them (:mod:`attn_ledger.inputs.limits`). Also here: the memory guard every
 command that allocates from user sizes runs before it starts, and the options many commands
 take (``--format``, ``--output``, ``--seed``, ``--device``, ``--timeout``), declared once.
 """
@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from attn_ledger.commands.common import Format
-from attn_ledger.limits import MAX_INT_DIGITS as MAX_DIGITS  # torch-free, like everything --help imports
+from attn_ledger.inputs.limits import MAX_INT_DIGITS as MAX_DIGITS  # torch-free, like everything --help imports
 
 INT = "<int>"  # metavar of the integer options, as the help shows click's own integers
 _INTEGER = re.compile(r"[+-]?[0-9]+")
@@ -93,7 +93,7 @@ def memory(text: str | None) -> int | None:
     """``--max-memory``: bytes, or None when not given."""
     if text is None:
         return None
-    from attn_ledger.limits import parse_size
+    from attn_ledger.inputs.limits import parse_size
 
     return parse_size(text, "--max-memory")
 
@@ -116,14 +116,14 @@ def guard(estimate: Any, max_memory: int | None, say: Any = None, progress: Any 
     """Refuse a request that will not fit (exit 2); announce on stderr one that is large.
 
     Args:
-        estimate: a :class:`attn_ledger.limits.Estimate`, or None when the sizes are not known yet.
+        estimate: a :class:`attn_ledger.inputs.limits.Estimate`, or None when the sizes are not known yet.
         say: prints one line on stderr (default: the commands' stderr console).
         progress: the command's :class:`~attn_ledger.commands.common.Progress`; for an announced
             request it shows from the first report on, without its usual one-second wait.
     """
     if estimate is None:
         return
-    from attn_ledger import limits
+    from attn_ledger.inputs import limits
 
     room = limits.require_fits(estimate, max_memory)
     line = limits.announcement(estimate, room)

@@ -10,8 +10,8 @@ import typer
 from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, check_clashes, execute
 from attn_ledger.commands.options import INT
-from attn_ledger.config import Fault as FaultName
-from attn_ledger.limits import MAX_POSITION
+from attn_ledger.inputs.config import Fault as FaultName
+from attn_ledger.inputs.limits import MAX_POSITION
 
 
 DType = opt.choices("DType", "float32", "float64", "float16", "bfloat16")
@@ -135,9 +135,9 @@ def _integers(given: dict[str, Optional[str]], hi: Optional[int] = None) -> dict
 def _on_config(config: Optional[Path], overrides: dict[str, Any], budget: Optional[int], progress: Progress, *,
                pictures: bool, outputs: dict[str, Optional[Path]], keep_going: bool, backends: Optional[str]) -> Any:
     """The ledger on a config (or the embedded default) under the options given."""
-    from attn_ledger.config import load_config
+    from attn_ledger.inputs.config import load_config
     from attn_ledger.ledger import run_ledger
-    from attn_ledger.limits import estimate_run
+    from attn_ledger.engine.budget import estimate_run
 
     cfg = load_config(config, overrides, OPTION_NAMES)
     check_clashes(outputs, {"grad_output": seed_file(cfg.grad_output)})
@@ -151,8 +151,8 @@ def _on_config(config: Optional[Path], overrides: dict[str, Any], budget: Option
 def _refuse_for_tensors(config: Optional[Path], fault: Optional[FaultName], mask: Optional[str],
                         positions: dict[str, Optional[int]], unused: dict[str, Any]) -> Any:
     """What --tensors cannot take: a config, a fault, the sizes and seeds the file sets, a position its mask lacks.
-    Returns the mask's relation (a :class:`~attn_ledger.engine.relations.RelationSpec`): its one parse on this path."""
-    from attn_ledger.engine import relations
+    Returns the mask's relation (a :class:`~attn_ledger.maths.relations.RelationSpec`): its one parse on this path."""
+    from attn_ledger.maths import relations
     from attn_ledger.errors import InputError
 
     if config is not None:
@@ -171,8 +171,8 @@ def _refuse_for_tensors(config: Optional[Path], fault: Optional[FaultName], mask
 def _on_tensors(tensors: Path, budget: Optional[int], progress: Progress, **options: Any) -> Any:
     """The ledger on saved tensors; ``options`` are :func:`attn_ledger.ledger.run_ledger_tensors`' own."""
     from attn_ledger.ledger import run_ledger_tensors
-    from attn_ledger.limits import estimate_tensors
-    from attn_ledger.tensorio import load_tensor_file
+    from attn_ledger.engine.budget import estimate_tensors
+    from attn_ledger.inputs.tensorio import load_tensor_file
 
     found = load_tensor_file(tensors, "tensors", max_memory=budget)
     opt.guard(estimate_tensors(found, dtype=options["dtype"], block_size=options["block_size"],

@@ -1,6 +1,6 @@
 """The ledger's engine, in layers that depend only downwards.
 
-* :mod:`~attn_ledger.engine.relations`: the one parser and validator of mask relations, and
+* :mod:`~attn_ledger.maths.relations`: the one parser and validator of mask relations, and
   the relation the ledger runs with, produced block by block;
 * :mod:`~attn_ledger.engine.plan`: a pure, immutable plan from sizes and a relation: query
   blocks, key ranges and bands, the rows the float64 reference samples, SDPA groups;

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_ledger import checks as C
-from attn_ledger import stages
-from attn_ledger.cells import locate
-from attn_ledger.engine import relations
+from attn_ledger.engine import checks as C
+from attn_ledger.engine import stages
+from attn_ledger.engine.locate import locate
+from attn_ledger.maths import relations
 from attn_ledger.engine.heatmaps import with_heatmaps
 from attn_ledger.engine.measure import Where
-from attn_ledger.engine.relations import Relation
+from attn_ledger.maths.relations import Relation
 from attn_ledger.engine.rows import Rows
 from attn_ledger.report import Note, Report, Row, unjudged
 
@@ -35,7 +35,7 @@ def finish(command: str, title: str, order: tuple[str, ...], rows: Rows, keep_go
 
     Rows after it are downstream evidence: with ``keep_going`` their failing checks read
     ``downstream``; without it they are not reached. Where whole grids were kept, failing grid
-    checks point at their first cell and the cells are marked (:func:`attn_ledger.cells.locate`).
+    checks point at their first cell and the cells are marked (:func:`attn_ledger.engine.locate.locate`).
     """
     _show_relation(rows, order, meta, relation, tq, tk)
     rows.notes += tail

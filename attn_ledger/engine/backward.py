@@ -37,8 +37,8 @@ from attn_ledger.report import Check, bounded
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from attn_ledger.engine.relations import Relation
-    from attn_ledger.rotary import RotarySpec
+    from attn_ledger.maths.relations import Relation
+    from attn_ledger.maths.rotary import RotarySpec
 
 BACKWARD_STAGES = ("grad_context", "grad_weights", "grad_values", "grad_scores", "grad_q", "grad_k")
 GRADCHECK_STEP = 1e-6  # central differences, float64
@@ -213,7 +213,7 @@ class Backward:
 
     def _finish(self) -> Iterator[Measure]:
         """Whole-tensor measurements once every block is done, then the two references."""
-        from attn_ledger.pipeline import reduce_kv
+        from attn_ledger.maths.pipeline import reduce_kv
 
         for stage, t in (("grad_values", self.dv_exp), ("grad_k", self.dk_exp)):
             yield from self._blocked(stage, t)
@@ -240,7 +240,7 @@ class Backward:
 
     def _unrotated(self, dq: "Tensor", dk: "Tensor", dv: "Tensor") -> tuple["Tensor", "Tensor", "Tensor"]:
         """Q-bar and K-bar through the rotation back to the tensors before it (V is never rotated)."""
-        from attn_ledger.pipeline import unrotate
+        from attn_ledger.maths.pipeline import unrotate
 
         r = self.rotation
         if r is None:
@@ -252,7 +252,7 @@ class Backward:
         """The sampled rows against float64 autograd; K-bar and V-bar as those rows contribute them."""
         import torch
 
-        from attn_ledger.pipeline import reduce_kv
+        from attn_ledger.maths.pipeline import reduce_kv
 
         ref, spans = self.ref, self.plan.reference_spans
         for key in ("grad_weights", "grad_scores"):
@@ -283,7 +283,7 @@ class Backward:
                 gq, gk, gv = torch.autograd.grad(out, (q, k, v), self.go)
             else:
                 gq, gk, gv = self._sdpa_grads_by_group()
-        from attn_ledger.pipeline import reduce_kv
+        from attn_ledger.maths.pipeline import reduce_kv
 
         sq, sk, sv = self._unrotated(gq, reduce_kv(gk, self.n_kv), reduce_kv(gv, self.n_kv))
         self.sdpa_grads = {"grad_q": sq, "grad_k": sk, "grad_values": sv}
@@ -435,7 +435,7 @@ def gradcheck(ops: Any, q: "Tensor", k: "Tensor", v: "Tensor", grad_context: "Te
     """
     import torch
 
-    from attn_ledger.pipeline import attend, attend_backward, reduce_kv
+    from attn_ledger.maths.pipeline import attend, attend_backward, reduce_kv
 
     x = [t.detach().to(torch.float64).contiguous() for t in (q, k, v)]
     go = grad_context.detach().to(torch.float64)

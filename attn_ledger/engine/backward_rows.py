@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from attn_ledger import checks as C
+from attn_ledger.engine import checks as C
 from attn_ledger import tolerance
 from attn_ledger.engine.backward import GRADCHECK_ENTRIES, Backward, Rotation, gradcheck
 from attn_ledger.engine.judge import AXES, Tally, judge_backward
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from attn_ledger.engine.plan import Plan
-    from attn_ledger.engine.relations import Relation
+    from attn_ledger.maths.relations import Relation
 
 
 
@@ -246,11 +246,11 @@ def seed_data(value: Any) -> dict[str, Any]:
 def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merged: "Tensor", relation: "Relation",
                     keep_going: bool) -> None:
     """The backward rows of the built-in pipeline: O-bar on the output, back to the projections and the input."""
-    from attn_ledger.engine import inputs
+    from attn_ledger.engine import given as inputs
     from attn_ledger.engine.builtin import sdpa_chain_gradients
     from attn_ledger.devices import reference_dtype
     from attn_ledger.engine.execute import sample_allow, sample_rows
-    from attn_ledger.reference import reference_chain_gradients
+    from attn_ledger.maths.reference import reference_chain_gradients
 
     b, tq, e = inp.x.shape
     go_out = inputs.grad_seed(cfg.grad_output, (b, tq, e), inp.x.dtype, inp.x.device, heads=cfg.num_heads)
@@ -280,11 +280,11 @@ def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merg
 def tensor_backward(rows: Rows, fwd: Forward, grad_output: Any, grads: "dict[str, Tensor]", one_head: bool,
                     replay: bool) -> None:
     """The backward rows on given Q, K, V: O-bar on the context (or the saved grad_out), then the stages."""
-    from attn_ledger.engine import inputs
+    from attn_ledger.engine import given as inputs
     from attn_ledger.devices import reference_dtype
     from attn_ledger.engine.execute import sample_allow, sample_rows
-    from attn_ledger.pipeline import HEALTHY, with_softcap
-    from attn_ledger.reference import reference_gradients
+    from attn_ledger.maths.pipeline import HEALTHY, with_softcap
+    from attn_ledger.maths.reference import reference_gradients
 
     q_in, k_in, v_in = fwd.q_in, fwd.k_in, fwd.v_in
     b, nh, tq, _ = q_in.shape

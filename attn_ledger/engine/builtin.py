@@ -2,7 +2,7 @@
 
 Each is one whole-tensor computation, measured and judged at once (no blocks): the shape,
 finite values, and agreement with the float64 chain built apart from the pipeline
-(:mod:`attn_ledger.reference`). The merge and output compare the rows the float64 reference
+(:mod:`attn_ledger.maths.reference`). The merge and output compare the rows the float64 reference
 sampled; the output also compares every row with the SDPA-based forward.
 """
 
@@ -13,16 +13,17 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from attn_ledger import checks as C
-from attn_ledger import stages, tolerance
+from attn_ledger.engine import checks as C
+from attn_ledger.engine import stages
+from attn_ledger import tolerance
 from attn_ledger.report import Check, Note
 
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from attn_ledger.config import RunConfig
-    from attn_ledger.engine.relations import Relation
+    from attn_ledger.inputs.config import RunConfig
+    from attn_ledger.maths.relations import Relation
     from attn_ledger.engine.rows import Rows
 
 AXES = stages.axes(stages.PIPELINE)
@@ -41,8 +42,8 @@ class Inputs:
 
 
 def make_inputs(cfg: "RunConfig", dtype: "torch.dtype", device: "torch.device", ref_dtype: "torch.dtype") -> Inputs:
-    from attn_ledger import reference as R
-    from attn_ledger.pipeline import make_input, make_weights
+    from attn_ledger.maths import reference as R
+    from attn_ledger.maths.pipeline import make_input, make_weights
 
     b, tq, tk, e = cfg.batch_size, cfg.tq, cfg.tk, cfg.embed_dim
     x = make_input(b, tq, e, cfg.input, cfg.seed, dtype, device)  # [B, Tq, E]
@@ -80,7 +81,7 @@ def input_row(rows: "Rows", cfg: "RunConfig", inp: Inputs) -> None:
 
 def projections(rows: "Rows", ops: Any, cfg: "RunConfig", inp: Inputs) -> "tuple[Tensor, Tensor, Tensor] | None":
     """The q, k and v stages: project, split into heads, check each; None once one raises."""
-    from attn_ledger.pipeline import project
+    from attn_ledger.maths.pipeline import project
 
     b, tq, tk, nh, nkv = cfg.batch_size, cfg.tq, cfg.tk, cfg.num_heads, cfg.nkv
     w = inp.weights
@@ -133,7 +134,7 @@ def merged(ops: Any, context: "Tensor", ref_ctx: dict[tuple[int, int], "Tensor"]
     """Heads merged back: shape, each head's slice, and the sampled rows against the float64 reference."""
     import torch
 
-    from attn_ledger.reference import join_heads
+    from attn_ledger.maths.reference import join_heads
 
     rtol, atol = tolerance.reference(context.dtype)
     m = ops.merge(context)  # [B, Tq, Nh*Dv]
@@ -157,8 +158,8 @@ def output(merged_ctx: "Tensor", wo: "Tensor", sdpa_ctx: "Tensor", ref_ctx: dict
     """The output projection: the external layout, finite values, the float64 reference and the SDPA-based forward."""
     import torch
 
-    from attn_ledger.pipeline import project
-    from attn_ledger.reference import join_heads
+    from attn_ledger.maths.pipeline import project
+    from attn_ledger.maths.reference import join_heads
 
     rtol, atol = tolerance.reference(merged_ctx.dtype)
     out = project(merged_ctx, wo)  # [B, Tq, E]
@@ -217,8 +218,8 @@ def sdpa_chain_gradients(inp: Inputs, nh: int, nkv: int, allow: "Tensor | None",
     import torch
     import torch.nn.functional as F
 
-    from attn_ledger.reference import heads_of, join_heads, repeat_kv
-    from attn_ledger.rotary import apply_rotary
+    from attn_ledger.maths.reference import heads_of, join_heads, repeat_kv
+    from attn_ledger.maths.rotary import apply_rotary
 
     cross = inp.x_kv is not inp.x
     with torch.enable_grad():

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from attn_ledger.engine.relations import Relation
+    from attn_ledger.maths.relations import Relation
 
 ProgressFn = Callable[[int, int], None]
 # Reference-dtype K and V held at once: a few query heads' worth, cast and used while still in
@@ -174,7 +174,7 @@ class Execution:
 
     def _state(self, blk: P.Block) -> _BlockState:
         """The block's relation (intended and applied), layout, inputs and reference rows."""
-        from attn_ledger.reference import reference_stages
+        from attn_ledger.maths.reference import reference_stages
 
         plan = self.plan
         allow_i = self.relation.block(blk.q0, blk.q1)  # intended, [B|1, Nh|1, rows, Tk]
@@ -358,7 +358,7 @@ class Execution:
 
     def _backends(self, t: _BlockState, c: "Tensor") -> Iterator[Measure]:
         """The context comparison once per pinned (backend, dtype), on every block and again on the sampled rows."""
-        from attn_ledger.reference import repeat_kv
+        from attn_ledger.maths.reference import repeat_kv
 
         yield from backend_measures(self.backends, c, (t.qb, t.kb, t.vb), None, t.ai, self.ref_scale, None, self.dtype,
                                     t.blk.q0, self.softcap)
@@ -385,7 +385,7 @@ def backend_measures(backends: tuple[tuple[str, "torch.dtype"], ...], c: "Tensor
     plain error beside it in half precision.
     """
     from attn_ledger.engine.backends import sdpa_pinned
-    from attn_ledger.reference import reference_stages
+    from attn_ledger.maths.reference import reference_stages
 
     for name, dt in backends:
         dn, half = tolerance.dtype_name(dt), tolerance.is_half(dt)
@@ -586,7 +586,7 @@ def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None
     """
     import torch
 
-    from attn_ledger.reference import reference_stages
+    from attn_ledger.maths.reference import reference_stages
 
     nh, nkv = q.shape[1], k.shape[1]
     group = nh // nkv  # query heads per kv head

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from attn_ledger.engine.plan import Plan
-    from attn_ledger.engine.relations import Relation
+    from attn_ledger.maths.relations import Relation
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Two kinds:
 
 The example drawn is the one the first finding points at (its check's ``location``), else the first
 example holding a marked cell, else example 0. Cells a failing check points at
-(``tensors["marks"]``, :func:`attn_ledger.cells.locate`) are marked. A view draws at most
+(``tensors["marks"]``, :func:`attn_ledger.engine.locate.locate`) are marked. A view draws at most
 ``limit`` cells a side, for any limit in :data:`HEATMAP_LIMITS`; the grid is kept pooled for each of
 them: a pooled cell holds the largest weight of its block, the most severe mask category, and is
 marked when any of its cells is. Runs that kept no whole grids get no heatmap.

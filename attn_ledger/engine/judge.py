@@ -4,7 +4,7 @@
 largest value (NaN wins, so a NaN anywhere fails), and each keeps where its worst or first
 violation was. :func:`judge` turns a tally into the checks of the four score-grid stages
 under the one tolerance policy (:mod:`attn_ledger.tolerance`), each failing one with its
-location; checks are built by the functions of :mod:`attn_ledger.checks` and one local
+location; checks are built by the functions of :mod:`attn_ledger.engine.checks` and one local
 function per remaining kind (:func:`_compare`, :func:`_factor`, :func:`_bound`, ...).
 """
 
@@ -14,8 +14,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
-from attn_ledger import checks as C
-from attn_ledger import stages, tolerance
+from attn_ledger.engine import checks as C
+from attn_ledger.engine import stages
+from attn_ledger import tolerance
 from attn_ledger.engine.measure import Agreement, Broken, Count, Measure, Peak, Where
 from attn_ledger.report import Check, bounded, unjudged
 

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from attn_ledger import checks as C
+from attn_ledger.engine import checks as C
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from attn_ledger.engine.relations import Relation
+    from attn_ledger.maths.relations import Relation
 
 SMALL_GRID = 1 << 16  # grids up to this many entries are kept whole for inspection
 BLOCK_TARGET = 1 << 22  # entries of one block's score grid when streaming (16 MiB in float32)
@@ -243,7 +243,7 @@ def sdpa_groups(relation: "Relation", blocks: list[tuple[int, int]], b: int, nh:
 
 def plain_causal(relation: "Relation", blocks: list[tuple[int, int]], tk: int) -> bool:
     """Whether the relation is exactly "key j <= query i" for every batch, head and query (Tq == Tk)."""
-    from attn_ledger import masks
+    from attn_ledger.maths import masks
 
     if relation.top_left_causal:
         return True

@@ -1,6 +1,6 @@
 """The ``rope`` stage: rotary positions on q and k before the scores, through the pipeline, checked.
 
-The pipeline's ``rope`` function (the shared :mod:`attn_ledger.rotary` module, never another)
+The pipeline's ``rope`` function (the shared :mod:`attn_ledger.maths.rotary` module, never another)
 turns q and k; query i sits at position ``i + Tk - Tq`` (the last query at the last key's
 position), key j at j; v is not rotated. The reference rotates its own float64 q and k the same
 way, from the same spec, so every later stage compares like with like.
@@ -8,8 +8,8 @@ way, from the same spec, so every later stage compares like with like.
 Checks:
 
 * L1 ``shape``: q, k and v keep their shapes;
-* L2 ``rotary_positions``: what was observed on q, k and v (:func:`attn_ledger.rotary.recognise_rotary`
-  at their known positions, judged together by :func:`attn_ledger.rotary.compare_positions`):
+* L2 ``rotary_positions``: what was observed on q, k and v (:func:`attn_ledger.maths.rotary.recognise_rotary`
+  at their known positions, judged together by :func:`attn_ledger.maths.rotary.compare_positions`):
   q and k rotated consistently, v never;
 * L2 ``relative_positions``: one query vector and one key vector repeated along the sequence,
   rotated by the pipeline: their scores depend only on the offset between positions;
@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from attn_ledger import checks as C
+from attn_ledger.engine import checks as C
 from attn_ledger import tolerance
 from attn_ledger.report import Check, bounded, unjudged
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from attn_ledger.engine.rows import Rows
     from torch import Tensor
 
-    from attn_ledger.rotary import RotarySpec
+    from attn_ledger.maths.rotary import RotarySpec
 
 RECOGNISE_POSITIONS = 64  # positions of example 0 the recognition looks at
 RECOGNISE_OFFSET = 64  # offsets it searches, +-: far ones alias in half precision; the L4 comparison sees any offset
@@ -61,7 +61,7 @@ def rope_stage(ops: Any, spec: "RotarySpec", q: "Tensor", k: "Tensor", v: "Tenso
         refs: the reference's q, k, v (float64, same axes), rotated here the same way.
         saved: q and k came from a file (the note says the ledger rotated them).
     """
-    from attn_ledger.rotary import apply_rotary, spec_text
+    from attn_ledger.maths.rotary import apply_rotary, spec_text
 
     tq, tk, dh = q.shape[2], k.shape[2], q.shape[-1]
     start = tk - tq
@@ -102,7 +102,7 @@ def _shapes(q, k, v, qr, kr, vr) -> Check:
 
 def _positions(q, k, v, qr, kr, vr, start: int) -> Check:
     """Recognised on q, k, v at their known positions (example 0, the first positions) and judged together."""
-    from attn_ledger.rotary import compare_positions, recognise_rotary
+    from attn_ledger.maths.rotary import compare_positions, recognise_rotary
 
     n, m = min(q.shape[2], RECOGNISE_POSITIONS), min(k.shape[2], RECOGNISE_POSITIONS)
     if q.shape[0] == 0:
@@ -128,7 +128,7 @@ def _relative(ops: Any, spec: "RotarySpec", q: "Tensor", k: "Tensor", start: int
     """One query and one key vector repeated along the sequence: scores depend only on the position offset."""
     import torch
 
-    from attn_ledger.rotary import tolerance_for
+    from attn_ledger.maths.rotary import tolerance_for
 
     n, m = min(q.shape[2], PROBE_POSITIONS), min(k.shape[2], PROBE_POSITIONS)
     if n < 2 or m < 2 or q.shape[0] == 0:
@@ -146,7 +146,7 @@ def _relative(ops: Any, spec: "RotarySpec", q: "Tensor", k: "Tensor", start: int
 def _norms(q: "Tensor", k: "Tensor", qr: "Tensor", kr: "Tensor") -> Check:
     import torch
 
-    from attn_ledger.rotary import tolerance_for
+    from attn_ledger.maths.rotary import tolerance_for
 
     worst = 0.0
     for x, y in ((q, qr), (k, kr)):

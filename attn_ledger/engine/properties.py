@@ -2,7 +2,7 @@
 
 The probe is the first examples, heads and positions of the tensors that entered the scores
 stage (after projections and rotary positions), with the intended relation on those positions,
-run through the pipeline's own stage functions (:func:`attn_ledger.pipeline.attend`). A query
+run through the pipeline's own stage functions (:func:`attn_ledger.maths.pipeline.attend`). A query
 row the relation leaves without a key in the probe is declared empty there: its weights must be zeros.
 
 One check per property:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from attn_ledger.engine.rows import Rows
     from torch import Tensor
 
-    from attn_ledger.engine.relations import Relation
+    from attn_ledger.maths.relations import Relation
 
 PROBE_EXAMPLES = 2
 PROBE_HEADS = 2
@@ -102,7 +102,7 @@ def _raised(name: str, level: int, exc: Exception) -> Check:
 
 
 def _run(ops: Any, q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float) -> dict[str, "Tensor"]:
-    from attn_ledger.pipeline import attend
+    from attn_ledger.maths.pipeline import attend
 
     return attend(ops, q, k, v, allow, scale, True)  # probe rows without a key are declared empty
 

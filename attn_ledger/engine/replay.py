@@ -15,10 +15,10 @@ from attn_ledger.report import Check
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from attn_ledger.config import RunConfig
+    from attn_ledger.inputs.config import RunConfig
     from attn_ledger.engine.builtin import Inputs
     from attn_ledger.engine.grid import Grid
-    from attn_ledger.engine.relations import Relation
+    from attn_ledger.maths.relations import Relation
 
 
 def replay_check(pairs: list[tuple[str, "Tensor", "Tensor | None"]], axes: tuple[str, ...]) -> Check:
@@ -53,7 +53,7 @@ def replay_config(ops: Any, cfg: "RunConfig", inp: "Inputs", spec: Any, relation
                   scale: float, first: "Tensor") -> Check:
     """The whole forward again, from the projections to the output, compared bitwise with the first run."""
     from attn_ledger.engine.execute import replay_context
-    from attn_ledger.pipeline import project
+    from attn_ledger.maths.pipeline import project
 
     nh, nkv = cfg.num_heads, cfg.nkv
     w = inp.weights
@@ -70,7 +70,7 @@ def replay_tensors(grid: "Grid", relation: "Relation", q: "Tensor", k_exp: "Tens
     """The forward on given tensors again (through ``ops``, the healthy stages by default), to the context,
     compared bitwise with the first run."""
     from attn_ledger.engine.execute import replay_context
-    from attn_ledger.pipeline import HEALTHY
+    from attn_ledger.maths.pipeline import HEALTHY
 
     second = replay_context(grid.plan, relation, ops or HEALTHY, q, k_exp, v_exp, scale, empty_zero)
     return replay_check([("context", grid.context, second)], ("example", "head", "query", "feature"))

@@ -1,7 +1,7 @@
 """The ledger's stage tensors against float64 by the rounding rule: ``|err| <= c * eps(dtype) * M``.
 
 ``M`` is, per element, the magnitude of the element's summands: the same computation on
-absolute values, in float64 (:func:`attn_ledger.kernelref.magnitudes` carries it through a
+absolute values, in float64 (:func:`attn_ledger.probes.kernel.reference.magnitudes` carries it through a
 kernel's output and gradients the same way). On the sampled rows of the reference, with
 ``A = |q| |k|^T |scale|`` the scores' own magnitude and P the float64 weights:
 
@@ -53,7 +53,7 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     """
     import torch
 
-    from attn_ledger.reference import repeat_kv
+    from attn_ledger.maths.reference import repeat_kv
 
     f64 = torch.float64
     nh, dh = q.shape[1], q.shape[-1]

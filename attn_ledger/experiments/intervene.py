@@ -1,6 +1,6 @@
 """``attn-ledger intervene``: change only the future, rerun, and see whether the past moved.
 
-The probe itself lives in :mod:`attn_ledger.intervention`; this module runs it on the
+The probe itself lives in :mod:`attn_ledger.probes.common.forward`; this module runs it on the
 subject under both grad paths and on the controls, and assembles the report:
 
 * a ``determinism`` row: two eval-mode calls agree bitwise. It comes first, because every
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from attn_ledger.intervention import (
+from attn_ledger.probes.common.forward import (
     GRAD_MODES,
     Determinism,
     InterventionResult,
@@ -233,9 +233,10 @@ def plan_intervene(config: Path | None = None, *, module_spec: str | None = None
         InputError: a config or option out of range.
         ResourceError: the sizes would not fit in memory.
     """
-    from attn_ledger.config import load_config
+    from attn_ledger.inputs.config import load_config
     from attn_ledger.errors import InputError
-    from attn_ledger.limits import estimate_module, require_fits
+    from attn_ledger.inputs.limits import require_fits
+    from attn_ledger.engine.budget import estimate_module
 
     overrides = dict(overrides or {})
     if module_spec is not None and (overrides.get("embed_dim") is None or overrides.get("num_heads") is None):
@@ -272,7 +273,7 @@ def intervene_module(module: "nn.Module", args: dict[str, Any], progress: Callab
     """
     import torch
 
-    from attn_ledger.pipeline import make_input
+    from attn_ledger.maths.pipeline import make_input
 
     dtype = getattr(torch, args["dtype"])
     x = make_input(args["batch_size"], args["seq_len"], args["embed_dim"], args["input_kind"], args["seed"], dtype)
@@ -305,7 +306,7 @@ def run_intervene(
     """``attn-ledger intervene`` in this process: the built-in pipeline from a config, or a user's module.
 
     (The command runs a ``--module`` in a worker process instead, through
-    :func:`attn_ledger.worker.run_user_task`.)
+    :func:`attn_ledger.runner.worker.run_user_task`.)
 
     Args:
         config: TOML or JSON config for the built-in pipeline (None: the embedded default);
@@ -326,12 +327,12 @@ def run_intervene(
     """
     import torch
 
-    from attn_ledger.pipeline import make_input
+    from attn_ledger.maths.pipeline import make_input
 
     cfg, cuts = plan_intervene(config, module_spec=module_spec, overrides=overrides, at=at, max_memory=max_memory,
                                option_names=option_names)
     if module_spec is not None:
-        from attn_ledger.userload import load_object
+        from attn_ledger.inputs.userload import load_object
 
         factory = load_object(module_spec, "--module")
         with torch.random.fork_rng(devices=[]):
@@ -352,7 +353,7 @@ def run_intervene(
 def _builtin_subject(cfg: Any, dtype: "torch.dtype", with_controls: bool) -> tuple["nn.Module", str, str]:
     """The built-in pipeline a config describes, its name, and what its controls show."""
     from attn_ledger.errors import InputError
-    from attn_ledger.model import BuiltinAttention
+    from attn_ledger.maths.layer import BuiltinAttention
 
     relations = cfg.relations
     if relations not in (["none"], *[[m] for m in _CAUSAL_MASKS]):

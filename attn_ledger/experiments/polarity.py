@@ -147,7 +147,7 @@ def probe_manual() -> str:
     """The same probe through the project's own stage functions."""
     import torch
 
-    from attn_ledger import pipeline
+    from attn_ledger.maths import pipeline
 
     q = torch.zeros(1, 1, 1, 1)
     k = torch.zeros(1, 1, 2, 1)
@@ -162,7 +162,7 @@ def conventions() -> tuple[Convention, ...]:
     import torch
     import torch.nn.functional as F
 
-    from attn_ledger import masks
+    from attn_ledger.maths import masks
 
     sdpa_line = doc_sentence(param_section(F.scaled_dot_product_attention.__doc__, "attn_mask"))
     mha_doc = torch.nn.MultiheadAttention.forward.__doc__
@@ -173,8 +173,8 @@ def conventions() -> tuple[Convention, ...]:
         manual_line = " ".join((masks.__doc__ or "").split()).split("Every function here")[1].split(".")[0]
         manual_line = "Every function here" + manual_line + "."
     return (
-        Convention("manual pipeline (attn_ledger.pipeline)", probe_manual(), doc_polarity(manual_line), manual_line,
-                   "attn_ledger.masks.__doc__"),
+        Convention("manual pipeline (attn_ledger.maths.pipeline)", probe_manual(), doc_polarity(manual_line), manual_line,
+                   "attn_ledger.maths.masks.__doc__"),
         Convention("F.scaled_dot_product_attention attn_mask", probe_sdpa(), doc_polarity(sdpa_line), sdpa_line,
                    "torch.nn.functional.scaled_dot_product_attention.__doc__ (attn_mask)"),
         Convention("nn.MultiheadAttention attn_mask", probe_mha("attn_mask"), doc_polarity(mha_attn), mha_attn,
@@ -257,7 +257,7 @@ def _mha_projections(mha: "torch.nn.MultiheadAttention", x: "torch.Tensor"):
     """MultiheadAttention's own q, k, v ``[B, Nh, T, Dh]`` in float64, by its weights, for the reference."""
     import torch
 
-    from attn_ledger.pipeline import split_heads
+    from attn_ledger.maths.pipeline import split_heads
 
     w = mha.in_proj_weight.detach().to(torch.float64)
     bias = mha.in_proj_bias.detach().to(torch.float64)
@@ -269,14 +269,14 @@ def _mha_projections(mha: "torch.nn.MultiheadAttention", x: "torch.Tensor"):
 def _mha_out_proj(mha: "torch.nn.MultiheadAttention", heads: "torch.Tensor") -> "torch.Tensor":
     import torch
 
-    from attn_ledger.pipeline import merge_heads
+    from attn_ledger.maths.pipeline import merge_heads
 
     merged = merge_heads(heads.to(torch.float64))  # [B, T, E]
     return merged @ mha.out_proj.weight.detach().to(torch.float64).T + mha.out_proj.bias.detach().to(torch.float64)
 
 
 def _manual(q, k, v, mask):
-    from attn_ledger import pipeline
+    from attn_ledger.maths import pipeline
 
     scores = pipeline.qk_scores(q, k, 1.0 / math.sqrt(q.shape[-1]))  # [B, Nh, Tq, Tk]
     weights = pipeline.softmax_keys(pipeline.apply_mask(scores, mask), mask, False)  # [B, Nh, Tq, Tk]
@@ -297,8 +297,8 @@ def polarity_calls(convs: tuple[Convention, ...], seed: int = 0) -> tuple[Polari
     """The causal relation through manual, SDPA and MHA, each in the correct and the inverted polarity."""
     import torch
 
-    from attn_ledger import masks
-    from attn_ledger.reference import reference_stages
+    from attn_ledger.maths import masks
+    from attn_ledger.maths.reference import reference_stages
 
     probed = {"manual": convs[0].probed, "sdpa": convs[1].probed, "mha": convs[2].probed}
     q, k, v, x, mha = _seeded_case(seed)
@@ -653,7 +653,7 @@ def _pick_mask(tensors: dict[str, "torch.Tensor"], path: str) -> tuple[str, "tor
 
 
 def _expected_causal(shape: tuple[int, ...], align: str):
-    from attn_ledger import masks
+    from attn_ledger.maths import masks
 
     return masks.causal(shape[-2], shape[-1], align)  # [Tq, Tk], broadcast over leading axes
 
@@ -764,7 +764,7 @@ def _read_mask(m: "torch.Tensor", expect: str, side: str, name: str, p: str):
 
 def classify_mask(path: str | Path, expect: str, padding_side: str = "right") -> MaskFingerprint:
     """Read a saved mask and measure it against the expected relation."""
-    from attn_ledger.tensorio import load_tensor_file
+    from attn_ledger.inputs.tensorio import load_tensor_file
 
     if expect not in ("causal", "padding"):
         raise field_error("--expect", expect, "causal or padding")

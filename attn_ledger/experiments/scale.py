@@ -255,7 +255,7 @@ def _load_qk(path: str | Path, max_memory: int | None = None) -> tuple["torch.Te
     """The file's ``q`` and ``k``, validated: present, floating point, finite."""
     import torch
 
-    from attn_ledger.tensorio import load_tensor_file
+    from attn_ledger.inputs.tensorio import load_tensor_file
 
     p = str(path)
     tensors = load_tensor_file(path, "--tensors", max_memory=max_memory)
@@ -294,8 +294,8 @@ def tensor_stats(path: str | Path, *, max_memory: int | None = None) -> Report:
     """
     import torch
 
-    from attn_ledger.limits import Estimate, require_fits
-    from attn_ledger.reference import repeat_kv
+    from attn_ledger.inputs.limits import Estimate, require_fits
+    from attn_ledger.maths.reference import repeat_kv
 
     p = str(path)
     q, k = _load_qk(path, max_memory)
@@ -356,7 +356,8 @@ def sweep_scale(
     requirements (matplotlib, an existing directory) are checked before any work, and the
     sizes against ``max_memory`` (default: what the machine has free).
     """
-    from attn_ledger.limits import estimate_sweep, require_fits
+    from attn_ledger.inputs.limits import require_fits
+    from attn_ledger.engine.budget import estimate_sweep
 
     if plot is not None:
         check_plot_path(plot)
@@ -479,7 +480,7 @@ def temperature_lab(temperatures: Sequence[float], scores: Sequence[float] = DEF
     """The softmax of one fixed row of scores at each temperature: ``softmax(scores / tau)`` and its entropy.
 
     The distribution comes from the pipeline's softmax (``softmax``, default
-    :func:`attn_ledger.pipeline.softmax_keys`) in float32, and is checked against a float64 softmax of
+    :func:`attn_ledger.maths.pipeline.softmax_keys`) in float32, and is checked against a float64 softmax of
     the same scores written out with ``math.exp``. Lower temperatures sharpen, higher ones flatten:
     the entropy never falls as tau rises (its derivative is the scores' variance under the
     distribution over tau cubed).
@@ -492,7 +493,7 @@ def temperature_lab(temperatures: Sequence[float], scores: Sequence[float] = DEF
     import torch
 
     from attn_ledger import tolerance
-    from attn_ledger.pipeline import softmax_keys
+    from attn_ledger.maths.pipeline import softmax_keys
 
     fn = softmax or softmax_keys
     if not scores:

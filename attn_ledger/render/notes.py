@@ -133,7 +133,7 @@ def python_lines(d: Mapping[str, Any]) -> list[str]:
     """The Python lines that rerun one case of ``attn-ledger check``."""
     seed, device = d.get("seed") or 0, d.get("device", "cpu")
     extra = (f", seed={seed}" if seed else "") + (f", device={device!r}" if device != "cpu" else "")
-    lines = ["from attn_ledger.kernelcheck import case_inputs", f"q, k, v, kw = case_inputs({d['case']!r}{extra})"]
+    lines = ["from attn_ledger import case_inputs", f"q, k, v, kw = case_inputs({d['case']!r}{extra})"]
     if d.get("dropped"):
         lines.append(f"kw = {{key: val for key, val in kw.items() if key not in {tuple(d['dropped'])!r}}}")
     lines.append(f"out = {d['function']}(q, k, v, **kw)")

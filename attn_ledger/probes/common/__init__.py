@@ -1,0 +1,1 @@
+"""What the kernel, module and model probes share: calling a forward, observing its core."""

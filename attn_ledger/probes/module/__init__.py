@@ -1,0 +1,1 @@
+"""A user's attention module: its forward, core, gradients and decode path, observed and checked."""
