@@ -281,7 +281,9 @@ def _workdir() -> str:
 
     tmp = tempfile.mkdtemp(prefix="attn-ledger-docs-")
     for entry in ROOT.iterdir():
-        if not entry.name.startswith("."):
+        # not the package: a fork server started here would import it from this directory (its sys.path
+        # starts with the working directory), and fail on its next import once the directory is removed
+        if not entry.name.startswith(".") and entry.name != "attn_ledger":
             os.symlink(entry, os.path.join(tmp, entry.name))
     return tmp
 
