@@ -241,6 +241,15 @@ def softmax_bf16(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
 # --- the broken modules -----------------------------------------------------------------
 
 
+def _fused_projections(layer: "nn.Module", embed_dim: int, num_heads: int) -> None:
+    """A fused layer's projections, without bias: ``qkv`` (E -> 3E) and ``out`` (E -> E)."""
+    from torch import nn
+
+    layer.num_heads = num_heads
+    layer.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
+    layer.out = nn.Linear(embed_dim, embed_dim, bias=False)
+
+
 def _dropout_module(embed_dim: int, num_heads: int) -> "nn.Module":
     """Passes ``dropout_p=0.1`` to F.scaled_dot_product_attention whether or not the module is training."""
     import torch.nn.functional as F
@@ -249,9 +258,7 @@ def _dropout_module(embed_dim: int, num_heads: int) -> "nn.Module":
     class DropoutAtEval(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.num_heads = num_heads
-            self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
-            self.out = nn.Linear(embed_dim, embed_dim, bias=False)
+            _fused_projections(self, embed_dim, num_heads)
 
         def forward(self, x):
             b, t, e = x.shape
@@ -286,9 +293,7 @@ def _softcap_dropped_module(embed_dim: int, num_heads: int) -> "nn.Module":
     class SoftcapDropped(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.num_heads = num_heads
-            self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
-            self.out = nn.Linear(embed_dim, embed_dim, bias=False)
+            _fused_projections(self, embed_dim, num_heads)
 
         def forward(self, x):
             t = x.shape[1]
