@@ -160,7 +160,7 @@ def part_of(module: str, package: Path = PACKAGE) -> str:
     rel = module.split(".")[1:] or ["__init__"]
     if len(rel) == 1 and not (package / rel[0]).is_dir():
         return rel[0]
-    if rel[0] == "probes" and len(rel) > 2 or rel[0] == "probes" and len(rel) == 2 and (package / "probes" / rel[1]).is_dir():
+    if rel[0] == "probes" and len(rel) >= 2 and (package / "probes" / rel[1]).is_dir():
         return f"probes/{rel[1]}/"
     return f"{rel[0]}/"
 
