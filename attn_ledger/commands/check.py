@@ -101,6 +101,7 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
             "but a hang or a crash is not caught: without this option your code runs in a worker process.")),
     ] = False,
     output_format: opt.FormatOption = Format.table,
+    detail: opt.DetailOption = False,
     output: opt.OutputOption = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the failing cases and their reproduction.")] = None,
@@ -163,7 +164,7 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
 
     inputs = {"target": spec_path(target), "--module": spec_path(module), "--decode": spec_path(decode),
               "pyproject.toml": "pyproject.toml" if target is not None and Path("pyproject.toml").is_file() else None}
-    execute(build, output_format, output, command="check", timings=timings, html=html, inputs=inputs)
+    execute(build, output_format, output, command="check", detail=detail, timings=timings, html=html, inputs=inputs)
 
 
 def _refuse_targets(target: Optional[str], module: Optional[str], decode: Optional[str], causal: Optional[bool]) -> None:

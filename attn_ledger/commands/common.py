@@ -56,11 +56,12 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def render_text(report: Any, fmt: Format, width: int | None = None) -> str:
-    """Render a report to a string in the given format (tables at ``width`` columns, default 100)."""
+def render_text(report: Any, fmt: Format, width: int | None = None, detail: bool = False) -> str:
+    """Render a report to a string in the given format (tables at ``width`` columns, default 100;
+    compact unless ``detail``)."""
     from attn_ledger.render import render
 
-    return render(report, fmt.value, width or 100)
+    return render(report, fmt.value, width or 100, detail)
 
 
 def check_output_path(path: Path | None, field: str = "output") -> None:
@@ -201,14 +202,14 @@ def write_atomic(path: Path, text: str, field: str = "output") -> None:
         staged.discard()
 
 
-def report_text(report: Any, fmt: Format, show: Sequence[str] = ()) -> str:
+def report_text(report: Any, fmt: Format, show: Sequence[str] = (), detail: bool = False) -> str:
     """A report as written to a file: tables at 100 columns, heatmaps in plain ASCII after the table."""
     from attn_ledger.render.heatmap import render_heatmap
 
-    return render_text(report, fmt) + "".join("\n" + render_heatmap(report, kind, 100) for kind in show)
+    return render_text(report, fmt, detail=detail) + "".join("\n" + render_heatmap(report, kind, 100) for kind in show)
 
 
-def emit(report: Any, fmt: Format, output: Path | None, show: Sequence[str] = ()) -> None:
+def emit(report: Any, fmt: Format, output: Path | None, show: Sequence[str] = (), detail: bool = False) -> None:
     """Write a report to stdout (a table in colour where the terminal has it) or to a file.
 
     ``show``: heatmaps (``weights``, ``mask``) drawn after the table; block characters and
@@ -217,7 +218,7 @@ def emit(report: Any, fmt: Format, output: Path | None, show: Sequence[str] = ()
     from attn_ledger.render.heatmap import heatmap_lines, render_heatmap
 
     if output is not None:
-        write_atomic(output, report_text(report, fmt, show))
+        write_atomic(output, report_text(report, fmt, show, detail))
         return
     from rich.console import Console
 
@@ -225,14 +226,14 @@ def emit(report: Any, fmt: Format, output: Path | None, show: Sequence[str] = ()
     if fmt is Format.table and console.is_terminal:
         from attn_ledger.render.table import layout, rich_lines
 
-        lines = layout(report, console.width)
+        lines = layout(report, console.width, detail)
         charset = "unicode" if (console.encoding or "").lower().replace("-", "") == "utf8" else "ascii"
         for kind in show:
             lines += [[]] + heatmap_lines(report, kind, console.width, charset)
         for line in rich_lines(lines):
             console.print(line)
         return
-    text = render_text(report, fmt, width=console.width if fmt is Format.table else None)
+    text = render_text(report, fmt, width=console.width if fmt is Format.table else None, detail=detail)
     text += "".join("\n" + render_heatmap(report, kind, console.width) for kind in show)
     try:
         sys.stdout.write(text)
@@ -284,7 +285,7 @@ def internal_error(command: str, exc: BaseException, fmt: Format) -> typer.Exit:
 
 
 def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, command: str = "",
-            timings: bool = False, show: Sequence[str] = (), html: Path | None = None,
+            timings: bool = False, show: Sequence[str] = (), html: Path | None = None, detail: bool = False,
             inputs: Mapping[str, Any] = {}, files: Mapping[str, tuple[Path | None, Callable[[Any], bytes]]] = {}) -> None:
     """Run a command body: build the report, render it, write every output or none, exit with its status.
 
@@ -293,6 +294,9 @@ def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, comma
     write the report as one self-contained page there; ``files``: field -> (path, how to make its
     bytes from the report), further outputs such as ``--plot``. ``inputs``: field -> a path the
     command reads; an output that is an input, or another output, is refused before any work.
+    ``detail``: tables list every check of every row (``--detail``) instead of the compact view.
+    With ``--format github`` and ``GITHUB_STEP_SUMMARY`` set, a short Markdown summary is also
+    appended to that file (:func:`step_summary_path`), after every other output is in place.
 
     Every output is written to a temporary file beside it; only when all are written, and every
     process the command started has ended (:mod:`attn_ledger.runner.reaper`), are they renamed into
@@ -312,12 +316,13 @@ def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, comma
             check_output_path(path, field)
         check_clashes(outputs, inputs)
         check_show(show, fmt)
+        summary = step_summary_path(fmt)
         start = time.perf_counter()
         report = build()
         if timings:
             report = _with_timing(report, time.perf_counter() - start)
         if output is not None:
-            staged.add("output", output, report_text(report, fmt, show))
+            staged.add("output", output, report_text(report, fmt, show, detail))
         if html is not None:
             from attn_ledger.render.html import render_html
 
@@ -327,8 +332,10 @@ def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, comma
                 staged.add(field, path, make(report))
         reaper.end_descendants(before, keep=reaper.helper_pids())  # none of them may write after this
         staged.commit()
+        if summary is not None:
+            append_step_summary(summary, report)
         if output is None:
-            emit(report, fmt, None, show)
+            emit(report, fmt, None, show, detail)
     except AttnLedgerError as exc:
         raise fail(str(exc)) from None
     except typer.Exit:
@@ -339,6 +346,33 @@ def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, comma
         staged.discard()
         reaper.end_descendants(before, keep=reaper.helper_pids())
     raise typer.Exit(report.exit_code)
+
+
+STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
+
+
+def step_summary_path(fmt: Format) -> Path | None:
+    """The job summary file GitHub Actions names in ``GITHUB_STEP_SUMMARY``, for ``--format github``
+    only; refused before any work (exit 2) when it cannot be appended to."""
+    text = os.environ.get(STEP_SUMMARY_ENV, "")
+    if fmt is not Format.github or text == "":  # unset or empty: not in a job that keeps a summary
+        return None
+    check_output_path(Path(text), STEP_SUMMARY_ENV)
+    return Path(text)
+
+
+def append_step_summary(path: Path, report: Any) -> None:
+    """Append (never overwrite) the report's Markdown step summary to ``path``."""
+    from attn_ledger.render.github import step_summary
+
+    try:
+        with open(path, "a+b") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() > 0:  # another step's summary is there: a blank line between, so ours starts a block
+                fh.write(b"\n")
+            fh.write(step_summary(report).encode("utf-8"))
+    except OSError as exc:
+        raise InputError(f"{STEP_SUMMARY_ENV}: got {str(path)!r}, cannot append there ({exc.strerror or exc})") from None
 
 
 def _with_timing(report: Any, seconds: float) -> Any:

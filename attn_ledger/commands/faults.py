@@ -16,6 +16,7 @@ SeedOption = opt.seed_option("Seed for the random inputs and perturbations, 0..2
 def faults(
     seed: SeedOption = None,
     output_format: opt.FormatOption = Format.table,
+    detail: opt.DetailOption = False,
     output: opt.OutputOption = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
 ) -> None:
@@ -30,4 +31,4 @@ def faults(
         with Progress("running the fault catalogue") as bar:
             return run_catalogue(seed=opt.seed(seed) or 0, progress=bar)
 
-    execute(build, output_format, output, command="faults", timings=timings)
+    execute(build, output_format, output, command="faults", detail=detail, timings=timings)

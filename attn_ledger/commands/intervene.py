@@ -39,6 +39,7 @@ def intervene(
     max_time: Annotated[Optional[float], typer.Option("--max-time", metavar="SECONDS", help="With --module: bound on the whole run, at most 86400; at expiry the forward in flight is stopped, an L1 call finding (exit 1). Default: no bound.")] = None,
     in_process: Annotated[bool, typer.Option("--in-process", help="With --module: run your code in this process, for debugging; sys.exit in it is still a finding, but a hang or a crash is not caught.")] = False,
     output_format: opt.FormatOption = Format.table,
+    detail: opt.DetailOption = False,
     output: opt.OutputOption = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free).")] = None,
 ) -> None:
@@ -80,4 +81,4 @@ def intervene(
         show_output(outcome.output)
         return outcome.report
 
-    execute(build, output_format, output, command="intervene", inputs={"config": config, "--module": spec_path(module)})
+    execute(build, output_format, output, command="intervene", detail=detail, inputs={"config": config, "--module": spec_path(module)})

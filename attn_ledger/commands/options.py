@@ -148,6 +148,9 @@ OUTPUT_HELP = "Write the report to this file."
 FormatOption = Annotated[Format, typer.Option("--format", help="Output format.")]
 """``--format``: how the report is written (default ``Format.table``)."""
 
+DetailOption = Annotated[bool, typer.Option("--detail", "-v", help="Tables list every check of every row with its value (default: a verdict, one line per row, the failing row expanded).")]
+"""``--detail``/``-v``: the full table; other formats carry everything either way."""
+
 Device = choices("Device", "cpu", "cuda", "mps", "auto")  # where the work runs
 
 

@@ -20,6 +20,7 @@ def polarity(
     expect: Annotated[Optional[Expect], typer.Option("--expect", help="The relation the mask should encode.")] = None,
     padding_side: Annotated[Optional[PaddingSide], typer.Option("--padding-side", help="Padding side for --expect padding. Default: right.")] = None,
     output_format: opt.FormatOption = Format.table,
+    detail: opt.DetailOption = False,
     output: opt.OutputOption = None,
 ) -> None:
     """Which boolean convention does each attention API use, and what does the wrong one do?
@@ -38,4 +39,4 @@ def polarity(
             return run_polarity(mask, expect.value if expect else None, (padding_side or PaddingSide.right).value,
                                 progress=progress)
 
-    execute(build, output_format, output, command="polarity", inputs={"--mask": mask})
+    execute(build, output_format, output, command="polarity", detail=detail, inputs={"--mask": mask})

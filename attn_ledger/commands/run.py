@@ -71,6 +71,7 @@ def run(  # long by its 36 options (typer reads them from the signature); the bo
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Evaluate every row after the first divergence (marked downstream).")] = False,
     backends: Annotated[Optional[str], typer.Option("--backends", help="Repeat the context comparison per SDPA backend: 'all' or names from math, flash, efficient, cudnn joined by ','.")] = None,
     output_format: opt.FormatOption = Format.table,
+    detail: opt.DetailOption = False,
     output: OutputOption = None,
     show: Annotated[Optional[list[Show]], typer.Option("--show", help="After the table, draw a heatmap per head of the diverging example: the weights, or what masking did (repeatable; up to Tq, Tk = 32 cell by cell, pooled beyond).")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the mask and weight heatmaps.")] = None,
@@ -124,7 +125,7 @@ def run(  # long by its 36 options (typer reads them from the signature); the bo
                           keep_going=keep_going, backends=backends)
 
     inputs = {"config": config, "--tensors": tensors, "--grad-output": seed_file(grad_output)}
-    execute(build, output_format, output, command="run", show=shown, html=html, inputs=inputs)
+    execute(build, output_format, output, command="run", detail=detail, show=shown, html=html, inputs=inputs)
 
 
 def _integers(given: dict[str, Optional[str]], hi: Optional[int] = None) -> dict[str, Optional[int]]:

@@ -27,6 +27,7 @@ def sweep_scale(
     temperatures: Annotated[Optional[str], typer.Option("--temperatures", help="Instead of the Dh sweep: softmax(scores / tau) and its entropy at each temperature tau, e.g. 0.5,1,2.")] = None,
     scores: Annotated[Optional[str], typer.Option("--scores", help="The fixed row of scores for --temperatures. Default: 1.2,0.3,-0.4,1.8.")] = None,
     output_format: opt.FormatOption = Format.table,
+    detail: opt.DetailOption = False,
     output: opt.OutputOption = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free).")] = None,
 ) -> None:
@@ -71,4 +72,4 @@ def sweep_scale(
 
         return plot_png(report)
 
-    execute(build, output_format, output, command="sweep-scale", inputs={"--tensors": tensors}, files={"--plot": (plot, png)})
+    execute(build, output_format, output, command="sweep-scale", detail=detail, inputs={"--tensors": tensors}, files={"--plot": (plot, png)})

@@ -10,13 +10,17 @@ from attn_ledger.report import Report
 FORMATS = ("table", "json", "markdown", "junit", "github")
 
 
-def render(report: Report, fmt: str = "table", width: int = 100) -> str:
+def render(report: Report, fmt: str = "table", width: int = 100, detail: bool = False) -> str:
     """The report as text: ``table`` (plain, laid out for ``width`` columns), ``json``,
-    ``markdown``, ``junit`` (JUnit XML) or ``github`` (workflow annotations)."""
+    ``markdown``, ``junit`` (JUnit XML) or ``github`` (workflow annotations).
+
+    The table is compact unless ``detail``: the verdict first, one line per row, the row of the first
+    finding (and any row with a warning) expanded with every check. ``detail=True`` lists every check
+    of every row with its value. The other formats carry everything either way."""
     if fmt == "table":
         from attn_ledger.render.table import render_table
 
-        return render_table(report, width)
+        return render_table(report, width, detail)
     if fmt == "json":
         from attn_ledger.render.jsondoc import dumps, report_json
 

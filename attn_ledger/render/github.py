@@ -2,13 +2,15 @@
 
 A report over many rows (``fold_rows``) gets one annotation per distinct check and status, on its
 first row (the smallest case, for ``check``), with the count of the other rows where it recurs.
+:func:`step_summary` is the short Markdown a job summary (``GITHUB_STEP_SUMMARY``) gets: the verdict,
+the first finding and a table of the failing rows, escaped as the Markdown view escapes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from attn_ledger.render.text import describe, finding_line, printable
+from attn_ledger.render.text import STATUS_WORD, bound_text, describe, finding_line, fmt_value, printable
 from attn_ledger.report import Report
 
 
@@ -50,3 +52,28 @@ def render_github(report: Report) -> str:
         lines.append(f"::warning title={_prop(f'attn-ledger {report.command}: coverage')}::{_escape(text)}")
     lines.append(_escape(finding_line(report.first_finding)))
     return "\n".join(lines) + "\n"
+
+
+SUMMARY_ROWS = 20  # a job summary lists at most this many failing rows, and counts the rest
+
+
+def step_summary(report: Report) -> str:
+    """Markdown for a GitHub job summary: the verdict, the first finding, the failing rows in a table."""
+    from attn_ledger.render.compact import verdict_text
+    from attn_ledger.render.markdown import _esc
+
+    out = [f"### attn-ledger {_esc(report.command)}: {_esc(verdict_text(report))}", "", _esc(report.title), "",
+           f"**{_esc(finding_line(report.first_finding))}**", ""]
+    failing = [r for r in report.rows if r.status == "fail"]
+    if failing:
+        out += [f"| {_esc(report.row_label)} | status | first failing check | value | bound |", "| --- | --- | --- | --- | --- |"]
+        for r in failing[:SUMMARY_ROWS]:
+            c = r.first_failing()
+            name = f"L{c.level} {c.name}" if c is not None else ""
+            value = fmt_value(c.value) if c is not None else ""
+            bound = bound_text(c) if c is not None else ""
+            out.append(f"| {_esc(r.name)} | {STATUS_WORD[r.status]} | {_esc(name)} | {_esc(value)} | {_esc(bound)} |")
+        if len(failing) > SUMMARY_ROWS:
+            out += ["", f"and {len(failing) - SUMMARY_ROWS} more failing {_esc(report.row_label)}s (the JSON lists every one)"]
+        out.append("")
+    return "\n".join(out) + "\n"

@@ -161,13 +161,27 @@ def _field_columns(report: Report) -> list[str]:
     return keys
 
 
-def layout(report: Report, width: int = 100) -> list[Line]:
+def layout(report: Report, width: int = 100, detail: bool = False) -> list[Line]:
     """Every line of the table view, as styled segments.
+
+    By default the compact view (:mod:`attn_ledger.render.compact`): the verdict first, then a ledger
+    one line per row with the row that failed expanded; reports over many cases keep their summary
+    under the verdict. ``detail``: every check of every row, as below, with no verdict line.
 
     Side by side (name, status, shape, fields, then the checks column) while the checks
     column keeps at least ``MIN_WRAP`` characters; otherwise stacked: each row's checks on
     the lines under it, indented.
     """
+    if not detail:
+        from attn_ledger.render.compact import compact_layout, verdict_lines
+
+        if report.show_passing:
+            return compact_layout(report, width)
+        return verdict_lines(report, width) + _detail_layout(report, width)
+    return _detail_layout(report, width)
+
+
+def _detail_layout(report: Report, width: int) -> list[Line]:
     rows, more, hidden = (fold(report) if report.fold_rows else (list(report.rows), {}, {}))
     names = {r.name: printable(r.name) for r in rows}
     cols = _columns(report, rows, names, width)
@@ -266,8 +280,9 @@ def _not_listed(hidden: dict[str, int], label: str, width: int) -> list[Line]:
                                                f"--format json lists every one)", width)]
 
 
-def _tail(report: Report, width: int) -> list[Line]:
-    """Notes, coverage, warnings and the first finding, under the table."""
+def _tail(report: Report, width: int, warnings: bool = True) -> list[Line]:
+    """Notes, coverage, warnings (``warnings``: the compact view shows them in their rows) and the first
+    finding, under the table. The first finding's line is the last but for the hints under it."""
     out: list[Line] = []
     for note in notes_text(report):
         for ln in wrap_words(printable(note), width):
@@ -278,13 +293,14 @@ def _tail(report: Report, width: int) -> list[Line]:
         text += f" ({cov.reason})" if cov.reason else ""
         for ln in wrap_words(printable(text), width):
             out.append([(ln, "yellow")])
-    if report.show_passing:
+    if report.show_passing and warnings:
         for row_name, c in report.warnings():
             for ln in wrap_words(printable(f"warning at {row_name}: {c.name}: {describe(c)}"), width):
                 out.append([(ln, "yellow")])
     style = "bold red" if report.first_finding is not None else "bold green"
     for ln in wrap_words(printable(finding_line(report.first_finding)), width):
         out.append([(ln, style)])
+    # what to try next (hints) goes here, under the first finding, in both views
     return out
 
 
@@ -292,9 +308,9 @@ def plain(lines: Sequence[Line]) -> str:
     return "\n".join("".join(text for text, _ in line).rstrip() for line in lines) + "\n"
 
 
-def render_table(report: Report, width: int = 100) -> str:
-    """The table as plain text."""
-    return plain(layout(report, width))
+def render_table(report: Report, width: int = 100, detail: bool = False) -> str:
+    """The table as plain text: compact by default, every check of every row with ``detail``."""
+    return plain(layout(report, width, detail))
 
 
 def rich_lines(lines: Sequence[Line]) -> Any:
