@@ -178,7 +178,7 @@ def _tokens(text: str) -> list[str]:
 @pytest.mark.parametrize("fault", [None, "mask-polarity", "no-scale"])
 def test_ledger_table_at_80_columns_keeps_every_token_whole(fault):
     led = _ledger(fault=fault)
-    narrow, wide = render_table(led, 80), render_table(led, 240)
+    narrow, wide = render_table(led, 80, detail=True), render_table(led, 240, detail=True)
     assert _tokens(narrow) == _tokens(wide)
     assert max(len(ln) for ln in narrow.splitlines()) <= 80
 

@@ -31,13 +31,15 @@ def test_default_run_exits_zero_and_names_no_divergence():
     assert "head_roundtrip" in r.output and "masked_scores" in r.output
 
 
-def test_golden_default_ledger(update_goldens):
+@pytest.mark.parametrize("detail,name", [(False, "default_ledger.txt"), (True, "default_ledger_detail.txt")],
+                         ids=["compact", "detail"])
+def test_golden_default_ledger(update_goldens, detail, name):
     from attn_ledger.inputs.config import load_config
     from attn_ledger.ledger import run_ledger
     from attn_ledger.render import render
 
-    text = _rounded(render(run_ledger(load_config()), "table", width=100))
-    path = GOLDEN / "default_ledger.txt"
+    text = _rounded(render(run_ledger(load_config()), "table", width=100, detail=detail))
+    path = GOLDEN / name
     if update_goldens or not path.exists():
         path.write_text(text)
     assert text == path.read_text()

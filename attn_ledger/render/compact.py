@@ -40,6 +40,7 @@ from attn_ledger.render.text import (
 from attn_ledger.report import Check, Report, Row
 
 COMPACT_MIN = 28  # the narrowest the summary column gets before a field column is left out
+STACK_BELOW = 16  # a summary column narrower than this goes under each row instead
 NOT_PASSING = ("fail", "warn", "inconclusive", "downstream")  # a row's checks that its summary names first
 
 
@@ -185,12 +186,13 @@ def _columns(report: Report, width: int) -> _Compact:
         columns.append(k)
         fixed += field_w[k] + len(GAP)
     numeric = {k: all(isinstance(r.fields.get(k), (int, float)) or r.fields.get(k) is None for r in rows) for k in columns}
-    wrap = max(COMPACT_MIN, width - fixed)
+    stacked = width - fixed < STACK_BELOW  # too narrow beside the row: the summary goes under it
+    wrap = width - len(STACK_INDENT) if stacked else width - fixed
     cols = _Columns(name_w, status_w, shape_w, field_w, columns, [k for k in fields if k not in columns], numeric,
-                    False, wrap)
+                    stacked, wrap)
     inline: dict[str, list[str]] = {}
     for r in rows:
-        extra = [k for k in cols.folded if r.fields.get(k) is not None]
+        extra = [] if expanded(r, report) else [k for k in cols.folded if r.fields.get(k) is not None]
         text = _with_fields(summary(r, report), r, extra)
         inline[r.name] = extra if extra and len(text) <= wrap else []
     return _Compact(cols, axes_w, inline)
@@ -214,6 +216,8 @@ def _row_line(r: Row, report: Report, lay: _Compact) -> list[Line]:
     text = printable(_with_fields(summary(r, report), r, lay.inline[r.name]))
     style = "red" if r.status == "fail" else "yellow" if r.status in ("warn", "inconclusive") else ""
     parts = wrap_words(text, cols.wrap) if text else [""]
+    if cols.stacked:
+        return [line] + [[(STACK_INDENT, ""), (p, style)] for p in parts if p]
     out = [line + [(parts[0], style)]]
     out += [[(" " * pad, ""), (p, style)] for p in parts[1:]]
     return out
@@ -239,7 +243,7 @@ def compact_layout(report: Report, width: int = 100) -> list[Line]:
     header = _header(report.row_label, cols)
     if cols.shape:  # shape and axes in columns of their own, on the row's one line
         header[2] = ("shape".ljust(cols.shape) + GAP + "axes".ljust(lay.axes) + GAP, "bold")
-    out.append(header)
+    out.append(header[:-1] if cols.stacked else header)  # stacked: the checks are under each row, unheaded
     rule_at = len(out)
     for r in report.rows:
         out += _row_line(r, report, lay)
