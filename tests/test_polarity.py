@@ -222,7 +222,7 @@ def _tokens(text: str) -> set[str]:
 
 def test_table_at_80_columns_keeps_every_number_and_identifier_whole():
     report = pol.run_polarity()
-    wide, narrow = render(report, "table", 240), render(report, "table", 80)
+    wide, narrow = render(report, "table", 240, detail=True), render(report, "table", 80, detail=True)
     assert _tokens(wide) <= _tokens(narrow)
     words = narrow.split()
     for r in report.rows:
@@ -357,7 +357,7 @@ def test_mask_table_at_80_columns_keeps_every_number_and_identifier_whole(tmp_pa
     path = tmp_path / "pad.pt"
     save_tensor_file({"mask": _pad([3, 0])}, path)
     report = pol.fingerprint(path, "padding")
-    wide, narrow = render(report, "table", 240), render(report, "table", 80)
+    wide, narrow = render(report, "table", 240, detail=True), render(report, "table", 80, detail=True)
     assert _tokens(wide) <= _tokens(narrow)
     assert "mask[:,None,None,:]" in narrow.split()
 

@@ -122,7 +122,7 @@ def test_keep_going_and_markdown_output_file(tmp_path):
 
 
 def test_tensors_cli_on_seed_fixture():
-    r = invoke("run", "--tensors", str(ROOT / "fixtures/tensors/seed000.safetensors"))
+    r = invoke("run", "--tensors", str(ROOT / "fixtures/tensors/seed000.safetensors"), "--detail")
     assert r.exit_code == 0, r.output
     for number in ("0.014166", "0.985834", "0.999151", "0.000849", "1.028332", "2.915004", "2.998303", "-2.994908"):
         assert number in r.output

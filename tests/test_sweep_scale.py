@@ -175,7 +175,7 @@ def test_markdown_and_table_render_the_numbers(tmp_path):
     assert result.exit_code == 0
     text = out.read_text()
     assert "| row | status | raw_std |" in text and "raw_entropy_falling" in text
-    result = invoke("--dh", "8,32", "--queries", "128", "--keys", "64")
+    result = invoke("--dh", "8,32", "--queries", "128", "--keys", "64", "--detail")
     assert "sqrt_dh" in result.stdout and "raw_std_tracks_sqrt_dh" in result.stdout
 
 
@@ -186,7 +186,7 @@ def _tokens(text: str) -> set[str]:
 @pytest.mark.parametrize("kwargs", [{}, {"queries": 64, "keys": 32, "seed": 99}], ids=["pass", "fail"])
 def test_table_at_80_columns_keeps_every_number_and_identifier_whole(kwargs):
     report = scale.sweep_scale(**kwargs)
-    wide, narrow = render(report, "table", 240), render(report, "table", 80)
+    wide, narrow = render(report, "table", 240, detail=True), render(report, "table", 80, detail=True)
     assert max(len(line) for line in narrow.splitlines()) <= 80
     assert _tokens(wide) <= _tokens(narrow)
     for row in report.rows:
