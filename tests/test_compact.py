@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from attn_ledger.cli import app
 from attn_ledger.render import render
-from attn_ledger.render.compact import summary, verdict_text
+from attn_ledger.render.table import summary, verdict_text
 from attn_ledger.report import Check, Report, Row, bounded
 
 ROOT = Path(__file__).resolve().parents[1]

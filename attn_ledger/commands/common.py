@@ -294,9 +294,7 @@ def execute(build: Callable[[], Any], fmt: Format, output: Path | None, *, comma
     write the report as one self-contained page there; ``files``: field -> (path, how to make its
     bytes from the report), further outputs such as ``--plot``. ``inputs``: field -> a path the
     command reads; an output that is an input, or another output, is refused before any work.
-    ``detail``: tables list every check of every row (``--detail``) instead of the compact view.
-    With ``--format github`` and ``GITHUB_STEP_SUMMARY`` set, a short Markdown summary is also
-    appended to that file (:func:`step_summary_path`), after every other output is in place.
+    ``detail``: the full table (``--detail``). ``--format github`` also appends a job summary (:func:`step_summary_path`).
 
     Every output is written to a temporary file beside it; only when all are written, and every
     process the command started has ended (:mod:`attn_ledger.runner.reaper`), are they renamed into

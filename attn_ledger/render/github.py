@@ -59,7 +59,7 @@ SUMMARY_ROWS = 20  # a job summary lists at most this many failing rows, and cou
 
 def step_summary(report: Report) -> str:
     """Markdown for a GitHub job summary: the verdict, the first finding, the failing rows in a table."""
-    from attn_ledger.render.compact import verdict_text
+    from attn_ledger.render.table import verdict_text
     from attn_ledger.render.markdown import _esc
 
     out = [f"### attn-ledger {_esc(report.command)}: {_esc(verdict_text(report))}", "", _esc(report.title), "",
