@@ -138,7 +138,7 @@ def test_a_stage_with_a_warning_is_expanded_and_a_pass_is_not():
     ok = Row("weights", "pass", (Check(1, "shape", "pass"), Check(3, "key_row_sums", "pass", value=0.0)))
     text = render(Report("run", "t", (warn, ok), row_label="stage"), "table", 100)
     lines = text.splitlines()
-    assert lines[0] == "PASS: 2 stages, 4 checks (1 not passing: warnings or not judged)"
+    assert lines[0] == "PASS: 2 stages, 4 checks (1 warn)"
     scores = lines.index(next(ln for ln in lines if ln.startswith("scores")))
     assert "L3 warn exp_headroom: largest |score| = 20 (limit 11.1)" in lines[scores + 2]
     assert [ln for ln in lines if ln.startswith("weights")][0].endswith("L1-L3 pass")

@@ -350,9 +350,12 @@ def verdict_text(report: Report) -> str:
     if finding is not None:
         return f"FAIL at {finding.row} (L{finding.check.level} {finding.check.name})"
     checks = [c for _, c in report.checks()]
-    unjudged = sum(1 for c in checks if c.status != "pass")
+    rest: dict[str, int] = {}
+    for c in checks:
+        if c.status != "pass":
+            rest[c.status] = rest.get(c.status, 0) + 1
     text = f"PASS: {_plural(len(report.rows), report.row_label)}, {_plural(len(checks), 'check')}"
-    text += f" ({unjudged} not passing: warnings or not judged)" if unjudged else ""
+    text += f" ({', '.join(f'{n} {STATUS_WORD[s]}' for s, n in rest.items())})" if rest else ""
     return text + (f"; coverage: {report.coverage.scope}" if report.coverage is not None else "")
 
 
