@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from attn_ledger.render.hints import hint_lines
 from attn_ledger.render.text import describe, finding_line, printable
 from attn_ledger.report import Report
 
@@ -49,4 +50,5 @@ def render_github(report: Report) -> str:
         text += f" ({cov.reason})" if cov.reason else ""
         lines.append(f"::warning title={_prop(f'attn-ledger {report.command}: coverage')}::{_escape(text)}")
     lines.append(_escape(finding_line(report.first_finding)))
+    lines += [_escape(hint) for hint in hint_lines(report)]
     return "\n".join(lines) + "\n"

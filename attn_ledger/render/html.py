@@ -19,6 +19,7 @@ from html import escape
 from typing import Any, Iterable, Sequence
 
 from attn_ledger._version import __version__
+from attn_ledger.render.hints import hint_lines
 from attn_ledger.render.jsondoc import details_json, dumps
 from attn_ledger.render.notes import cli_line, note_text, notes_text, python_lines
 from attn_ledger.render.pictures import MASK_CATEGORIES, MASK_MEANING, NotDrawn, Picture, build_picture, mark_text
@@ -148,12 +149,14 @@ def _ledger(report: Report) -> str:
 
 def _finding(report: Report) -> str:
     f = report.first_finding
+    hints = "".join(f'<p class="hint">{_e(h)}</p>' for h in hint_lines(report))  # what to try next, under it
     if f is None:
-        return '<section id="first-finding" class="finding none"><h2>First finding</h2><p>none: no check failed</p></section>'
+        return ('<section id="first-finding" class="finding none"><h2>First finding</h2><p>none: no check failed</p>'
+                f"{hints}</section>")
     c = f.check
     return (f'<section id="first-finding" class="finding"><h2>First finding</h2>'
             f'<p><a href="#row-{_e(f.row)}" class="mono">{_e(f.row)}</a>, L{c.level} {_e(LEVEL_NAMES[c.level])}: '
-            f'<b class="mono">{_e(c.name)}</b> ({_e(STATUS_WORD[c.status])})</p><p>{_e(describe(c))}</p></section>')
+            f'<b class="mono">{_e(c.name)}</b> ({_e(STATUS_WORD[c.status])})</p><p>{_e(describe(c))}</p>{hints}</section>')
 
 
 # --- the heatmaps ---------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from attn_ledger.probes.module import decode as decodecheck
-from attn_ledger.probes.module.core import AXIS_CHECKS, CORE_CHECKS, Audit, Declared, audit_core
+from attn_ledger.probes.module.core import AXIS_CHECKS, CORE_CHECKS, Audit, Declared, audit_core, check_level
 from attn_ledger.maths.relations import module_relation
 from attn_ledger.errors import field_error
 from attn_ledger.errors import field_error, first_line
@@ -60,7 +60,8 @@ from attn_ledger.probes.common.forward import (
     path_check,
 )
 from attn_ledger.probes.module.grads import gradcheck_check, gradient_checks
-from attn_ledger.report import Check, Coverage, Report, Row, Status, bounded, counted, row_status, unjudged
+from attn_ledger.report import (Check, Coverage, Finding, Report, Row, Status, bounded, counted, first_finding_of,
+                                row_status, unjudged)
 from attn_ledger.seeding import generator, manual_seed
 from attn_ledger.tolerance import relative as relative_tolerance
 
@@ -88,8 +89,13 @@ ASPECTS: dict[str, tuple[tuple[int, str], ...]] = {
     "determinism": ((4, "eval_determinism"),),
     "causality": ((4, "causal_intervention_no_grad"), (4, "causal_intervention_autograd"),
                   (4, "intervention_controls"), (4, "causal_gradient_form")),
-    "core": tuple((4, n) for n in CORE_CHECKS),
+    "core": tuple((check_level(n), n) for n in CORE_CHECKS),
 }
+# The headline (first finding) where one observation fails several checks: a check that names a cause, most
+# specific first, over a check that shows only a downstream symptom of it (see _headline).
+CAUSES = ("key_row_sums", "mask_relation", "effective_scale")
+SYMPTOMS = frozenset({"causal_intervention_no_grad", "causal_intervention_autograd", "causal_gradient_form",
+                      "permutation_equivariance", "attention_core"})
 CAUSAL_ONLY = frozenset({"causal_intervention_no_grad", "causal_intervention_autograd", "intervention_controls",
                          "causal_gradient_form"})
 NOT_CAUSAL_ONLY = frozenset({"permutation_equivariance"})
@@ -344,7 +350,7 @@ def _expected(causal: bool) -> list[tuple[int, str]]:
 def _observed(module: "nn.Module", x: "torch.Tensor", declared: Declared, embed_dim: int, noisy: bool) -> Audit:
     """The observed core's checks; not reached when eval-mode calls differ (they would judge noise)."""
     if noisy:
-        return Audit({n: _not_reached(2 if n in AXIS_CHECKS else 4, n, NOISY) for n in AXIS_CHECKS + CORE_CHECKS})
+        return Audit({n: _not_reached(check_level(n), n, NOISY) for n in AXIS_CHECKS + CORE_CHECKS})
     return audit_core(module, x, declared, embed_dim=embed_dim, dtype=module_dtype(module))
 
 
@@ -588,11 +594,25 @@ def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], dec
     if stopped:
         coverage = Coverage("stopped", tuple(n for _, n in _expected(declared.causal)),
                             "a call into the module did not come back, so no other check ran")
+    hints = audit.hints if audit else ()
     title = (f"MODULE CHECK {subject} B={sizes['B']} T={sizes['T']} E={sizes['E']} Nh={sizes['Nh']} "
              f"{declared.text if declared.causal else 'not causal'}"
              f"{f', soft-cap {declared.softcap:g}' if declared.softcap is not None else ''}")
-    return Report("check", title, tuple(rows), coverage=coverage, notes=tuple(notes), details=details, unit="check",
-                  row_label="aspect")
+    return Report("check", title, tuple(rows), first_finding=_headline(rows), coverage=coverage, notes=tuple(notes),
+                  details=details, unit="check", row_label="aspect", hints=hints)
+
+
+def _headline(rows: list[Row]) -> Finding | None:
+    """The first finding by row order, unless it is a symptom (:data:`SYMPTOMS`: a causality leak, a permutation,
+    the context differing) and a check that names a cause failed too (:data:`CAUSES`, the most specific first):
+    then that cause. Weights normalised over the queries leak the future and change the context; the row sums
+    say why."""
+    first = first_finding_of(rows)
+    if first is None or first.name not in SYMPTOMS:
+        return first
+    failed = {c.name: (r.name, c) for r in rows for c in r.checks if c.failed}
+    cause = next((failed[n] for n in CAUSES if n in failed), None)
+    return first if cause is None else Finding(*cause)
 
 
 __all__ = ["ASPECTS", "BATCH_SIZE", "SEQ_LEN", "Declared", "build_module", "check_built_module", "check_module",
