@@ -56,15 +56,18 @@ if TYPE_CHECKING:
 
     from attn_ledger.probes.common.observe import Core, Observation
 
-__all__ = ["AXIS_CHECKS", "BEND_LOGITS", "CORE_CHECKS", "Audit", "Declared", "audit_core", "check_level"]
+__all__ = ["AXIS_CHECKS", "BEND_LOGITS", "CORE_CHECKS", "OBSERVED", "SUM_CHECKS", "Audit", "Declared", "audit_core",
+           "check_level"]
 
 AXIS_CHECKS = ("head_split", "kv_pairing", "head_merge")
-CORE_CHECKS = ("mask_relation", "effective_scale", "rotary_positions", "score_design", "key_row_sums", "attention_core")
+CORE_CHECKS = ("mask_relation", "effective_scale", "rotary_positions", "score_design", "attention_core")
+SUM_CHECKS = ("key_row_sums",)  # observed, but a numerical invariant: the module report's numerics row
+OBSERVED = AXIS_CHECKS + SUM_CHECKS + CORE_CHECKS
 
 
 def check_level(name: str) -> int:
     """The level of an observed check: 2 for the axis checks, 3 for ``key_row_sums``, 4 for the rest."""
-    return 2 if name in AXIS_CHECKS else 3 if name == "key_row_sums" else 4
+    return 2 if name in AXIS_CHECKS else 3 if name in SUM_CHECKS else 4
 
 # How far the bending probe drives the largest logit (or to a declared cap below it). At 30, a
 # cap of 50 (Gemma 2) bends the largest logit by about 3 and a cap of 1000 by 0.01, far above
@@ -140,7 +143,7 @@ class Audit:
     """The core's checks, and what was found, as plain data.
 
     Attributes:
-        checks: by name (:data:`AXIS_CHECKS` and :data:`CORE_CHECKS`).
+        checks: by name (:data:`AXIS_CHECKS`, :data:`SUM_CHECKS` and :data:`CORE_CHECKS`).
         details: what was found (layout, core call, relation, scale, rotary, design).
         positional: what makes the module's output depend on positions (rotary, a bias),
             for the permutation probe.
@@ -167,8 +170,8 @@ def scale_rtol(dtype: "torch.dtype") -> float:
 def _unseen(status: str, short: str, reason: str) -> Audit:
     """Every observed check unjudged for one reason; the coverage carries the reason in full."""
     checks = {name: unjudged(check_level(name), name, status, short)  # type: ignore[arg-type]
-              for name in AXIS_CHECKS + CORE_CHECKS}
-    return Audit(checks, {"core": None}, coverage=Coverage("black-box", AXIS_CHECKS + CORE_CHECKS, reason))
+              for name in OBSERVED}
+    return Audit(checks, {"core": None}, coverage=Coverage("black-box", OBSERVED, reason))
 
 
 def audit_core(module: "nn.Module", x: "torch.Tensor", declared: Declared, *, embed_dim: int,
