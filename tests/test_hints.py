@@ -198,3 +198,42 @@ def test_a_symptom_stays_the_headline_where_no_cause_fails():
 
     dropout = next(f for f in CATALOGUE if f.name == "dropout-at-eval")
     assert check_module(dropout.target, MODULE_EMBED_DIM, MODULE_HEADS).first_finding.name == "eval_determinism"
+
+
+# --- kernels --------------------------------------------------------------------------------------
+
+KERNEL_CASES = ("b1-h3kv3-tq3tk6-dh4dv6-causal-flag-rand-f32", "b1-h3kv3-tq6tk3-dh4dv6-causal-flag-rand-f32",
+                "b1-h3kv3-tq6tk6-dh4dv6-causal-flag-rand-f32", "b1-h3kv3-tq6tk6-dh4dv6-none-rand-f32")
+
+
+def kernel_report(fn):
+    from attn_ledger.probes.kernel.check import check_kernel, parse_case
+
+    return check_kernel(fn, [parse_case(i) for i in KERNEL_CASES], target="k.py:attention")
+
+
+def shifted_when_not_square(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
+    """Right where Tq == Tk; elsewhere its causal output is moved by 0.01, which no alignment explains."""
+    from attn_ledger.probes.catalogue import _attend
+
+    out = _attend(q, k, v, allow_mask=allow_mask, is_causal=is_causal, scale=scale)
+    return out + 0.01 if is_causal and q.shape[-2] != k.shape[-2] else out
+
+
+def test_a_kernel_that_aligns_is_causal_top_left_gets_the_alignment_hint():
+    from attn_ledger.probes import catalogue
+
+    report = kernel_report(catalogue.causal_top_left)
+    assert report.exit_code == 1 and kinds(report) == ["alignment"]
+    d = report.hints[0].data
+    assert (d["found"], d["failing"], d["passing"]) == ("top-left", 2, 1) and d["value"] <= d["limit"]
+    assert "align is_causal bottom-right" in render(report, "table")
+
+
+@pytest.mark.parametrize("name", ["shifted_when_not_square", "no_scale"])
+def test_no_alignment_hint_where_the_alignment_does_not_explain_the_failures(name):
+    from attn_ledger.probes import catalogue
+
+    fn = shifted_when_not_square if name == "shifted_when_not_square" else catalogue.no_scale
+    report = kernel_report(fn)
+    assert report.exit_code == 1 and report.hints == ()

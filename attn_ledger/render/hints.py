@@ -40,10 +40,10 @@ def _window(d: Mapping[str, Any]) -> str:
 
 
 def _alignment(d: Mapping[str, Any]) -> str:
-    return (f"all {d['failing']} failing cases are causal with Tq != Tk, while {d['passing']} causal cases with "
+    return (f"every failing case ({d['failing']}) is causal with Tq != Tk, while {d['passing']} causal cases with "
             f"Tq == Tk pass, and {d['case']}'s output matches {d['found']} causal attention (max |diff| "
-            f"{_num(d['value'])}, within its bound): the kernel aligns is_causal {d['found']}; the protocol's is "
-            f"{d['expected']} (key j <= query i + Tk - Tq; F.scaled_dot_product_attention's is_causal is top-left)")
+            f"{_num(d['value'])}, within its bound): align is_causal {d['expected']} (key j <= query i + Tk - Tq), as "
+            "the protocol says; F.scaled_dot_product_attention's is_causal is top-left")
 
 
 WRITERS = {"relation": _relation, "scale": _scale, "declare_softcap": _softcap, "declare_window": _window,
