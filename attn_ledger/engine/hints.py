@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["MAX_GRID", "MAX_WINDOW", "tensor_hints", "with_tensor_hints"]
 
 MAX_WINDOW = 64  # sliding windows tried, widths 1..this (and below Tk)
-MAX_GRID = 1 << 22  # B * Nh * Tq * Tk past which no alternative is tried (each is a float64 attention)
+MAX_GRID = 1 << 20  # B * Nh * Tq * Tk past which no alternative is tried (each is a float64 attention, up to 70 of them)
 SCALES = (("1", lambda dh: 1.0), ("1/sqrt(Dh)", lambda dh: dh ** -0.5), ("1/Dh", lambda dh: 1.0 / dh))
 
 

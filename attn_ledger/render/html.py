@@ -61,6 +61,7 @@ dl.meta dt { color: var(--dim); } dl.meta dd { margin: 0; }
 .verdict.fail { background: var(--fail); } .verdict.pass { background: var(--pass); }
 .finding { border-left: 6px solid var(--fail); background: #fdecea; padding: .6rem .9rem; margin: 1rem 0; }
 .finding.none { border-left-color: var(--pass); background: #edf7ee; }
+.finding .hint { color: var(--warn); font-weight: 600; }
 table.ledger { border-collapse: collapse; width: 100%; }
 table.ledger th, table.ledger td { text-align: left; vertical-align: top; padding: .35rem .5rem; border-bottom: 1px solid var(--line); }
 table.ledger td.num { text-align: right; font-variant-numeric: tabular-nums; }
