@@ -287,12 +287,31 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     grid = run_grid(rows, meta, ops, qr, k_exp, v_exp, refs, relation, ref_scale, empty_zero, ref_scale=ref_scale,
                     given=given, broken=tuple(broken), block_size=block_size, keep_grids=keep_grids, progress=progress,
                     backends=backends, softcap=softcap)
+
+    def hinted() -> Report:  # what to try next where the saved out fails (engine/hints.py)
+        from attn_ledger.engine.hints import with_tensor_hints
+
+        return with_tensor_hints(done(), given.get("out"), (qr, k_exp, v_exp), declared_mask=_mask_key(spec),
+                                 declared_text=relation.name, allow=relation.block(0, tq), scale=ref_scale,
+                                 softcap=softcap, temperature=temperature,
+                                 plain_relation=allow_mask is None and key_valid is None and _mask_key(spec) != "")
+
     if grid.context is None or (rows.failed() and not keep_going):
-        return done()
+        return hinted()
     _tensors_after_context(rows, ops, relation, grid, (qr, k_exp, v_exp), (q, k, v), ref_scale, empty_zero, keep_going,
                            rotation_spec=rotation_spec, grad=grad, grad_output=grad_output, grads=grads,
                            one_head=one_head, replay=replay, softcap=softcap)
-    return done()
+    return hinted()
+
+
+def _mask_key(spec: "RelationSpec") -> str:
+    """The declared relation as the hints name one (``none``, ``causal``, ``sliding-window:4``); empty where it
+    combines several relations (no single one then stands in for it)."""
+    if not spec.names:
+        return "none"
+    if len(spec.names) > 1 or spec.names[0] == "prefix-lm":
+        return ""
+    return f"sliding-window:{spec.window}" if spec.names[0] == "sliding-window" else spec.names[0]
 
 
 def _tensors_after_context(rows: Rows, ops: Any, relation: "Relation", grid: Grid, entered: tuple, given: tuple,

@@ -12,7 +12,10 @@ are rendered from the fields by :mod:`attn_ledger.render`. Every command builds 
 * a :class:`Report` holds the rows in order, and its :class:`Finding` headline: the first
   failing check, which every command's JSON carries as ``first_finding``;
 * a :class:`Note` is a line (or a picture) a reader needs, held as data: what kind of
-  line it is and the facts it is written from (the relation, the allowed counts, the call).
+  line it is and the facts it is written from (the relation, the allowed counts, the call);
+* a :class:`Hint` is what to try next, tested before it is said: a cheap alternative (another
+  mask, another scale, a declaration) that explains the data. It sits under the first finding, or
+  under a pass that rests on a recognised, undeclared design; it is never a verdict.
 
 One status vocabulary (:data:`STATUSES`) and one verdict vocabulary (``pass``, ``fail``,
 ``error``) serve every command. ``error`` belongs to exit status 3 only: an internal
@@ -149,6 +152,23 @@ class Note:
 
 
 @dataclass(frozen=True)
+class Hint:
+    """What to try next, as data: ``kind`` names the sentence :mod:`attn_ledger.render.hints` writes from ``data``.
+
+    A hint is only made once its alternative was computed and found to explain the data (the
+    saved ``out`` matches causal attention within the same bound, say). It changes no status.
+
+    Attributes:
+        kind: ``relation``, ``scale``, ``declare_softcap``, ``declare_window`` or ``alignment``.
+        data: the facts, JSON-ready: what was declared, what explains the data, the option to try,
+            and the measurement that showed it.
+    """
+
+    kind: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Row:
     """One stage, case, fault or experiment row, with its checks in order.
 
@@ -259,6 +279,7 @@ class Report:
             (``check`` names its smallest failing case).
         coverage: set where the verdict rests on fewer checks than usual.
         notes: lines a reader needs (sampling, reproduction, ...): :class:`Note` data, or words.
+        hints: what to try next (:class:`Hint`), shown under the first finding.
         details: the command's own facts, JSON-ready (plain values only).
         unit: what one test case is in JUnit output: one ``check`` or one ``row``.
         row_label: what a row is called in tables (``stage``, ``case``, ``fault``, ...).
@@ -285,6 +306,7 @@ class Report:
     fold_rows: bool = False
     heatmaps: Mapping[str, Heatmap] = field(default_factory=dict, repr=False, compare=False)
     tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    hints: tuple[Hint, ...] = ()
 
     def __post_init__(self) -> None:
         if self.first_finding is _DEFAULT:

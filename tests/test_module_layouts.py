@@ -127,7 +127,8 @@ def test_interleaved_split_by_reshape_without_transpose_fails_head_split():
 def test_conv1d_without_causal_mask_fails_l4_causal_and_names_the_relation():
     report = run(L.factory(L.GPT2Attention, masked=False))
     first = report.first_finding
-    assert (first.row, first.level, first.name) == ("causality", 4, "causal_intervention_no_grad")
+    assert (first.row, first.level, first.name) == ("core", 4, "mask_relation")  # the cause, over the leak
+    assert check(report, "causal_intervention_no_grad").status == "fail"
     relation = check(report, "mask_relation")
     assert relation.status == "fail" and relation.data["applied"] == "bidirectional"
     assert relation.data["comparison"] == "wider" and relation.data["extra_pairs"] == 15  # T = 6: 6*5/2 future pairs
@@ -183,7 +184,7 @@ def test_unobservable_core_says_black_box_coverage():
     report = run(L.factory(L.OpaqueCore))
     assert report.exit_code == 0
     assert report.coverage.scope == "black-box"
-    assert set(report.coverage.missing) == {"head_split", "kv_pairing", "head_merge", "mask_relation",
+    assert set(report.coverage.missing) == {"head_split", "kv_pairing", "head_merge", "key_row_sums", "mask_relation",
                                             "effective_scale", "rotary_positions", "score_design", "attention_core"}
     assert "causal_attention" in report.coverage.reason
     assert {check(report, n).status for n in report.coverage.missing} == {"skipped"}

@@ -43,7 +43,7 @@ def test_an_undeclared_cap_is_recognised_named_and_how_to_declare_it_said():
     assert design.data["design"] == "soft-capping" and design.data["bent"]["form"] == "softcap"
     assert design.data["caps"] == pytest.approx([50.0] * NH, rel=1e-3)
     assert check(report, "effective_scale").value == pytest.approx(8 ** -0.5, rel=1e-3)
-    assert "the scores are soft-capped at 50: declare it with --softcap 50" in report.notes
+    assert [(h.kind, h.data["option"]) for h in report.hints] == [("declare_softcap", "--softcap 50")]
     assert report.details["observed"]["design"] == "soft-capping"
 
 
@@ -52,7 +52,7 @@ def test_a_declared_cap_that_the_core_applies_passes():
     assert report.exit_code == 0 and [c.name for _, c in report.checks() if c.status != "pass"] == []
     core = check(report, "attention_core")
     assert core.data["softcap"] == 50.0 and core.data["bent"]["delta"] <= core.data["bent"]["tolerance"]
-    assert not [n for n in report.notes if "declare it" in n]
+    assert not [n for n in report.notes if "declare it" in n] and report.hints == ()
     assert report.details["softcap"] == 50.0 and report.title.endswith("causal, soft-cap 50")
 
 

@@ -105,7 +105,7 @@ def test_gemma2_passes_with_its_cap_declared_and_names_it_undeclared(init):
     assert [(r, c.name) for r, c in undeclared.checks() if c.status != "pass"] == []
     design = check(undeclared, "score_design")
     assert design.data["design"] == "soft-capping" and design.data["caps"] == pytest.approx([50.0] * NH, rel=1e-3)
-    assert "the scores are soft-capped at 50: declare it with --softcap 50" in undeclared.notes
+    assert [(h.kind, h.data["option"]) for h in undeclared.hints] == [("declare_softcap", "--softcap 50")]
 
 
 def test_gemma2_with_its_cap_dropped_fails_when_the_cap_is_declared():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from attn_ledger.render.hints import hint_lines
 from attn_ledger.render.text import STATUS_WORD, bound_text, describe, finding_line, fmt_value, printable
 from attn_ledger.report import Report
 
@@ -51,6 +52,7 @@ def render_github(report: Report) -> str:
         text += f" ({cov.reason})" if cov.reason else ""
         lines.append(f"::warning title={_prop(f'attn-ledger {report.command}: coverage')}::{_escape(text)}")
     lines.append(_escape(finding_line(report.first_finding)))
+    lines += [_escape(hint) for hint in hint_lines(report)]
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,7 @@ from html import escape
 from typing import Any, Iterable, Sequence
 
 from attn_ledger._version import __version__
+from attn_ledger.render.hints import hint_lines
 from attn_ledger.render.jsondoc import details_json, dumps
 from attn_ledger.render.notes import cli_line, note_text, notes_text, python_lines
 from attn_ledger.render.pictures import MASK_CATEGORIES, MASK_MEANING, NotDrawn, Picture, build_picture, mark_text
@@ -60,6 +61,7 @@ dl.meta dt { color: var(--dim); } dl.meta dd { margin: 0; }
 .verdict.fail { background: var(--fail); } .verdict.pass { background: var(--pass); }
 .finding { border-left: 6px solid var(--fail); background: #fdecea; padding: .6rem .9rem; margin: 1rem 0; }
 .finding.none { border-left-color: var(--pass); background: #edf7ee; }
+.finding .hint { color: var(--warn); font-weight: 600; }
 table.ledger { border-collapse: collapse; width: 100%; }
 table.ledger th, table.ledger td { text-align: left; vertical-align: top; padding: .35rem .5rem; border-bottom: 1px solid var(--line); }
 table.ledger td.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -148,12 +150,14 @@ def _ledger(report: Report) -> str:
 
 def _finding(report: Report) -> str:
     f = report.first_finding
+    hints = "".join(f'<p class="hint">{_e(h)}</p>' for h in hint_lines(report))  # what to try next, under it
     if f is None:
-        return '<section id="first-finding" class="finding none"><h2>First finding</h2><p>none: no check failed</p></section>'
+        return ('<section id="first-finding" class="finding none"><h2>First finding</h2><p>none: no check failed</p>'
+                f"{hints}</section>")
     c = f.check
     return (f'<section id="first-finding" class="finding"><h2>First finding</h2>'
             f'<p><a href="#row-{_e(f.row)}" class="mono">{_e(f.row)}</a>, L{c.level} {_e(LEVEL_NAMES[c.level])}: '
-            f'<b class="mono">{_e(c.name)}</b> ({_e(STATUS_WORD[c.status])})</p><p>{_e(describe(c))}</p></section>')
+            f'<b class="mono">{_e(c.name)}</b> ({_e(STATUS_WORD[c.status])})</p><p>{_e(describe(c))}</p>{hints}</section>')
 
 
 # --- the heatmaps ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The JSON view: one envelope for every command, schema version 2.
 
 The envelope: ``schema_version``, ``tool``, ``version``, ``command``, ``verdict``, ``title``,
-``first_finding``, ``coverage``, ``rows``, ``notes``, ``note_data``, ``details``. Within a schema
+``first_finding``, ``coverage``, ``rows``, ``notes``, ``note_data``, ``details``, ``hints``. Within a schema
 version the document only ever gains fields. ``notes`` are the lines a reader sees, written from
 the notes' data; ``note_data`` holds that data beside them, line for line (null for a line that
 is only words), as each row's ``note_data`` does for its ``note``. The JSON Schema is published in the package
@@ -15,9 +15,10 @@ import math
 from typing import Any, Mapping
 
 from attn_ledger._version import __version__
+from attn_ledger.render.hints import hint_text
 from attn_ledger.render.notes import cli_line, note_lines, note_text, notes_text, python_lines
 from attn_ledger.render.text import describe
-from attn_ledger.report import SCHEMA_VERSION, Check, Coverage, Finding, Note, Report, Row
+from attn_ledger.report import SCHEMA_VERSION, Check, Coverage, Finding, Hint, Note, Report, Row
 
 
 def json_value(value: Any) -> Any:
@@ -126,7 +127,13 @@ def report_json(report: Report) -> dict[str, Any]:
         "notes": notes_text(report),
         "note_data": notes_json(report),
         "details": details_json(report.details),
+        "hints": [hint_json(h) for h in report.hints],
     }
+
+
+def hint_json(h: Hint) -> dict[str, Any]:
+    """One hint: its ``kind``, its data's fields, and the sentence the views write from them (``message``)."""
+    return {"kind": h.kind, **json_value(h.data), "message": hint_text(h)}
 
 
 def details_json(details: Mapping[str, Any]) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from attn_ledger.render.hints import hint_lines
 from attn_ledger.render.notes import note_text, notes_text
 from attn_ledger.render.text import STATUS_WORD, check_line, describe, finding_line, fmt_value, printable, shape_text
 from attn_ledger.render.text import STATUS_WORD, check_line, describe, finding_line, fmt_value, shape_text
@@ -48,4 +49,5 @@ def render_markdown(report: Report) -> str:
         for row, c in report.warnings():
             out.append(f"- warning at {_esc(row)}: {c.name}: {_esc(describe(c))}")
     out += ["", f"**{_esc(finding_line(report.first_finding))}**", ""]
+    out += [f"- {_esc(hint)}" for hint in hint_lines(report)] + ([""] if report.hints else [])
     return "\n".join(out)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from attn_ledger.render.hints import hint_lines
 from attn_ledger.render.notes import note_lines, note_text, notes_text
 from attn_ledger.render.text import (
     STATUS_STYLE,
@@ -307,7 +308,8 @@ def _tail(report: Report, width: int, warnings: bool = True) -> list[Line]:
     style = "bold red" if report.first_finding is not None else "bold green"
     for ln in wrap_words(printable(finding_line(report.first_finding)), width):
         out.append([(ln, style)])
-    # what to try next (hints) goes here, under the first finding, in both views
+    for hint in hint_lines(report):  # what to try next, under the finding, in both views
+        out += [[(ln, "yellow")] for ln in wrap_words(printable(hint), width)]
     return out
 
 

@@ -87,7 +87,7 @@ from attn_ledger.probes.kernel.reference import (  # noqa: F401  (FACTOR re-expo
     tolerance,
 )
 from attn_ledger.probes.kernel.spec import ADAPTERS, Declaration, check_signature, missing_from_error
-from attn_ledger.report import Check, Finding, Note, Report, Row, Status, bounded, counted, find_check, row_status, unjudged
+from attn_ledger.report import Check, Finding, Hint, Note, Report, Row, Status, bounded, counted, find_check, row_status, unjudged
 from attn_ledger.seeding import generator
 from attn_ledger.tolerance import EPS, HALF_PRECISION_RATIO, is_half, tiny
 
@@ -444,6 +444,7 @@ def kernel_report(
         "cases_not_reached": len(stopped), "stopped": {"reason": stopped[0][1].reason, **stopped[0][1].data} if stopped else None,
     }
     return Report(
+        hints=_alignment_hints(ordered, failing),
         command="check",
         title=f"check {target} (kernel protocol, {tier or 'named'} cases, empty rows: {o.empty_rows})",
         rows=tuple(_case_row(r) for r in ordered),
@@ -455,6 +456,25 @@ def kernel_report(
         show_passing=False,
         fold_rows=True,
     )
+
+
+def _alignment_hints(ordered: Sequence[CaseResult], failing: Sequence[CaseResult]) -> tuple[Hint, ...]:
+    """The ``alignment`` hint: every failing case is causal with Tq != Tk, some causal case with Tq == Tk passes,
+    and the smallest failing case's output matches top-left causal attention within its reference bound."""
+    if not failing or not all(r.case.causal and r.case.tq != r.case.tk for r in failing):
+        return ()
+    square = [r for r in ordered if r.case.causal and r.case.tq == r.case.tk and r.passed]
+    if not square:
+        return ()
+    for r in failing:
+        found = next((c.data.get("top_left") for c in r.checks if c.name == "reference"), None)
+        if found is not None:
+            if not found["matches"]:
+                return ()
+            return (Hint("alignment", {"found": "top-left", "expected": "bottom-right", "case": r.case.id,
+                                       "failing": len(failing), "passing": len(square), "value": found["error"],
+                                       "limit": found["limit"]}),)
+    return ()
 
 
 def with_call_notes(report: Report, results: Sequence[CaseResult], state: dict[str, Any]) -> Report:
@@ -837,8 +857,28 @@ def _reference_check(s: _Setup, refs: dict[str, Any]) -> Check:
     failed = j.ratio > 1.0
     if failed:
         data.update(_index_decode(s, j.wrong))
+        aligned = _top_left(s, j.limit)
+        if aligned is not None:
+            data["top_left"] = aligned
     return bounded(4, "reference", "max |out - float64 reference|", j.max_error, j.limit,
                    location=first_row(j.wrong) if failed else None, data=data)
+
+
+def _top_left(s: _Setup, limit: float) -> dict[str, Any] | None:
+    """For a causal case with Tq != Tk and no other mask part: the output against float64 attention with the causal
+    relation aligned top-left (key j <= query i), and whether it is within the reference's ``limit``."""
+    import torch
+
+    from attn_ledger.maths import masks
+    from attn_ledger.probes.kernel.reference import attention
+
+    case = s.case
+    if case.tq == case.tk or case.relation.names != ("causal",):
+        return None
+    allow = masks.causal(case.tq, case.tk, "top-left", device=s.q.device)[None, None]  # [1, 1, Tq, Tk]
+    ref = attention(s.q, s.k, s.v, allow, case.effective_scale, compute=s.ref_dtype).out  # [B, Nh, Tq, Dv]
+    error = float((s.out.to(ref.dtype) - ref).abs().max())
+    return {"error": error, "limit": limit, "matches": bool(error <= limit) and error == error}
 
 
 def _grad_mode_check(s: _Setup, refs: dict[str, Any], out: "Tensor | None", exc: Exception | None,

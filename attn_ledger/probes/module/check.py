@@ -10,7 +10,8 @@ lowest level that shows a problem:
 
 * black-box, from calls on ``[B, T, E]``: the output layout and the T = 1 / B = 1 calls (L1),
   batch independence and, without ``causal``, permutation equivariance (L2), finite output and
-  gradients (L3), eval determinism and the causal intervention with its controls (L4);
+  gradients (L3) and, from the observed core, each query's weights summing to 1 over the keys (L3
+  ``key_row_sums``), eval determinism and the causal intervention with its controls (L4);
 * observed: the forward runs once under a torch function mode that records the projections
   of the input, the q, k, v that entered the attention computation and its context
   (:mod:`attn_ledger.probes.common.observe`), whatever the module's parameter names and layout; the core
@@ -40,7 +41,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from attn_ledger.probes.module import decode as decodecheck
-from attn_ledger.probes.module.core import AXIS_CHECKS, CORE_CHECKS, Audit, Declared, audit_core
+from attn_ledger.probes.module.core import (AXIS_CHECKS, CORE_CHECKS, OBSERVED, SUM_CHECKS, Audit, Declared, audit_core,
+                                            check_level)
 from attn_ledger.maths.relations import module_relation
 from attn_ledger.errors import field_error
 from attn_ledger.errors import field_error, first_line
@@ -60,7 +62,8 @@ from attn_ledger.probes.common.forward import (
     path_check,
 )
 from attn_ledger.probes.module.grads import gradcheck_check, gradient_checks
-from attn_ledger.report import Check, Coverage, Report, Row, Status, bounded, counted, row_status, unjudged
+from attn_ledger.report import (Check, Coverage, Finding, Report, Row, Status, bounded, counted, first_finding_of,
+                                row_status, unjudged)
 from attn_ledger.seeding import generator, manual_seed
 from attn_ledger.tolerance import relative as relative_tolerance
 
@@ -84,12 +87,18 @@ SEQ_LEN = 6  # T of the input
 ASPECTS: dict[str, tuple[tuple[int, str], ...]] = {
     "shape": ((1, "output_layout"), (1, "single_position"), (1, "single_example"), (1, "single_example_position")),
     "axes": ((2, "batch_independence"), (2, "permutation_equivariance"), *((2, n) for n in AXIS_CHECKS)),
-    "numerics": ((3, "finite_output"), (3, "input_gradient"), (3, "parameter_gradients"), (3, "gradcheck")),
+    "numerics": ((3, "finite_output"), (3, "input_gradient"), (3, "parameter_gradients"), (3, "gradcheck"),
+                 *((3, n) for n in SUM_CHECKS)),
     "determinism": ((4, "eval_determinism"),),
     "causality": ((4, "causal_intervention_no_grad"), (4, "causal_intervention_autograd"),
                   (4, "intervention_controls"), (4, "causal_gradient_form")),
     "core": tuple((4, n) for n in CORE_CHECKS),
 }
+# The headline (first finding) where one observation fails several checks: a check that names a cause, most
+# specific first, over a check that shows only a downstream symptom of it (see _headline).
+CAUSES = ("key_row_sums", "mask_relation", "effective_scale")
+SYMPTOMS = frozenset({"causal_intervention_no_grad", "causal_intervention_autograd", "causal_gradient_form",
+                      "permutation_equivariance", "attention_core"})
 CAUSAL_ONLY = frozenset({"causal_intervention_no_grad", "causal_intervention_autograd", "intervention_controls",
                          "causal_gradient_form"})
 NOT_CAUSAL_ONLY = frozenset({"permutation_equivariance"})
@@ -344,7 +353,7 @@ def _expected(causal: bool) -> list[tuple[int, str]]:
 def _observed(module: "nn.Module", x: "torch.Tensor", declared: Declared, embed_dim: int, noisy: bool) -> Audit:
     """The observed core's checks; not reached when eval-mode calls differ (they would judge noise)."""
     if noisy:
-        return Audit({n: _not_reached(2 if n in AXIS_CHECKS else 4, n, NOISY) for n in AXIS_CHECKS + CORE_CHECKS})
+        return Audit({n: _not_reached(check_level(n), n, NOISY) for n in OBSERVED})
     return audit_core(module, x, declared, embed_dim=embed_dim, dtype=module_dtype(module))
 
 
@@ -371,7 +380,7 @@ def _run_checks(module: "nn.Module", x: "torch.Tensor", declared: Declared, embe
     tick()
     checks = l1 + _axis_checks(s, _mha_hint(module), noisy, audit.positional) + [audit.checks[n] for n in AXIS_CHECKS]
     tick()
-    checks += _numeric_checks(s, embed_dim, noisy)
+    checks += _numeric_checks(s, embed_dim, noisy) + [audit.checks[n] for n in SUM_CHECKS]
     tick()
     checks.append(determinism_check(det))
     if declared.causal:
@@ -588,11 +597,25 @@ def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], dec
     if stopped:
         coverage = Coverage("stopped", tuple(n for _, n in _expected(declared.causal)),
                             "a call into the module did not come back, so no other check ran")
+    hints = audit.hints if audit else ()
     title = (f"MODULE CHECK {subject} B={sizes['B']} T={sizes['T']} E={sizes['E']} Nh={sizes['Nh']} "
              f"{declared.text if declared.causal else 'not causal'}"
              f"{f', soft-cap {declared.softcap:g}' if declared.softcap is not None else ''}")
-    return Report("check", title, tuple(rows), coverage=coverage, notes=tuple(notes), details=details, unit="check",
-                  row_label="aspect")
+    return Report("check", title, tuple(rows), first_finding=_headline(rows), coverage=coverage, notes=tuple(notes),
+                  details=details, unit="check", row_label="aspect", hints=hints)
+
+
+def _headline(rows: list[Row]) -> Finding | None:
+    """The first finding by row order, unless it is a symptom (:data:`SYMPTOMS`: a causality leak, a permutation,
+    the context differing) and a check that names a cause failed too (:data:`CAUSES`, the most specific first):
+    then that cause. Weights normalised over the queries leak the future and change the context; the row sums
+    say why."""
+    first = first_finding_of(rows)
+    if first is None or first.name not in SYMPTOMS:
+        return first
+    failed = {c.name: (r.name, c) for r in rows for c in r.checks if c.failed}
+    cause = next((failed[n] for n in CAUSES if n in failed), None)
+    return first if cause is None else Finding(*cause)
 
 
 __all__ = ["ASPECTS", "BATCH_SIZE", "SEQ_LEN", "Declared", "build_module", "check_built_module", "check_module",

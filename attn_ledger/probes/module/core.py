@@ -21,6 +21,9 @@ The checks, by level:
   a declared soft-cap (``--softcap C``) that the scores do not apply fails. Soft-capping is read
   on a probe that bends it: the core's q scaled inside the forward until its logits reach the
   cap (or :data:`BEND_LOGITS`), since scores far below a cap are bent too little to read;
+* L3 ``key_row_sums``: each query's weights (the probe's, read from the context) sum to 1 over the keys;
+  weights normalised over another axis (softmax over the queries) fail here, which names the cause
+  that the causality and context checks only show as symptoms;
 * L4 ``attention_core``: the context against float64 attention on the observed q, k, v, with
   the expected scale, the declared relation, the declared or recognised soft-cap and the
   recognised designs (with a cap declared, on the bending probe as well). Where it disagrees,
@@ -39,13 +42,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from attn_ledger.probes.module.fit import BiasFit, ScoreFit, compare_relations, fit_scores, recognise_bias, relation_of
-from attn_ledger.maths.relations import CAUSAL, RelationSpec
+from attn_ledger.maths.relations import CAUSAL, RelationSpec, module_relation
 from attn_ledger.errors import field_error
 from attn_ledger.errors import field_error, first_line
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.probes.module.heads import Located, kv_heads_from_widths, layout_of, locate, pairing, trace_vectors
 from attn_ledger.probes.common.forward import closeness
-from attn_ledger.report import Check, Coverage, counted, unjudged
+from attn_ledger.report import Check, Coverage, Hint, bounded, counted, unjudged
 
 if TYPE_CHECKING:
     import torch
@@ -53,10 +56,18 @@ if TYPE_CHECKING:
 
     from attn_ledger.probes.common.observe import Core, Observation
 
-__all__ = ["AXIS_CHECKS", "BEND_LOGITS", "CORE_CHECKS", "Audit", "Declared", "audit_core"]
+__all__ = ["AXIS_CHECKS", "BEND_LOGITS", "CORE_CHECKS", "OBSERVED", "SUM_CHECKS", "Audit", "Declared", "audit_core",
+           "check_level"]
 
 AXIS_CHECKS = ("head_split", "kv_pairing", "head_merge")
 CORE_CHECKS = ("mask_relation", "effective_scale", "rotary_positions", "score_design", "attention_core")
+SUM_CHECKS = ("key_row_sums",)  # observed, but a numerical invariant: the module report's numerics row
+OBSERVED = AXIS_CHECKS + SUM_CHECKS + CORE_CHECKS
+
+
+def check_level(name: str) -> int:
+    """The level of an observed check: 2 for the axis checks, 3 for ``key_row_sums``, 4 for the rest."""
+    return 2 if name in AXIS_CHECKS else 3 if name in SUM_CHECKS else 4
 
 # How far the bending probe drives the largest logit (or to a declared cap below it). At 30, a
 # cap of 50 (Gemma 2) bends the largest logit by about 3 and a cap of 1000 by 0.01, far above
@@ -132,12 +143,13 @@ class Audit:
     """The core's checks, and what was found, as plain data.
 
     Attributes:
-        checks: by name (:data:`AXIS_CHECKS` and :data:`CORE_CHECKS`).
+        checks: by name (:data:`AXIS_CHECKS`, :data:`SUM_CHECKS` and :data:`CORE_CHECKS`).
         details: what was found (layout, core call, relation, scale, rotary, design).
         positional: what makes the module's output depend on positions (rotary, a bias),
             for the permutation probe.
         coverage: set when some checks could not run.
         notes: lines a reader needs.
+        hints: what to try next, each tested (an undeclared soft-cap or window that explains the core).
     """
 
     checks: dict[str, Check]
@@ -145,6 +157,7 @@ class Audit:
     positional: tuple[str, ...] = ()
     coverage: Coverage | None = None
     notes: tuple[str, ...] = ()
+    hints: tuple[Hint, ...] = ()
 
 
 def scale_rtol(dtype: "torch.dtype") -> float:
@@ -156,9 +169,9 @@ def scale_rtol(dtype: "torch.dtype") -> float:
 
 def _unseen(status: str, short: str, reason: str) -> Audit:
     """Every observed check unjudged for one reason; the coverage carries the reason in full."""
-    checks = {name: unjudged(2 if name in AXIS_CHECKS else 4, name, status, short)  # type: ignore[arg-type]
-              for name in AXIS_CHECKS + CORE_CHECKS}
-    return Audit(checks, {"core": None}, coverage=Coverage("black-box", AXIS_CHECKS + CORE_CHECKS, reason))
+    checks = {name: unjudged(check_level(name), name, status, short)  # type: ignore[arg-type]
+              for name in OBSERVED}
+    return Audit(checks, {"core": None}, coverage=Coverage("black-box", OBSERVED, reason))
 
 
 def audit_core(module: "nn.Module", x: "torch.Tensor", declared: Declared, *, embed_dim: int,
@@ -237,7 +250,8 @@ def _judge(obs: "Observation", core: "Core", probes: tuple, declared: Declared, 
     summed = _row_sums(w, w0, dtype)
     attention = _core_check(core, declared, fit, bias_fit, bias, factor, summed, (relation, scale, design), applied,
                             dtype, bent)
-    checks = {c.name: c for c in (traced.split, traced.pairing, merge, relation, scale, rotary, design, attention)}
+    sums = _sums_check(summed)
+    checks = {c.name: c for c in (traced.split, traced.pairing, merge, relation, scale, rotary, design, sums, attention)}
     if bias_fit.kind in ("alibi", "relative", "other"):
         positional.append(f"a position bias in the scores ({bias_fit.kind})")
     details = {"core": core.description, "layout": traced.layout, "relation": relation.data.get("applied_text"),
@@ -246,15 +260,41 @@ def _judge(obs: "Observation", core: "Core", probes: tuple, declared: Declared, 
     if traced.relative_to != "projection outputs":
         coverage = Coverage("partial", ("head_split", "kv_pairing", "rotary_positions"),
                             "q, k or v could not be traced to a projection of the input")
-    if fit.form == "softcap" and declared.softcap is None and design.status == "pass":
-        cap = sum(fit.caps) / len(fit.caps)
-        notes.append(f"the scores are soft-capped at {cap:.3g}: declare it with --softcap {cap:.3g}")
+    hints = _hints(core, declared, fit, design, relation, attention, (bias_fit, bias), factor, dtype)
     if obs.cores > 1:
         notes.append(f"{obs.cores} attention cores were seen; the first was judged")
     if obs.mha:
         notes.append("nn.MultiheadAttention was observed on its slow path (its fast path is one fused call); "
                      "the black-box checks ran the path it normally takes")
-    return Audit(checks, details, tuple(positional), coverage, tuple(notes))
+    return Audit(checks, details, tuple(positional), coverage, tuple(notes), hints)
+
+
+def _hints(core: "Core", declared: Declared, fit: ScoreFit, design: Check, relation: Check, attention: Check,
+           bias: tuple, factor: float, dtype: "torch.dtype") -> tuple[Hint, ...]:
+    """What to declare, tested: a soft-cap the scores were read to apply (``score_design`` passing on it), or the
+    sliding window the core applies in place of the declared relation, where float64 attention with that window
+    (and the expected scale) reproduces the core's context."""
+    import torch
+
+    hints: list[Hint] = []
+    if fit.form == "softcap" and declared.softcap is None and design.status == "pass":
+        cap = sum(fit.caps) / len(fit.caps)
+        hints.append(Hint("declare_softcap", {"cap": cap, "caps": list(fit.caps), "option": f"--softcap {cap:.3g}"}))
+    w = relation.data.get("window")
+    if relation.failed and attention.failed and relation.data.get("applied") == "sliding-window" and isinstance(w, int):
+        nh, tq, tk = core.q.shape[1], core.q.shape[2], core.k.shape[2]
+        expected = (declared.scale if declared.scale is not None else 1.0 / math.sqrt(core.q.shape[-1])) / factor
+        caps = None if declared.softcap is None else torch.full((nh,), float(declared.softcap), dtype=torch.float64)
+        bias_fit, grid = bias
+        window = Declared(module_relation(True, w), scale=declared.scale, softcap=declared.softcap)
+        ref = reference_context(core, window.allow(tq, tk), torch.full((nh,), expected, dtype=torch.float64),
+                                grid if bias_fit.kind in ("alibi", "relative") else None, caps)
+        c = closeness(core.context, ref, dtype)
+        if c.ok:
+            hints.append(Hint("declare_window", {"window": w, "declared": declared.text, "value": c.delta,
+                                                 "tolerance": c.tolerance,
+                                                 "option": f"--window {w}" if declared.causal else f"--causal --window {w}"}))
+    return tuple(hints)
 
 
 def _paired(k: "torch.Tensor", nh: int) -> "torch.Tensor":
@@ -597,6 +637,15 @@ def _row_sums(w: "torch.Tensor", w0: "torch.Tensor", dtype: "torch.dtype") -> tu
     live = (w0 > 0).any(-1)  # [B, Nh, Tq]
     dev = (w.sum(-1) - 1).abs().nan_to_num(nan=math.inf)[live]
     return (float(dev.max()) if dev.numel() else 0.0), tolerance.row_sum(dtype)
+
+
+def _sums_check(summed: tuple[float, float]) -> Check:
+    """key_row_sums: max |sum over keys of a query's weights - 1| against the row-sum tolerance."""
+
+    value, limit = summed
+    return bounded(3, "key_row_sums", "max |sum over keys of a query's weights - 1|", value, limit,
+                   reason="" if value <= limit else "a query's weights do not sum to 1 over the keys "
+                                                    "(softmax over another axis?)")
 
 
 def reference_context(core: "Core", allow: "torch.Tensor", scales: "torch.Tensor", bias: "torch.Tensor | None",

@@ -830,9 +830,9 @@ def decode_rows(module: "nn.Module", decode: Callable[..., Any], embed_dim: int,
 
 
 def with_decode(report: Report, rows: Sequence[Row], details: dict[str, Any]) -> Report:
-    """``report`` with the decode rows after its own, the first finding taken over all rows."""
+    """``report`` with the decode rows after its own: its own first finding (its headline), else the decode rows' first."""
     all_rows = tuple(report.rows) + tuple(rows)
-    return replace(report, rows=all_rows, first_finding=first_finding_of(all_rows),
+    return replace(report, rows=all_rows, first_finding=report.first_finding or first_finding_of(all_rows),
                    details={**report.details, "decode": details}, title=f"{report.title} decode")
 
 
