@@ -267,6 +267,9 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     grads = {n: t for n, t in (grads or {}).items() if t is not None}
     inputs.check_options(scale, temperature, grad, grad_output, grads, softcap)
     sink_t = inputs.sinks_tensor(sinks, nh, q.dtype, q.device)
+    if sink_t is not None and grad:
+        raise InputError("sinks: got sinks together with grad, expected sinks without grad (--grad): the backward "
+                         "stages do not take sinks yet")
     given, broken = inputs.given_tensors({"scores": scores, "weights": weights, "out": out}, one_head, b, nh, tq, tk, dv)
     rows = Rows()
     title, meta = inputs.tensor_rows(rows, q, k, v, one_head, relation, source, given)
