@@ -257,7 +257,7 @@ def _judge(obs: "Observation", core: "Core", probes: tuple, declared: Declared, 
         cap = sum(fit.caps) / len(fit.caps)
         notes.append(f"the scores are soft-capped at {cap:.3g}: declare it with --softcap {cap:.3g}")
     if found is not None and declared.sinks is None and design.status == "pass":
-        shown = ",".join(f"{x:.3g}" for x in found)
+        shown = ",".join(f"{round(x, 3) + 0.0:g}" for x in found)
         notes.append(f"the weights sum to less than one by a per-head amount: attention sinks with logits {shown}: "
                      f"declare them with --sinks {shown}")
     if obs.cores > 1:
