@@ -176,7 +176,7 @@ def _after_context(rows: Rows, ops: Any, cfg: "RunConfig", inp: builtin.Inputs, 
     if cfg.grad and not (rows.failed() and not keep_going):
         fwd = backward_rows.Forward(*entered, *qkv, (inp.q64, inp.k64, inp.v64), relation, grid.plan, run_scale, scale,
                                     cfg.empty_rows == "zeros", None if spec is None else Rotation(spec, cfg.tk - tq),
-                                    cfg.softcap)
+                                    cfg.softcap, ops.sinks)
         backward_rows.config_backward(rows, ops, cfg, inp, fwd, merged[0], relation, keep_going)
 
 
@@ -267,9 +267,6 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     grads = {n: t for n, t in (grads or {}).items() if t is not None}
     inputs.check_options(scale, temperature, grad, grad_output, grads, softcap)
     sink_t = inputs.sinks_tensor(sinks, nh, q.dtype, q.device)
-    if sink_t is not None and grad:
-        raise InputError("sinks: got sinks together with grad, expected sinks without grad (--grad): the backward "
-                         "stages do not take sinks yet")
     given, broken = inputs.given_tensors({"scores": scores, "weights": weights, "out": out}, one_head, b, nh, tq, tk, dv)
     rows = Rows()
     title, meta = inputs.tensor_rows(rows, q, k, v, one_head, relation, source, given)
@@ -329,7 +326,7 @@ def _tensors_after_context(rows: Rows, ops: Any, relation: "Relation", grid: Gri
         shift = k.shape[2] - q.shape[2]  # Tk - Tq: query i sits at position i + Tk - Tq
         fwd = backward_rows.Forward(qr, k_exp, v_exp, q, k, v, (q, k, v), relation, grid.plan, scale, scale,
                                     empty_zero, None if rotation_spec is None else Rotation(rotation_spec, shift),
-                                    softcap)
+                                    softcap, ops.sinks)
         backward_rows.tensor_backward(rows, fwd, grad_output, grads, one_head, replay)
 
 

@@ -82,7 +82,7 @@ def run(  # long by its 37 options (typer reads them from the signature); the bo
     scale: Annotated[Optional[float], typer.Option("--scale", help="Score scale S (default 1/sqrt(Dh)); the pipeline and every reference use S/tau.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Softmax temperature tau: the score scale becomes S/tau.")] = None,
     softcap: Annotated[Optional[float], typer.Option("--softcap", metavar="C", help="Soft-cap the scaled scores, C * tanh(s / C), before the mask (Gemma 2's attn_logit_softcapping), in the pipeline, every reference and the backward (--grad).")] = None,
-    sinks: Annotated[Optional[str], typer.Option("--sinks", metavar="S|FILE", help="Attention sinks, one logit per head in the softmax's denominator only (gpt-oss's s_aux): a number for every head, Nh numbers joined by ',', or a tensor file.")] = None,
+    sinks: Annotated[Optional[str], typer.Option("--sinks", metavar="S|FILE", help="Attention sinks, one logit per head in the softmax's denominator only (gpt-oss's s_aux): a number for every head, Nh numbers joined by ',', or a tensor file; in the pipeline, every reference and the backward (--grad).")] = None,
     rope: Annotated[Optional[str], typer.Option("--rope", help="Rotary positions on q and k before the scores: PAIRING[,base=B][,dim=D], PAIRING half or interleaved (e.g. half, interleaved,base=500000,dim=32).")] = None,
 ) -> None:
     """Run attention as named stages, check each, and name the first stage that diverges.

@@ -401,8 +401,9 @@ def judge_backward(t: Tally, dtype: str, *, derived: dict[str, tuple[int, ...]],
         if stage == "grad_k":
             p = t.peak(stage, "key_sum")
             if p is None:
-                v.add(stage, _not_applicable(3, "key_sum_zero", "soft-capped scores: the cap's slope leaves the rows of "
-                                             "the scores' gradient summing to other than zero"))
+                v.add(stage, _not_applicable(3, "key_sum_zero", "soft-capped scores or attention sinks: the cap's slope "
+                                             "or the sink's share leaves the rows of the scores' gradient summing to "
+                                             "other than zero"))
             else:
                 v.add(stage, _bound(3, "key_sum_zero", p.value, tolerance.row_sum(dtype),
                                     "max |sum over keys of K-bar| / sum over keys of |K-bar|"))

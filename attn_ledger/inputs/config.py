@@ -207,9 +207,6 @@ class RunConfig(BaseModel):
             self._sinks = parse_sinks(self.sinks, self.num_heads)
         except InputError as exc:
             raise ValueError(str(exc)) from None
-        if self._sinks is not None and self.grad:
-            raise ValueError(f"sinks: got {self.sinks!r} together with grad, expected sinks without grad (--grad): "
-                             "the backward stages do not take sinks yet")
         if self.fault in SINK_FAULTS and self._sinks is None:
             raise ValueError(f"fault: got {self.fault!r}, a fault in the attention sinks, expected it only with sinks "
                              "(--sinks)")
