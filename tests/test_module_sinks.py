@@ -138,3 +138,20 @@ def test_a_tiny_gpt_oss_attention_layer_passes_naming_its_sinks():
     report = check_module(lambda e, h: Layer(e, h), 12, 3, seed=0)
     assert design(report).data.get("sinks") == pytest.approx(LOGITS, abs=1e-3), (transformers.__version__,
                                                                                    report.first_finding)
+
+
+def test_declared_sinks_other_than_the_cores_fail_naming_the_head():
+    report = check_module(with_sinks, 12, 3, seed=0, sinks="-0.5,0.5,2.5")
+    found = report.first_finding
+    assert (found.row, found.name) == ("core", "score_design")
+    assert "head 2 declared 2.5, the weights show 1.5" in design(report).reason
+
+
+def test_the_catalogue_catches_unused_sinks_at_score_design():
+    from attn_ledger.probes import catalogue
+
+    fault = next(f for f in catalogue.CATALOGUE if f.name == "sinks-unused")
+    row = catalogue.check_fault(fault)
+    assert row.status == "pass" and (row.fields["level"], row.fields["check"]) == (4, "score_design")
+    healthy = check_module(fault.target, catalogue.MODULE_EMBED_DIM, catalogue.MODULE_HEADS, seed=0)
+    assert healthy.first_finding is None  # undeclared, the same layer passes: nothing claims it has sinks

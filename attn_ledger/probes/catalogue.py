@@ -306,6 +306,29 @@ def _softcap_dropped_module(embed_dim: int, num_heads: int) -> "nn.Module":
     return SoftcapDropped()
 
 
+def _sinks_unused_module(embed_dim: int, num_heads: int) -> "nn.Module":
+    """A causal layer with one sink logit per head (gpt-oss's ``self.sinks``) that its hand-written core never
+    reads: ``softmax(s)`` where ``softmax(cat([s, sinks]))[..., :-1]`` was meant."""
+    import torch
+    from torch import nn
+
+    class SinksUnused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            _fused_projections(self, embed_dim, num_heads)
+            self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, num_heads))  # declared, never read
+
+        def forward(self, x):
+            t = x.shape[1]
+            q, k, v = (_split(p, self.num_heads) for p in self.qkv(x).chunk(3, dim=-1))  # [B, Nh, T, Dh]
+            s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # [B, Nh, T, T]
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            w = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)  # the sinks belong in this softmax
+            return self.out(_merge(w @ v))  # [B, T, E]
+
+    return SinksUnused()
+
+
 # --- the catalogue ----------------------------------------------------------------------
 
 MODULE_EMBED_DIM, MODULE_HEADS = 12, 3  # the sizes the module faults are built and checked at
@@ -368,6 +391,8 @@ CATALOGUE: tuple[Fault, ...] = (
           near_threshold=True),
     Fault("softmax-bf16", "kernel", "softmax taken in bfloat16 whatever the input dtype", softmax_bf16,
           near_threshold=True),
+    Fault("sinks-unused", "module", "a layer declared with attention sinks (--sinks -1,0,1) whose core never uses them",
+          _sinks_unused_module, module_sinks=(-1.0, 0.0, 1.0)),
     Fault("sink-dropped", "ledger", "attention sinks (--sinks) accepted and dropped: softmax over the keys alone",
           None, "sink-dropped"),
     Fault("sink-in-numerator", "ledger", "the sink's weight mixed as if it were a key's value, the first key's "
@@ -432,7 +457,7 @@ def _module_view(fault: Fault, seed: int) -> _BlackBox:
     from attn_ledger.probes.module.check import check_module
 
     report = check_module(fault.target, MODULE_EMBED_DIM, MODULE_HEADS, causal=fault.module_causal, seed=seed,
-                          subject=fault.name, softcap=fault.module_softcap)
+                          subject=fault.name, softcap=fault.module_softcap, sinks=fault.module_sinks)
     first = report.first_finding
     checks = tuple(c for _, c in report.checks())
     return _BlackBox(None if first is None else first.level, None if first is None else first.name, None, checks)

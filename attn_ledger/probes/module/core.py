@@ -599,6 +599,7 @@ def _declared_cap(declared: Declared, fit: ScoreFit, bent: _Bent | None, reach: 
 # --- the core against float64 attention -------------------------------------------------------
 
 SINK_SHORTFALL = 10.0  # row-sum tolerances a q-zeroed row must fall short of one by to read a sink
+SINK_ATOL, SINK_RTOL = 0.01, 0.01  # a declared sink logit this far from the one the weights show fails
 
 
 def recognise_sinks(w0: "torch.Tensor", dtype: "torch.dtype") -> tuple[float, ...] | None:
@@ -650,6 +651,16 @@ def _sink_design(design: Check, declared: Declared, found: tuple[float, ...] | N
         return Check(4, "score_design", "fail", reason=f"the declared --sinks {shown} are not applied: each query's "
                      "weights sum to one over the keys, with no share left for a sink",
                      data={**design.data, "declared_sinks": list(declared.sinks)})
+    if found is not None and declared.sinks is not None:
+        off = [h for h, (d, f) in enumerate(zip(declared.sinks, found))
+               if math.isfinite(f) and abs(d - f) > SINK_ATOL + SINK_RTOL * abs(d)]
+        if off:
+            h = off[0]
+            return Check(4, "score_design", "fail", "sink logit the weights show", found[h], declared.sinks[h], "==",
+                         rtol=SINK_RTOL, atol=SINK_ATOL,
+                         reason=f"the declared --sinks differ from those the weights show: head {h} declared "
+                                f"{declared.sinks[h]:g}, the weights show {found[h]:.4g}",
+                         data={**design.data, "declared_sinks": list(declared.sinks), "sinks": list(found), "head": h})
     if found is None or design.status != "pass":
         return design
     name = "sinks" if design.data.get("design") == "plain" else f"{design.data.get('design')} + sinks"
