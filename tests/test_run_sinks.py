@@ -218,7 +218,10 @@ def test_sink_files_load_safely(tmp_path):
     torch.save({"a": torch.ones(3), "b": torch.ones(3)}, tmp_path / "two.pt")
     with pytest.raises(InputError, match="expected one tensor or one named 'sinks'"):
         parse_sinks(str(tmp_path / "two.pt"), 3)
-    assert parse_sinks(torch.tensor([[0.5, 0.5, 0.5]]), 3) == (0.5, 0.5, 0.5)
+    assert parse_sinks(torch.tensor([0.5, 0.5, 0.5]), 3) == (0.5, 0.5, 0.5)
+    for shape in [(1, 3), (), (4,), (1,)]:  # a tensor is one value per head, [Nh], exactly
+        with pytest.raises(InputError, match="expected one value per query head"):
+            parse_sinks(torch.zeros(shape), 3)
     assert parse_sinks(2, 4) == (2.0,) * 4
     with pytest.raises(InputError):
         parse_sinks(True, 3)

@@ -25,6 +25,9 @@ def parse_sinks(value: Any, n_heads: int, field: str = "sinks") -> tuple[float, 
     """
     if value is None:
         return None
+    if _is_tensor(value) and tuple(value.shape) != (n_heads,):
+        raise InputError(f"{field}: got a tensor of shape {list(value.shape)}, expected one value per query head "
+                         f"[Nh] = [{n_heads}]")
     found = _values(value, field)
     if not found:
         raise InputError(f"{field}: got no values, expected {EXPECTED}")
@@ -52,13 +55,22 @@ def _values(value: Any, field: str) -> tuple[float, ...]:
         return tuple(out)
     if isinstance(value, str):
         return _text(value, field)
-    if hasattr(value, "detach") and hasattr(value, "is_floating_point"):  # a tensor
-        if value.is_complex() or value.dtype.is_signed is False and not value.is_floating_point():
+    if _is_tensor(value):
+        if value.is_complex() or value.dtype == _torch_bool():
             raise InputError(f"{field}: got a {value.dtype} tensor, expected real numbers")
-        if value.dim() > 1 and value.numel() != max(value.shape):
-            raise InputError(f"{field}: got a tensor of shape {list(value.shape)}, expected one value per head [Nh]")
         return tuple(float(x) for x in value.detach().double().reshape(-1).cpu().tolist())
     raise InputError(f"{field}: got a {type(value).__name__}, expected {EXPECTED}")
+
+
+def _is_tensor(value: Any) -> bool:
+    return hasattr(value, "detach") and hasattr(value, "is_floating_point") and hasattr(value, "shape")
+
+
+def _torch_bool() -> Any:
+    """torch.bool, read from the tensor's own module so that this module imports no torch."""
+    import torch
+
+    return torch.bool
 
 
 def _text(text: str, field: str) -> tuple[float, ...]:
@@ -94,8 +106,9 @@ def _file(path: Path, field: str) -> tuple[float, ...]:
     from attn_ledger.inputs.tensorio import load_tensor_file
 
     found = load_tensor_file(path, field)
-    if "sinks" in found:
-        return _values(found["sinks"], field)
-    if len(found) != 1:
+    if "sinks" not in found and len(found) != 1:
         raise InputError(f"{field}: {str(path)!r} holds {sorted(found)}, expected one tensor or one named 'sinks'")
-    return _values(next(iter(found.values())), field)
+    t = found["sinks"] if "sinks" in found else next(iter(found.values()))
+    if t.dim() != 1:
+        raise InputError(f"{field}: {str(path)!r} holds a tensor of shape {list(t.shape)}, expected [Nh]")
+    return _values(t, field)
