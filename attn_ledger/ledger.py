@@ -34,7 +34,7 @@ from attn_ledger.maths import relations
 from attn_ledger.engine.backends import SDPA_BACKENDS, resolve_backends
 from attn_ledger.devices import reference_dtype, resolve_device, torch_dtype
 from attn_ledger.engine.execute import ProgressFn
-from attn_ledger.engine.grid import Grid, run_grid, scale_meta, softcap_meta
+from attn_ledger.engine.grid import Grid, run_grid, scale_meta, sinks_meta, softcap_meta
 from attn_ledger.engine.positions import rope_row
 from attn_ledger.engine.properties import properties_row
 from attn_ledger.engine.rows import Rows
@@ -85,13 +85,14 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     Returns:
         The :class:`~attn_ledger.report.Report`; ``report.first_finding`` is the diagnosis.
     """
-    from attn_ledger.maths.pipeline import ops_for, with_softcap
+    from attn_ledger.maths.pipeline import ops_for, with_sinks, with_softcap
 
     cfg = config
     device, dtype = resolve_device(cfg.device), torch_dtype(cfg.dtype)
     b, tq, tk, nh = cfg.batch_size, cfg.tq, cfg.tk, cfg.num_heads
     relation = relations.build(cfg.relation, b, nh, tq, tk, device)
-    ops = with_softcap(ops or ops_for(cfg.fault), cfg.softcap)
+    sinks = inputs.sinks_tensor(cfg.sink_logits, nh, dtype, device)
+    ops = with_sinks(with_softcap(ops or ops_for(cfg.fault), cfg.softcap), sinks)
     spec = cfg.rope_spec
     rows = Rows()
     title, meta = builtin.config_title(cfg, relation, device)
@@ -113,10 +114,11 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     k_exp, v_exp = expanded
     scale = scale_meta(rows, meta, cfg.scale, cfg.temperature, cfg.dh)
     softcap_meta(rows, meta, cfg.softcap, backends)
+    sinks_meta(rows, meta, sinks)
     run_scale = ops.scale_for(cfg.dh, scale)
     grid = run_grid(rows, meta, ops, q, k_exp, v_exp, refs, relation, run_scale, empty_zero, ref_scale=scale,
                     block_size=cfg.block_size, keep_grids=cfg.keep_grids, progress=progress, backends=backends,
-                    softcap=cfg.softcap)
+                    softcap=cfg.softcap, sinks=sinks)
     if grid.context is None or (rows.failed() and not keep_going):
         return done()
     _after_context(rows, ops, cfg, inp, relation, grid, (q, k_exp, v_exp), qkv, run_scale, scale, keep_going)
@@ -174,7 +176,7 @@ def _after_context(rows: Rows, ops: Any, cfg: "RunConfig", inp: builtin.Inputs, 
     if cfg.grad and not (rows.failed() and not keep_going):
         fwd = backward_rows.Forward(*entered, *qkv, (inp.q64, inp.k64, inp.v64), relation, grid.plan, run_scale, scale,
                                     cfg.empty_rows == "zeros", None if spec is None else Rotation(spec, cfg.tk - tq),
-                                    cfg.softcap)
+                                    cfg.softcap, ops.sinks)
         backward_rows.config_backward(rows, ops, cfg, inp, fwd, merged[0], relation, keep_going)
 
 
@@ -208,6 +210,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     grads: "dict[str, Tensor] | None" = None,
     replay: bool = False,
     softcap: float | None = None,
+    sinks: Any = None,
 ) -> Report:
     """Run the ledger on given Q, K, V (and optionally the user's own intermediates and gradients).
 
@@ -232,6 +235,8 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
             pipeline and every reference alike.
         softcap: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask (Gemma 2's
             logit soft-capping), in the pipeline and every reference alike (not with ``grad`` or ``backends``).
+        sinks: attention sinks, one logit per query head (gpt-oss's ``s_aux``): a tensor ``[Nh]``, a number for
+            every head or a sequence of Nh numbers; each is one more column of the softmax, in the denominator only.
         rope: rotary positions applied to q and k before the scores (a :class:`~attn_ledger.maths.rotary.RotarySpec`
             or its text, ``PAIRING[,base=B][,dim=D]``); query i at position ``i + Tk - Tq``.
         grad: run and check the backward stages, seeded with ``grad_output`` on the context: ``"ones"``
@@ -245,7 +250,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         context, properties (and the backward's).
     """
     from attn_ledger.errors import InputError
-    from attn_ledger.maths.pipeline import HEALTHY, with_softcap
+    from attn_ledger.maths.pipeline import HEALTHY, with_sinks, with_softcap
 
     inputs.validate_qkv(q, k, v)
     one_head = q.dim() == 3
@@ -261,10 +266,12 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     rotation_spec = inputs.rope_spec(rope, dh)
     grads = {n: t for n, t in (grads or {}).items() if t is not None}
     inputs.check_options(scale, temperature, grad, grad_output, grads, softcap)
+    sink_t = inputs.sinks_tensor(sinks, nh, q.dtype, q.device)
     given, broken = inputs.given_tensors({"scores": scores, "weights": weights, "out": out}, one_head, b, nh, tq, tk, dv)
     rows = Rows()
     title, meta = inputs.tensor_rows(rows, q, k, v, one_head, relation, source, given)
     title += f" softcap={softcap:g}" if softcap is not None else ""
+    title += " sinks" if sink_t is not None else ""
     order = tensor_stages(rotation_spec is not None, grad)
     empty_zero = empty_rows == "zeros"
 
@@ -281,16 +288,19 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     (qr, kr, vr), refs = rotated
     ref_scale = scale_meta(rows, meta, scale, temperature, dh)
     softcap_meta(rows, meta, softcap, backends)
-    ops = with_softcap(HEALTHY, softcap)
+    sinks_meta(rows, meta, sink_t)
+    ops = with_sinks(with_softcap(HEALTHY, softcap), sink_t)
     k_exp, v_exp = HEALTHY.expand(kr, nh), HEALTHY.expand(vr, nh)
     # Q, K, V go to the reference as given: cast to its dtype and kv heads repeated by its own code
     grid = run_grid(rows, meta, ops, qr, k_exp, v_exp, refs, relation, ref_scale, empty_zero, ref_scale=ref_scale,
                     given=given, broken=tuple(broken), block_size=block_size, keep_grids=keep_grids, progress=progress,
-                    backends=backends, softcap=softcap)
+                    backends=backends, softcap=softcap, sinks=sink_t)
 
-    def hinted() -> Report:  # what to try next where the saved out fails (engine/hints.py)
-        from attn_ledger.engine.hints import with_tensor_hints
+    def hinted() -> Report:  # what to try next where the saved out fails (engine/hints.py); the alternatives
+        from attn_ledger.engine.hints import with_tensor_hints  # tried have no sinks, so none is tried with them
 
+        if sink_t is not None:
+            return done()
         return with_tensor_hints(done(), given.get("out"), (qr, k_exp, v_exp), declared_mask=_mask_key(spec),
                                  declared_text=relation.name, allow=relation.block(0, tq), scale=ref_scale,
                                  softcap=softcap, temperature=temperature,
@@ -337,7 +347,7 @@ def _tensors_after_context(rows: Rows, ops: Any, relation: "Relation", grid: Gri
         shift = k.shape[2] - q.shape[2]  # Tk - Tq: query i sits at position i + Tk - Tq
         fwd = backward_rows.Forward(qr, k_exp, v_exp, q, k, v, (q, k, v), relation, grid.plan, scale, scale,
                                     empty_zero, None if rotation_spec is None else Rotation(rotation_spec, shift),
-                                    softcap)
+                                    softcap, ops.sinks)
         backward_rows.tensor_backward(rows, fwd, grad_output, grads, one_head, replay)
 
 
@@ -363,12 +373,14 @@ def run_ledger_tensors(
     grad_output: "str | None" = None,
     replay: bool = False,
     softcap: float | None = None,
+    sinks: Any = None,
 ) -> Report:
     """Load a ``.pt``/``.safetensors``/``.npz`` file of q, k, v (and optional masks, intermediates and gradients
-    ``grad_out``, ``dq``, ``dk``, ``dv``) and run the ledger (see :func:`ledger_on_qkv`).
+    ``grad_out``, ``dq``, ``dk``, ``dv``, and ``sinks`` ``[Nh]``) and run the ledger (see :func:`ledger_on_qkv`).
 
     ``path`` may also be the file's tensors, loaded already with
     :func:`~attn_ledger.inputs.tensorio.load_tensor_file`; ``source`` then names them in the title.
+    ``sinks`` given here and a ``sinks`` tensor in the file is bad input.
     """
     source = source or (str(path) if isinstance(path, (str, os.PathLike)) else "tensors")
     t = inputs.load(path, None if dtype is None else torch_dtype(dtype), resolve_device(device), source)
@@ -378,4 +390,4 @@ def run_ledger_tensors(
         empty_rows=empty_rows, block_size=block_size, keep_grids=keep_grids, keep_going=keep_going,
         progress=progress, source=source, backends=backends, scale=scale, temperature=temperature, rope=rope,
         grad=grad, grad_output=grad_output, grads={n: t.get(n) for n in ("grad_out", "dq", "dk", "dv")}, replay=replay,
-        softcap=softcap)
+        softcap=softcap, sinks=inputs.file_sinks(t, sinks, source))

@@ -22,12 +22,12 @@ from attn_ledger.inputs.tensorio import save_tensor_file
 runner = CliRunner()
 
 B, NH, NKV, TQ, TK, DH, DV = 2, 4, 2, 3, 5, 6, 7  # all different, so a change to one axis matches no other
-KEYS = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv")
+KEYS = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv", "sinks")
 GRAD_KEYS = ("grad_out", "dq", "dk", "dv")  # compared by the backward stages, so the walk runs them with --grad
 
 
 def consistent_file() -> dict[str, torch.Tensor]:
-    """q, k, v, masks and the intermediates a correct attention gives, in float64."""
+    """q, k, v, masks, attention sinks and the intermediates a correct attention gives, in float64."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(B, NH, TQ, DH, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(B, NKV, TK, DH, generator=g, dtype=torch.float64, requires_grad=True)
@@ -38,12 +38,14 @@ def consistent_file() -> dict[str, torch.Tensor]:
     kr, vr = k.repeat_interleave(NH // NKV, 1), v.repeat_interleave(NH // NKV, 1)
     scores = q @ kr.transpose(-2, -1) / math.sqrt(DH)  # [B, Nh, Tq, Tk]
     keep = allow & key_valid[:, None, None, :]
-    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    sinks = torch.linspace(-1.0, 1.0, NH, dtype=torch.float64)  # one logit per head, in the denominator only
+    col = sinks.reshape(1, NH, 1, 1).expand(B, NH, TQ, 1)
+    weights = torch.softmax(torch.cat([scores.masked_fill(~keep, float("-inf")), col], dim=-1), dim=-1)[..., :-1]
     out = weights @ vr  # [B, Nh, Tq, Dv]
     grad_out = torch.randn(B, NH, TQ, DV, generator=g, dtype=torch.float64)  # O-bar
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
     found = {"q": q, "k": k, "v": v, "allow_mask": allow, "key_valid": key_valid, "scores": scores,
-             "weights": weights, "out": out, "grad_out": grad_out, "dq": dq, "dk": dk, "dv": dv}
+             "weights": weights, "out": out, "grad_out": grad_out, "dq": dq, "dk": dk, "dv": dv, "sinks": sinks}
     return {name: t.detach() for name, t in found.items()}
 
 
@@ -78,6 +80,8 @@ def loadable(t: dict[str, torch.Tensor]) -> bool:
     if not (k[0] == v[0] == b and k[3] == dh and v[1] == nkv and v[2] == tk and nh % nkv == 0):
         return False
     if "allow_mask" in t and tuple(t["allow_mask"].shape) not in ((tq, tk), (b, tq, tk), (b, nh, tq, tk)):
+        return False
+    if "sinks" in t and tuple(t["sinks"].shape) != (nh,):
         return False
     return "key_valid" not in t or tuple(t["key_valid"].shape) == (b, tk)
 

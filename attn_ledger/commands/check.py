@@ -53,6 +53,9 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     softcap: Annotated[
         Optional[float], typer.Option("--softcap", metavar="C", help="The module soft-caps its scaled scores, C * tanh(s / C), before the mask (--module; Gemma 2's attn_logit_softcapping).")
     ] = None,
+    sinks: Annotated[
+        Optional[str], typer.Option("--sinks", metavar="S", help="The module has attention sinks, one logit per head in the softmax's denominator (--module; gpt-oss): a number for every head or Nh numbers joined by ','.")
+    ] = None,
     batch_size: Annotated[Optional[str], typer.Option("--batch-size", metavar=INT, help="B, for --module, at least 2. Default: 2.")] = None,
     seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, help="T, for --module, at least 2. Default: 6.")] = None,
     case: Annotated[
@@ -136,7 +139,7 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
                 "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision,
                 "strict_coverage": strict_coverage}
     module_options = {"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal, "--window": window,
-                      "--scale": scale, "--softcap": softcap, "--batch-size": batch_size, "--seq-len": seq_len,
+                      "--scale": scale, "--softcap": softcap, "--sinks": sinks, "--batch-size": batch_size, "--seq-len": seq_len,
                       "--max-memory": max_memory}
 
     def build():
@@ -188,6 +191,7 @@ def _module_args(module: str, decode: Optional[str], given: dict, seed: int) -> 
     from attn_ledger.errors import InputError
     from attn_ledger.engine.budget import estimate_module
     from attn_ledger.probes.module.check import BATCH_SIZE, SEQ_LEN, validate_module_options
+    from attn_ledger.inputs.sinks import parse_sinks
     from attn_ledger.inputs.userload import parse_spec
 
     e, nh = opt.integer(given["--embed-dim"], "--embed-dim", 1), opt.integer(given["--heads"], "--heads", 1)
@@ -199,14 +203,16 @@ def _module_args(module: str, decode: Optional[str], given: dict, seed: int) -> 
     causal = given["--causal/--no-causal"]
     is_causal = True if causal is None else causal
     scale, softcap = given["--scale"], given["--softcap"]
-    validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, softcap=softcap, **sizes)
+    sinks = parse_sinks(given["--sinks"], nh, "--sinks")
+    validate_module_options(e, nh, causal=is_causal, window=w, scale=scale, softcap=softcap, sinks=sinks, **sizes)
     opt.guard(estimate_module(e, nh, sizes["batch_size"], sizes["seq_len"], f"check --module E={e} Nh={nh}"),
               opt.memory(given["--max-memory"]))
     parse_spec(module, "--module")
     if decode is not None:
         parse_spec(decode, "--decode")
     return {"spec": module, "field": "--module", "embed_dim": e, "num_heads": nh, "causal": is_causal, "window": w,
-            "scale": scale, "softcap": softcap, "seed": seed, "decode": decode, **sizes}
+            "scale": scale, "softcap": softcap, "sinks": None if sinks is None else list(sinks), "seed": seed,
+            "decode": decode, **sizes}
 
 
 def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: dict, seed: int,

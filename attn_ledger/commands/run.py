@@ -25,7 +25,8 @@ OPTION_NAMES = {"batch_size": "--batch-size", "seq_len": "--seq-len", "query_len
                 "prefix_len": "--prefix-len", "empty_rows": "--empty-rows", "dtype": "--dtype", "seed": "--seed",
                 "input": "--input", "device": "--device", "block_size": "--block-size", "keep_grids": "--keep-grids",
                 "fault": "--fault", "grad": "--grad", "grad_output": "--grad-output", "replay": "--replay",
-                "scale": "--scale", "temperature": "--temperature", "rope": "--rope", "softcap": "--softcap"}
+                "scale": "--scale", "temperature": "--temperature", "rope": "--rope", "softcap": "--softcap",
+                "sinks": "--sinks"}
 
 
 EmptyRows = opt.choices("EmptyRows", "error", "zeros")
@@ -45,7 +46,7 @@ def seed_file(grad_output: str | None) -> str | None:
     return None if grad_output in (None, "ones", "identity") else grad_output
 
 
-def run(  # long by its 36 options (typer reads them from the signature); the body parses them, helpers below run them
+def run(  # long by its 37 options (typer reads them from the signature); the body parses them, helpers below run them
     config: Annotated[Optional[Path], typer.Argument(help="TOML or JSON config; omitted: the embedded default (B=2, T=5, E=12, Nh=3, causal).", show_default=False)] = None,
     tensors: Annotated[Optional[Path], typer.Option("--tensors", help="Saved q, k, v (.pt, .safetensors, .npz), with optional allow_mask, key_valid, scores, weights, out.")] = None,
     fault: Annotated[Optional[FaultName], typer.Option("--fault", help="Inject one deliberate failure into the built-in pipeline.")] = None,
@@ -82,6 +83,7 @@ def run(  # long by its 36 options (typer reads them from the signature); the bo
     scale: Annotated[Optional[float], typer.Option("--scale", help="Score scale S (default 1/sqrt(Dh)); the pipeline and every reference use S/tau.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Softmax temperature tau: the score scale becomes S/tau.")] = None,
     softcap: Annotated[Optional[float], typer.Option("--softcap", metavar="C", help="Soft-cap the scaled scores, C * tanh(s / C), before the mask (Gemma 2's attn_logit_softcapping), in the pipeline, every reference and the backward (--grad).")] = None,
+    sinks: Annotated[Optional[str], typer.Option("--sinks", metavar="S|FILE", help="Attention sinks, one logit per head in the softmax's denominator only (gpt-oss's s_aux): a number for every head, Nh numbers joined by ',', or a tensor file; in the pipeline, every reference and the backward (--grad).")] = None,
     rope: Annotated[Optional[str], typer.Option("--rope", help="Rotary positions on q and k before the scores: PAIRING[,base=B][,dim=D], PAIRING half or interleaved (e.g. half, interleaved,base=500000,dim=32).")] = None,
 ) -> None:
     """Run attention as named stages, check each, and name the first stage that diverges.
@@ -109,7 +111,7 @@ def run(  # long by its 36 options (typer reads them from the signature); the bo
                 prefix_len=positions["--prefix-len"], empty_rows=(empty_rows.value if empty_rows else "error"),
                 dtype=dtype.value if dtype else None, device=device or "cpu", block_size=positions["--block-size"],
                 keep_grids=keep_grids, keep_going=keep_going, backends=backends, scale=scale, temperature=temperature,
-                rope=rope, grad=grad, grad_output=grad_output, replay=replay, softcap=softcap)
+                rope=rope, grad=grad, grad_output=grad_output, replay=replay, softcap=softcap, sinks=sinks)
         overrides = {
             "fault": fault.value if fault else None, "batch_size": sizes["--batch-size"], "seq_len": sizes["--seq-len"],
             "query_len": sizes["--query-len"], "key_len": sizes["--key-len"], "embed_dim": sizes["--embed-dim"],
@@ -119,12 +121,16 @@ def run(  # long by its 36 options (typer reads them from the signature); the bo
             "seed": seed_value, "input": input_kind.value if input_kind else None, "device": device,
             "block_size": positions["--block-size"], "keep_grids": keep_grids or None, "grad": grad or None,
             "grad_output": grad_output, "replay": replay or None, "scale": scale, "temperature": temperature,
-            "rope": rope, "softcap": softcap,
+            "rope": rope, "softcap": softcap, "sinks": sinks,
         }
         return _on_config(config, overrides, budget, progress, pictures=pictures, outputs={"output": output, "html": html},
                           keep_going=keep_going, backends=backends)
 
     inputs = {"config": config, "--tensors": tensors, "--grad-output": seed_file(grad_output)}
+    from attn_ledger.inputs.sinks import names_file
+
+    if sinks is not None and names_file(sinks):
+        inputs["--sinks"] = Path(sinks)
     execute(build, output_format, output, command="run", detail=detail, show=shown, html=html, inputs=inputs)
 
 

@@ -47,22 +47,30 @@ def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor 
 
 
 def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                cap: float) -> "Tensor":
-    """SDPA's softmax and mix on soft-capped scores: ``[B, Nh, rows, Dv]``.
+                cap: float | None, sinks: "Tensor | None" = None) -> "Tensor":
+    """SDPA's softmax and mix on soft-capped scores (and one sink per head): ``[B, Nh, rows, Dv]``.
 
     SDPA has no soft-cap, so it gets the capped scores ``cap * tanh(scale * q.k / cap)`` (in the
     run's dtype, -inf where forbidden) as its additive mask, with q zeroed so that its own
     scores are 0. A query with no allowed key gets what SDPA gives it under the boolean mask.
+    With ``sinks`` (``[Nh]``), the mask gains one column holding each head's sink logit, over a
+    zero key and a zero value: the sink is in the denominator and mixes nothing.
     """
     import torch
     import torch.nn.functional as F
 
     s = (q * scale) @ k.transpose(-2, -1)  # [B, Nh, rows, kw]
-    bias = torch.tanh(s / cap) * cap
+    bias = s if cap is None else torch.tanh(s / cap) * cap
     if allow is not None:
         bias = bias.masked_fill(~allow, float("-inf"))
+    if sinks is not None:
+        b, nh, rows, _ = bias.shape
+        col = sinks.to(bias.dtype).reshape(1, nh, 1, 1).expand(b, nh, rows, 1)
+        bias = torch.cat([bias, col], dim=-1)  # [B, Nh, rows, kw + 1]
+        k = torch.cat([k, k.new_zeros(*k.shape[:-2], 1, k.shape[-1])], dim=-2)
+        v = torch.cat([v, v.new_zeros(*v.shape[:-2], 1, v.shape[-1])], dim=-2)
     out = F.scaled_dot_product_attention(torch.zeros_like(q), k, v, attn_mask=bias, dropout_p=0.0)
-    if allow is not None:
+    if allow is not None and sinks is None:
         dead = ~allow.any(dim=-1, keepdim=True)  # [B|1, Nh|1, rows, 1]
         if bool(dead.any()):
             plain = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=0.0, scale=scale)
@@ -72,7 +80,7 @@ def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", s
 
 def resolve_backends(
     requested: "str | list[str] | tuple[str, ...] | None", device: "torch.device", run_dtype: "torch.dtype",
-    masked: bool, grid: int, softcap: float | None = None,
+    masked: bool, grid: int, softcap: float | None = None, sinks: bool = False,
 ) -> tuple[tuple[tuple[str, "torch.dtype"], ...], dict[tuple[str, str], str]]:
     """The (backend, dtype) pairs of the backend matrix that this device can run, and why the others cannot.
 
@@ -82,6 +90,7 @@ def resolve_backends(
         grid: B*Nh*Tq*Tk; small grids also get float32, float16 and bfloat16 next to the run's dtype.
         softcap: the run's soft-cap: each backend is probed as the ledger will call it, with the capped
             scores as its additive mask.
+        sinks: the run has attention sinks, which no SDPA backend takes: each is reported not applicable.
 
     Returns:
         ``(pairs, unavailable)``: pairs in matrix order; ``unavailable`` maps ``(name, dtype name)`` to the reason.
@@ -98,6 +107,8 @@ def resolve_backends(
     bad = [n for n in names if n not in SDPA_BACKENDS]
     if bad or not names:
         raise InputError(f"backends: got {requested!r}, expected 'all' or names from {', '.join(SDPA_BACKENDS)} joined by ','")
+    if sinks:  # SDPA has no sinks: no backend is asked to fake them
+        return (), {(name, dtype_name(run_dtype)): "not applicable: SDPA takes no attention sinks" for name in names}
     dtypes = [run_dtype]
     if grid <= BACKEND_GRID:
         dtypes += [d for d in (torch.float32, torch.float16, torch.bfloat16) if d != run_dtype]

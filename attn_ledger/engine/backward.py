@@ -99,10 +99,10 @@ class Backward:
     def __init__(self, plan: P.Plan, relation: "Relation", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
                  grad_context: "Tensor", *, scale: float, sdpa_scale: float, empty_zero: bool, n_kv: int,
                  rotation: Rotation | None = None, ref: "dict[str, Tensor] | None" = None, sdpa: bool = True,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, sinks: "Tensor | None" = None) -> None:
         import torch
 
-        self.plan, self.relation, self.ops = plan, relation, ops
+        self.plan, self.relation, self.ops, self.sinks = plan, relation, ops, sinks
         self.q, self.k_exp, self.v_exp, self.go = q, k_exp, v_exp, grad_context
         self.scale, self.sdpa_scale, self.empty_zero, self.n_kv = scale, sdpa_scale, empty_zero, n_kv
         self.rotation, self.ref, self.softcap = rotation, ref, softcap
@@ -217,7 +217,8 @@ class Backward:
 
         for stage, t in (("grad_values", self.dv_exp), ("grad_k", self.dk_exp)):
             yield from self._blocked(stage, t)
-        if self.softcap is None:  # through a cap the rows of the scores' gradient no longer sum to zero
+        if self.softcap is None and self.sinks is None:  # through a cap, or with a sink's share, the rows of the
+            # scores' gradient no longer sum to zero
             yield key_sum(self.dk_exp)
         self.dq, self.dk, self.dv = self._unrotated(self.dq_post, reduce_kv(self.dk_exp, self.n_kv),
                                                     reduce_kv(self.dv_exp, self.n_kv))
@@ -277,7 +278,7 @@ class Backward:
         if plan.b == 0 or not all(blk.layout.all_live for blk in plan.blocks):
             return  # no example, or queries with every key blocked: SDPA's rows there are not defined alike
         with torch.enable_grad():
-            if plan.sdpa_whole_causal and self.softcap is None:  # exactly causal: one is_causal call, as the forward
+            if plan.sdpa_whole_causal and self.softcap is None and self.sinks is None:  # exactly causal: one is_causal call, as the forward
                 q, k, v = (t.detach().clone().requires_grad_(True) for t in (self.q, self.k_exp, self.v_exp))
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True, scale=self.sdpa_scale)
                 gq, gk, gv = torch.autograd.grad(out, (q, k, v), self.go)
@@ -305,10 +306,10 @@ class Backward:
             q = self.q[:, :, g.q0:g.q1].detach().clone().requires_grad_(True)
             k, v = (t[:, :, lo:hi].detach().clone().requires_grad_(True) for t in (self.k_exp, self.v_exp))
             mask = None if allow is None else allow[..., lo:hi]
-            if self.softcap is not None:
+            if self.softcap is not None or self.sinks is not None:
                 from attn_ledger.engine.execute import sdpa_capped
 
-                out = sdpa_capped(q, k, v, mask, self.sdpa_scale, self.softcap)  # [B, Nh, rows, Dv]
+                out = sdpa_capped(q, k, v, mask, self.sdpa_scale, self.softcap, self.sinks)  # [B, Nh, rows, Dv]
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
                                                      scale=self.sdpa_scale)  # [B, Nh, rows, Dv]

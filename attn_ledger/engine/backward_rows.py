@@ -54,6 +54,7 @@ class Forward:
     empty_zero: bool
     rotation: Rotation | None
     softcap: float | None = None  # the scores' soft-cap, through which the backward runs too
+    sinks: "Tensor | None" = None  # [Nh] attention sinks in the softmax's denominator, or None
 
 
 def sampled_words(plan: "Plan") -> str:
@@ -67,7 +68,7 @@ def core_backward(rows: Rows, ops: Any, fwd: Forward, go: "Tensor", ref: "dict[s
     nkv, tk, dv = fwd.k_in.shape[1], fwd.k_exp.shape[2], fwd.v_exp.shape[-1]
     run = Backward(fwd.plan, fwd.relation, ops, fwd.q, fwd.k_exp, fwd.v_exp, go, scale=fwd.scale,
                    sdpa_scale=fwd.sdpa_scale, empty_zero=fwd.empty_zero, n_kv=nkv, rotation=fwd.rotation, ref=ref,
-                   softcap=fwd.softcap)
+                   softcap=fwd.softcap, sinks=fwd.sinks)
     tally = Tally.of(run.run())
     derived = {"grad_weights": (b, nh, tq, tk), "grad_values": (b, nkv, tk, dv), "grad_scores": (b, nh, tq, tk),
                "grad_q": (b, nh, tq, dh), "grad_k": (b, nkv, tk, dh)}
@@ -99,7 +100,7 @@ def _replayed(ops: Any, fwd: Forward, go: "Tensor", first: Backward) -> Check:
     """The backward run again: Q-bar, K-bar and V-bar bitwise the same."""
     second = Backward(fwd.plan, fwd.relation, ops, fwd.q, fwd.k_exp, fwd.v_exp, go, scale=fwd.scale,
                       sdpa_scale=fwd.sdpa_scale, empty_zero=fwd.empty_zero, n_kv=fwd.k_in.shape[1],
-                      rotation=fwd.rotation, sdpa=False, softcap=fwd.softcap)
+                      rotation=fwd.rotation, sdpa=False, softcap=fwd.softcap, sinks=fwd.sinks)
     for _ in second.run():
         pass
     from attn_ledger.engine.replay import replay_check
@@ -261,7 +262,8 @@ def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merg
                                     cfg.num_heads, cfg.nkv, picked, go_out[:, picked],
                                     allow_mask=sample_allow(relation, plan.reference_spans, cfg.tk),
                                     scale=fwd.sdpa_scale, empty_rows="zeros" if fwd.empty_zero else "nan",
-                                     rope=rot, dtype=reference_dtype(inp.x.device), softcap=fwd.softcap)
+                                     rope=rot, dtype=reference_dtype(inp.x.device), softcap=fwd.softcap,
+                                    sinks=fwd.sinks)
     go = config_context_row(rows, ops, go_out, w.wo, cfg.num_heads, cfg.dv, ref, plan, seed_data(cfg.grad_output))
     if go is None or (rows.failed() and not keep_going):
         return
@@ -270,10 +272,10 @@ def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merg
         return
     sdpa = None
     if b and all(blk.layout.all_live for blk in plan.blocks):
-        whole = plan.sdpa_whole_causal and fwd.softcap is None
+        whole = plan.sdpa_whole_causal and fwd.softcap is None and fwd.sinks is None
         allow = None if whole else relation.block(0, tq)
         sdpa = sdpa_chain_gradients(inp, cfg.num_heads, cfg.nkv, allow, whole, fwd.sdpa_scale, fwd.rotation, go_out,
-                                    fwd.softcap)
+                                    fwd.softcap, fwd.sinks)
     config_rows(rows, ops, run, inp, go_out, merged, ref, sdpa, plan)
 
 
@@ -283,7 +285,7 @@ def tensor_backward(rows: Rows, fwd: Forward, grad_output: Any, grads: "dict[str
     from attn_ledger.engine import given as inputs
     from attn_ledger.devices import reference_dtype
     from attn_ledger.engine.execute import sample_allow, sample_rows
-    from attn_ledger.maths.pipeline import HEALTHY, with_softcap
+    from attn_ledger.maths.pipeline import HEALTHY, with_sinks, with_softcap
     from attn_ledger.maths.reference import reference_gradients
 
     q_in, k_in, v_in = fwd.q_in, fwd.k_in, fwd.v_in
@@ -305,7 +307,7 @@ def tensor_backward(rows: Rows, fwd: Forward, grad_output: Any, grads: "dict[str
                               allow_mask=sample_allow(fwd.relation, plan.reference_spans, k_in.shape[2]),
                               scale=fwd.sdpa_scale, empty_rows="zeros" if fwd.empty_zero else "nan",
                               rope=None if fwd.rotation is None else (fwd.rotation.spec,),
-                              dtype=reference_dtype(q_in.device), softcap=fwd.softcap)
-    run = core_backward(rows, with_softcap(HEALTHY, fwd.softcap), fwd, go, ref, replay=replay)
+                              dtype=reference_dtype(q_in.device), softcap=fwd.softcap, sinks=fwd.sinks)
+    run = core_backward(rows, with_sinks(with_softcap(HEALTHY, fwd.softcap), fwd.sinks), fwd, go, ref, replay=replay)
     if run is not None:
         user_grads(rows, run, ref, given, broken, plan, seeded)

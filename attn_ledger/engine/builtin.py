@@ -212,7 +212,8 @@ def grad_input(ops: Any, dq: "Tensor", dk: "Tensor", dv: "Tensor", w: Any, cross
 
 
 def sdpa_chain_gradients(inp: Inputs, nh: int, nkv: int, allow: "Tensor | None", whole_causal: bool, scale: float,
-                         rotation: Any, grad_output: "Tensor", softcap: float | None = None) -> dict[str, "Tensor"]:
+                         rotation: Any, grad_output: "Tensor", softcap: float | None = None,
+                         sinks: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """Autograd, in the run's dtype, of the same multi-head attention built on F.scaled_dot_product_attention
     (with a soft-cap, SDPA gets the capped scores as its additive mask: :func:`~attn_ledger.engine.backends.sdpa_capped`)."""
     import torch
@@ -230,10 +231,10 @@ def sdpa_chain_gradients(inp: Inputs, nh: int, nkv: int, allow: "Tensor | None",
         q, k, v = heads_of(x @ wq.T, nh), heads_of(xkv @ wk.T, nkv), heads_of(xkv @ wv.T, nkv)  # [B, N, T, D]
         if rotation is not None:
             q, k = apply_rotary(q, rotation.spec, offset=rotation.q_start), apply_rotary(k, rotation.spec)
-        if softcap is not None:
+        if softcap is not None or sinks is not None:
             from attn_ledger.engine.execute import sdpa_capped
 
-            ctx = sdpa_capped(q, repeat_kv(k, nh), repeat_kv(v, nh), allow, scale, softcap)  # [B, Nh, Tq, Dv]
+            ctx = sdpa_capped(q, repeat_kv(k, nh), repeat_kv(v, nh), allow, scale, softcap, sinks)  # [B, Nh, Tq, Dv]
         else:
             ctx = F.scaled_dot_product_attention(q, repeat_kv(k, nh), repeat_kv(v, nh), attn_mask=allow, dropout_p=0.0,
                                                  is_causal=whole_causal, scale=scale)  # [B, Nh, Tq, Dv]

@@ -20,7 +20,9 @@ The references:
 * with ``backends``, each pinned SDPA backend repeats the context comparison.
 
 With a soft-cap, every reference caps the scaled scores before the mask; SDPA, which has no
-cap, is handed the capped scores as its additive mask with q zeroed (:func:`sdpa_capped`).
+cap, is handed the capped scores as its additive mask with q zeroed (:func:`sdpa_capped`). With
+attention sinks (one logit per head, in the denominator only), every reference counts them; SDPA
+gets them as one more column of that additive mask, over a zero key and value.
 
 The engine runs in inference mode, which spares its many small operations the autograd
 bookkeeping; the context it fills is allocated outside, so it is an ordinary tensor.
@@ -39,6 +41,7 @@ from attn_ledger.engine.backends import sdpa_capped
 from attn_ledger.engine import plan as P
 from attn_ledger.engine import rounding
 from attn_ledger.engine.measure import Agreement, Broken, Measure, Peak
+from attn_ledger.maths.pipeline import sink_share
 
 if TYPE_CHECKING:
     import torch
@@ -95,10 +98,11 @@ class Execution:
     def __init__(self, plan: P.Plan, relation: "Relation", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
                  ref: tuple["Tensor", "Tensor", "Tensor"], *, scale: float, ref_scale: float, empty_zero: bool,
                  given: "dict[str, Tensor] | None" = None, backends: tuple[tuple[str, "torch.dtype"], ...] = (),
-                 progress: ProgressFn | None = None, softcap: float | None = None) -> None:
+                 progress: ProgressFn | None = None, softcap: float | None = None,
+                 sinks: "Tensor | None" = None) -> None:
         import torch
 
-        self.plan, self.relation, self.ops, self.softcap = plan, relation, ops, softcap
+        self.plan, self.relation, self.ops, self.softcap, self.sinks = plan, relation, ops, softcap, sinks
         self.q, self.k_exp, self.v_exp, self.ref = q, k_exp, v_exp, ref
         self.scale, self.ref_scale, self.empty_zero = scale, ref_scale, empty_zero
         self.given, self.backends, self.progress = given or {}, backends, progress
@@ -140,7 +144,7 @@ class Execution:
         ref_dtype = reference_dtype(self.q.device)
         empty = "zeros" if self.empty_zero else "nan"
         self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype,
-                                               self.softcap), plan.reference_spans)
+                                               self.softcap, self.sinks), plan.reference_spans)
         if not self.half and ref_dtype == torch.float64:  # half precision keeps the factor rule
             self.sample.mags = sampled_rounding(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, self.softcap,
                                                 (self.q, self.k_exp, self.v_exp))
@@ -156,7 +160,7 @@ class Execution:
     @property
     def sdpa_whole_causal(self) -> bool:
         """SDPA runs once on the whole input with is_causal (not with a cap: it is then given the capped scores)."""
-        return self.plan.sdpa_whole_causal and self.softcap is None
+        return self.plan.sdpa_whole_causal and self.softcap is None and self.sinks is None
 
     def _block(self, blk: P.Block) -> Iterator[Measure]:
         """One block through the four stages; returns False when a stage broke."""
@@ -191,6 +195,8 @@ class Execution:
             at = slice(blk.sample_at, blk.sample_at + z - a)
             ref_all = self.sample.ref
             t.ref = {"out": ref_all["out"][:, :, at]}  # [B, Nh, z - a, Dv]
+            if self.sinks is not None:
+                t.ref["sink_share"] = ref_all["sink_share"][:, :, at]  # [B, Nh, z - a]
             self.ref_context[(blk.q0 + a, blk.q0 + z)] = t.ref["out"]
             if self.half or self.given or self.backends:  # compared block by block: the block's key range
                 for key in ("scores", "masked_scores", "weights"):
@@ -202,7 +208,7 @@ class Execution:
             if self.half:
                 t.plain = reference_stages(t.qb[:, :, a:z], t.kb, t.vb, allow_mask=self._ai_rows(t), scale=self.ref_scale,
                                            empty_rows="zeros" if self.empty_zero else "nan", dtype=self.dtype,
-                                           softcap=self.softcap)
+                                           softcap=self.softcap, sinks=self.sinks)
         return t
 
     @staticmethod
@@ -273,17 +279,20 @@ class Execution:
         if tuple(w.shape) != grid:
             yield Broken("weights", shape=tuple(w.shape), expected=grid)
             return None
+        share = None if self.sinks is None else sink_share(m, self.sinks)  # [B, Nh, rows], from the pipeline's scores
         yield from M.weight_invariants("weights", "pipeline", w, t.ai, t.live, self.empty_zero, self.sum_limit, blk.q0,
-                                       lay.lo, band=lay.band, count_nonfinite=True, forbid=t.forbid)
+                                       lay.lo, band=lay.band, count_nonfinite=True, forbid=t.forbid, extra=share)
         if t.ref is not None:
             self.sample.put("weights", blk.sample_at, w[:, :, t.rows], lay.lo, lay.hi)
+            if share is not None:
+                yield M.sink_share_error(w[:, :, t.rows], t.ref["sink_share"], blk.q0 + t.rows.start)
             if t.plain is not None:
                 yield M.error("weights", "plain", t.plain["weights"], t.ref["weights"], dtype=self.dtype_name)
         if "weights" in self.given:
             uw = self.given["weights"][:, :, blk.q0:blk.q1]  # [B, Nh, rows, Tk]
             yield M.nonfinite("weights", uw, "given", blk.q0, 0)
             yield from M.weight_invariants("weights", "given", uw, t.ai, t.live, self.empty_zero, self.sum_limit,
-                                           blk.q0, 0)
+                                           blk.q0, 0, extra=share)
             if t.ref is not None and t.mags is not None:
                 yield rounding.agreement("weights", "given", uw[:, :, t.rows, lay.lo:lay.hi], t.ref["weights"],
                                          t.mags["weights"], self.dtype_name, blk.q0 + t.rows.start, lay.lo)
@@ -305,7 +314,10 @@ class Execution:
             return None
         self.context[:, :, blk.q0:blk.q1] = c
         span = None if self.chunks is None else M.value_span(self.v_exp, self.chunks, lay.lo, lay.hi)
-        value, idx = M.range_excess(c, t.vb, t.ai, self.rtol, self.atol, span=span)
+        vb, ai = t.vb, t.ai
+        if self.sinks is not None:  # the sink mixes a zero value: the range of the value rows and zero
+            vb, ai, span = M.with_zero_value(vb, ai)
+        value, idx = M.range_excess(c, vb, ai, self.rtol, self.atol, span=span)
         yield Peak("context", "range_excess", value, where=M.where_in(idx, blk.q0, None))
         self.loose_range = self.loose_range or (t.ai is not None and not M.exact_range(c, lay.width, t.ai))
         yield from self._sdpa(blk)
@@ -333,7 +345,8 @@ class Execution:
             qb, kb, vb = self.q[:, :, start.q0:start.q1], self.k_exp[:, :, lo:hi], self.v_exp[:, :, lo:hi]
             self.sdpa_context[:, :, start.q0:start.q1] = (
                 F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=0.0, scale=self.ref_scale)
-                if self.softcap is None else sdpa_capped(qb, kb, vb, mask, self.ref_scale, self.softcap))
+                if self.softcap is None and self.sinks is None
+                else sdpa_capped(qb, kb, vb, mask, self.ref_scale, self.softcap, self.sinks))
         end = self.plan.group_ending_at(blk.index)
         if end is not None:
             blocks = [(b.q0, b.q1) for b in self.plan.blocks[end.first:end.end]]
@@ -343,7 +356,10 @@ class Execution:
         blk = t.blk
         uo = self.given["out"][:, :, blk.q0:blk.q1]  # [B, Nh, rows, Dv]
         yield M.nonfinite("context", uo, "given", blk.q0, None)
-        value, idx = M.range_excess(uo, t.vb, t.ai, self.rtol, self.atol, span=span)
+        vb, ai = t.vb, t.ai
+        if self.sinks is not None:
+            vb, ai, span = M.with_zero_value(vb, ai)
+        value, idx = M.range_excess(uo, vb, ai, self.rtol, self.atol, span=span)
         yield Peak("context", "range_excess", value, "given", M.where_in(idx, blk.q0, None))
         if not self.half:  # SDPA covers every row, also those the float64 sample leaves out
             yield M.agreement("context", "given", "sdpa", uo, sd, self.rtol, self.atol * max(1.0, M.max_abs(sd)),
@@ -521,7 +537,8 @@ class Sample:
 
 
 def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation", plan: P.Plan, scale: float,
-                      empty: str, dtype: "torch.dtype", softcap: float | None = None) -> dict[str, "Tensor"]:
+                      empty: str, dtype: "torch.dtype", softcap: float | None = None,
+                      sinks: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """The reference's stages for every sampled row, over every key, in one call.
 
     Returns ``{"scores", "masked_scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``
@@ -534,7 +551,7 @@ def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation
     spans = plan.reference_spans  # absolute query rows
     contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
     qs = q[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([q[:, :, r0:r1] for r0, r1 in spans], dim=2)
-    ref = reference_block(qs, k, v, sample_allow(relation, spans, tk), scale, empty, dtype, softcap)
+    ref = reference_block(qs, k, v, sample_allow(relation, spans, tk), scale, empty, dtype, softcap, sinks)
     return {key: t for key, t in ref.items() if key != "allow"}
 
 
@@ -577,7 +594,7 @@ def sample_rows(spans: tuple[tuple[int, int], ...], device: Any = None) -> "Tens
 
 
 def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
-                    dtype: "torch.dtype", softcap: float | None = None) -> dict[str, "Tensor"]:
+                    dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """The reference's stages for the sampled rows, a few query heads at a time when K and V are long.
 
     Heads are independent, so chunking over them changes nothing but the size of the
@@ -593,12 +610,15 @@ def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None
     per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * torch.finfo(dtype).bits // 8
     kv_step = max(1, REF_CHUNK_BYTES // max(1, per_kv_head))
     if kv_step >= nkv:
-        return reference_stages(q, k, v, allow_mask=allow, scale=scale, empty_rows=empty, dtype=dtype, softcap=softcap)
+        return reference_stages(q, k, v, allow_mask=allow, scale=scale, empty_rows=empty, dtype=dtype, softcap=softcap,
+                                sinks=sinks)
     parts: list[dict[str, Tensor]] = []
     for j0 in range(0, nkv, kv_step):
         j1 = min(j0 + kv_step, nkv)
         h0, h1 = j0 * group, j1 * group
         a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
         parts.append(reference_stages(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], allow_mask=a, scale=scale,
-                                      empty_rows=empty, dtype=dtype, softcap=softcap))
-    return {key: torch.cat([p[key] for p in parts], dim=1) for key in ("scores", "masked_scores", "weights", "out")}
+                                      empty_rows=empty, dtype=dtype, softcap=softcap,
+                                      sinks=None if sinks is None else sinks[h0:h1]))
+    keys = ("scores", "masked_scores", "weights", "out") + (() if sinks is None else ("sink_share",))
+    return {key: torch.cat([p[key] for p in parts], dim=1) for key in keys}

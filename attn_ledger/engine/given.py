@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from attn_ledger.maths.relations import Relation
     from attn_ledger.engine.rows import Rows
 
-TENSOR_NAMES = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv")
+TENSOR_NAMES = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv",
+                "sinks")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 GIVEN = (("scores", "scores"), ("weights", "weights"), ("out", "context"))  # (name, the stage it is compared at)
 GIVEN_GRADS = (("grad_out", "grad_context"), ("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_values"))
@@ -216,6 +217,23 @@ def rope_spec(rope: Any, dh: int) -> Any:
     except InputError as exc:
         raise InputError(str(exc)) from None
     return spec
+
+
+def sinks_tensor(sinks: Any, n_heads: int, dtype: "torch.dtype", device: "torch.device") -> "Tensor | None":
+    """The attention sinks (:func:`~attn_ledger.inputs.sinks.parse_sinks`) as a ``[Nh]`` tensor in the run's dtype, or None."""
+    import torch
+
+    from attn_ledger.inputs.sinks import parse_sinks
+
+    found = parse_sinks(sinks, n_heads)
+    return None if found is None else torch.tensor(found, dtype=dtype, device=device)
+
+
+def file_sinks(t: "Mapping[str, Tensor]", sinks: Any, source: str) -> Any:
+    """The sinks of a ledger on saved tensors: ``sinks`` given, or the file's ``sinks`` tensor, not both."""
+    if "sinks" in t and sinks is not None:
+        raise InputError(f"sinks: got --sinks and a 'sinks' tensor in {source!r}, expected one or the other")
+    return t.get("sinks", sinks)
 
 
 def check_options(scale: Any, temperature: Any, grad: bool, grad_output: Any, grads: "dict[str, Tensor]",

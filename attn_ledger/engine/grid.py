@@ -57,11 +57,20 @@ def softcap_meta(rows: Rows, meta: dict[str, Any], softcap: float | None, backen
     rows.notes.append(Note("softcap", {"C": softcap, "pinned": backends is not None}))
 
 
+def sinks_meta(rows: Rows, meta: dict[str, Any], sinks: "Tensor | None") -> None:
+    """Attention sinks, one logit per head, stated in the notes and details."""
+    if sinks is None:
+        return
+    meta["sinks"] = [float(x) for x in sinks.double().tolist()]
+    rows.notes.append(Note("sinks", {"sinks": meta["sinks"]}))
+
+
 def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
              ref: tuple["Tensor", "Tensor", "Tensor"], relation: "Relation", scale: float, empty_zero: bool, *,
              ref_scale: float, given: "dict[str, Tensor] | None" = None, broken: tuple[Broken, ...] = (),
              block_size: int | None, keep_grids: bool, progress: ProgressFn | None,
-             backends: "str | list[str] | None", softcap: float | None = None) -> Grid:
+             backends: "str | list[str] | None", softcap: float | None = None,
+             sinks: "Tensor | None" = None) -> Grid:
     """The score-grid stages: plan, execute block by block, fold and judge; rows, notes and meta filled in."""
     from attn_ledger.engine.execute import Execution
     from attn_ledger.engine.judge import Tally, judge
@@ -69,14 +78,16 @@ def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Te
 
     b, nh, tq, dh = q.shape
     tk, dv = k_exp.shape[-2], v_exp.shape[-1]
-    pairs, unavailable = resolve_backends(backends, q.device, q.dtype, bool(relation.parts), b * nh * tq * tk, softcap)
+    pairs, unavailable = resolve_backends(backends, q.device, q.dtype, bool(relation.parts), b * nh * tq * tk, softcap,
+                                         sinks is not None)
     if unavailable:
         rows.notes.append(Note("backends_unavailable", {"unavailable": [
             {"backend": n, "dtype": dt, "reason": why} for (n, dt), why in unavailable.items()]}))
     plan = make_plan(b, nh, tq, tk, relation, block_size=block_size, keep_grids=keep_grids, given=bool(given),
                      width_step=key_step(q.dtype, q.device.type, tk))
     run = Execution(plan, relation, ops, q, k_exp, v_exp, ref, scale=scale, ref_scale=ref_scale,
-                    empty_zero=empty_zero, given=given, backends=pairs, progress=progress, softcap=softcap)
+                    empty_zero=empty_zero, given=given, backends=pairs, progress=progress, softcap=softcap,
+                    sinks=sinks)
     tally = Tally.of([*broken, *run.run()])
     derived = {"scores": (b, nh, tq, tk), "masked_scores": (b, nh, tq, tk), "weights": (b, nh, tq, tk),
                "context": (b, nh, tq, dv)}

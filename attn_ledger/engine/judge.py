@@ -196,15 +196,21 @@ def _weights(v: Verdicts, t: Tally, dtype: str) -> None:
     limit = tolerance.row_sum(dtype)
     n = t.count("weights", "nonfinite")
     v.add("weights", C.finite_check(n.n, "weights"), n.where)
-    _invariants(v, t, "weights", "pipeline", "", limit)
+    share = t.peak("weights", "sink_share_err")
+    _invariants(v, t, "weights", "pipeline", "", limit, sinks=share is not None)
+    if share is not None:  # attention sinks: the keys' weights leave the reference's sink share
+        v.add("weights", _bound(4, "sink_share", share.value, limit,
+                                "max |sum over keys - (1 - the float64 reference's sink share)|"), share.where)
     _reference(v, t, "weights", dtype)
 
 
-def _invariants(v: Verdicts, t: Tally, stage: str, of: str, prefix: str, limit: float) -> None:
-    """Row sums, weight on forbidden keys and declared-empty rows of the pipeline's or the given weights."""
+def _invariants(v: Verdicts, t: Tally, stage: str, of: str, prefix: str, limit: float, sinks: bool = False) -> None:
+    """Row sums, weight on forbidden keys and declared-empty rows of the pipeline's or the given weights
+    (``sinks``: each row's sum counts the sink's share)."""
     words = "given weights: " if of == "given" else ""
     for name, peak, what, lim in (
-        ("key_row_sums", "row_sum_err", "max |sum over keys - 1|", limit),
+        ("key_row_sums", "row_sum_err", "max |sum over keys and the sink - 1|" if sinks else "max |sum over keys - 1|",
+         limit),
         ("forbidden_weight", "forbidden_max", "largest weight on a forbidden key", limit),
         ("empty_rows_zero", "empty_row_max", "largest weight in a declared-empty row", 0.0),
     ):
@@ -395,8 +401,9 @@ def judge_backward(t: Tally, dtype: str, *, derived: dict[str, tuple[int, ...]],
         if stage == "grad_k":
             p = t.peak(stage, "key_sum")
             if p is None:
-                v.add(stage, _not_applicable(3, "key_sum_zero", "soft-capped scores: the cap's slope leaves the rows of "
-                                             "the scores' gradient summing to other than zero"))
+                v.add(stage, _not_applicable(3, "key_sum_zero", "soft-capped scores or attention sinks: the cap's slope "
+                                             "or the sink's share leaves the rows of the scores' gradient summing to "
+                                             "other than zero"))
             else:
                 v.add(stage, _bound(3, "key_sum_zero", p.value, tolerance.row_sum(dtype),
                                     "max |sum over keys of K-bar| / sum over keys of |K-bar|"))

@@ -302,19 +302,23 @@ def mask_counts(m: "Tensor", ai: "Tensor | None", live: "Tensor | None", empty_z
 
 def weight_invariants(stage: str, of: str, w: "Tensor", ai: "Tensor | None", live: "Tensor | None",
                       empty_zero: bool, limit: float, q0: int, k0: int, band: tuple[int, int] | None = None,
-                      count_nonfinite: bool = False, forbid: "Tensor | None" = None) -> list[Count | Peak]:
+                      count_nonfinite: bool = False, forbid: "Tensor | None" = None,
+                      extra: "Tensor | None" = None) -> list[Count | Peak]:
     """Row sums over keys, weight on forbidden keys, and declared-empty rows, for one block.
 
     ``band``: key columns ``[v0, v1)`` outside which ``ai`` allows every pair; forbidden
     keys lie only inside it. ``count_nonfinite``: also count non-finite weights, cleared
     at once when every row sum is finite (a NaN or infinite weight makes its row sum so).
     ``forbid``: ``~ai[..., v0:v1]`` when the caller already has it. ``limit``: the row-sum
-    tolerance, above which a value is located.
+    tolerance, above which a value is located. ``extra``: ``[B, Nh, rows]`` what each row holds beside its
+    keys (the attention sink's share), counted in its sum.
     """
     import torch
 
     found: list[Count | Peak] = []
     sums = w.sum(dim=-1)  # [B, Nh, rows]
+    if extra is not None:
+        sums = sums.to(extra.dtype) + extra  # the sink's column counted
     s_lo, s_hi = (float(x) for x in torch.aminmax(sums)) if sums.numel() else (1.0, 1.0)
     sums_finite = math.isfinite(s_lo) and math.isfinite(s_hi)
     if count_nonfinite:
@@ -401,6 +405,28 @@ def exact_range(c: "Tensor", kw: int, ai: "Tensor | None") -> bool:
     """Whether the value-range check holds each row to its own allowed keys (small blocks) or the block's."""
     b, nh, rows, dv = c.shape
     return ai is not None and b * nh * rows * kw * dv <= EXACT_RANGE_BUDGET
+
+
+def sink_share_error(w: "Tensor", ref_share: "Tensor", q0: int) -> Peak:
+    """The largest ``|sum over keys of w - (1 - the reference's sink share)|`` over the sampled rows ``w``
+    ``[B, Nh, R, kw]`` (every key the rows may attend), ``ref_share`` ``[B, Nh, R]``."""
+    import torch
+
+    err = (w.to(ref_share.dtype).sum(dim=-1) - (1.0 - ref_share)).abs()  # [B, Nh, R]
+    worst = max_abs(err) if err.numel() else 0.0
+    return Peak("weights", "sink_share_err", worst, where=where_in(worst_index(err), q0, None) if worst > 0 else None)
+
+
+def with_zero_value(vb: "Tensor", ai: "Tensor | None") -> tuple["Tensor", "Tensor | None", None]:
+    """The value rows ``[B, Nh, kw, Dv]`` and a zero row after them, allowed to every query (an attention sink's
+    value), for :func:`range_excess`; no precomputed span."""
+    import torch
+
+    vz = torch.cat([vb, vb.new_zeros(*vb.shape[:-2], 1, vb.shape[-1])], dim=-2)  # [B, Nh, kw + 1, Dv]
+    if ai is None:
+        return vz, None, None
+    az = torch.cat([ai, ai.new_ones(*ai.shape[:-1], 1)], dim=-1)  # [B|1, Nh|1, rows, kw + 1]
+    return vz, az, None
 
 
 def range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, atol: float,

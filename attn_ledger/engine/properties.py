@@ -80,7 +80,13 @@ def check_properties(ops: Any, probe: tuple, scale: float, *, grad: bool) -> lis
 
 def properties_row(rows: "Rows", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor", relation: "Relation",
                    scale: float, grad: bool) -> None:
-    """The ``properties`` row: every property on the probe, and the probe's size as a field."""
+    """The ``properties`` row: every property on the probe, and the probe's size as a field.
+
+    With attention sinks the probe runs the stage functions without them: a lone key's weight and a
+    row's uniform weights are properties of the softmax over the keys."""
+    from attn_ledger.maths.pipeline import without_sinks
+
+    ops = without_sinks(ops)
     probe = probe_of(q, k_exp, v_exp, relation)
     rows.stage("properties", None, check_properties(ops, probe, scale, grad=grad))
     rows.fields["properties"] = {"probe": [int(probe[0].shape[0]), int(probe[0].shape[1]), int(probe[0].shape[2]),

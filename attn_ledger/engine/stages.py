@@ -189,9 +189,12 @@ STAGES: tuple[StageSpec, ...] = (
     )),
     StageSpec("weights", "[B,Nh,Tq,Tk]", "softmax over keys", (
         _blocks("Tk"), FINITE,
-        CheckSpec(3, "key_row_sums", "each query's weights sum to 1 over keys"),
+        CheckSpec(3, "key_row_sums", "each query's weights sum to 1 over keys (with sinks, over the keys and the "
+                  "sink's share, computed from the pipeline's own masked scores)"),
         CheckSpec(3, "forbidden_weight", "the largest weight on a forbidden key is 0 (within the row-sum tolerance)"),
         CheckSpec(3, "empty_rows_zero", "rows declared empty hold only zeros", "empty_rows = zeros with such rows"),
+        CheckSpec(4, "sink_share", "the weights over the keys sum to 1 minus the float64 reference's sink share "
+                  "(within the row-sum tolerance)", "with --sinks"),
         _VS_REF,
         *_user("weights", "have the score grid's shape", (
             (3, "finite", "the given weights: no NaN or infinity"),

@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 
 from attn_ledger.maths import relations as mask_relations
 from attn_ledger.errors import ConfigError, InputError, clip, did_you_mean, shown, shown_path
+from attn_ledger.inputs.sinks import parse_sinks
 from attn_ledger.inputs.limits import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, MAX_INT_DIGITS, MAX_MASK_CHARS, MAX_MASK_PARTS, MAX_POSITION, SEED_MAX
 
 if TYPE_CHECKING:
@@ -39,12 +40,16 @@ ROPE_FAULTS = ("rope-on-v", "rope-query-offset", "rope-q-only")
 PROPERTY_FAULTS = ("softmax-plus-one", "scores-key-bias", "context-rows-shifted", "values-batch-mix",
                    "softmax-global-max")
 CAP_FAULTS = ("softcap-after-mask",)  # faults in the soft-cap (need softcap)
-ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS + CAP_FAULTS
+SINK_FAULTS = ("sink-dropped", "sink-in-numerator")  # faults in the attention sinks (need sinks)
+WINDOW_FAULTS = ("window-too-wide",)  # faults in the sliding window (need mask sliding-window)
+ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS + CAP_FAULTS + SINK_FAULTS + WINDOW_FAULTS
 GRAD_OUTPUTS = ("ones", "identity")  # or a tensor file
 # what a fault needs to have its stage: the backward (grad) or rotary positions (rope)
 FAULT_NEEDS: dict[str, dict[str, Any]] = {**{f: {"grad": True} for f in GRAD_FAULTS},
                                           **{f: {"rope": "half"} for f in ROPE_FAULTS},
-                                          **{f: {"softcap": 50.0} for f in CAP_FAULTS}}
+                                          **{f: {"softcap": 50.0} for f in CAP_FAULTS},
+                                          **{f: {"sinks": "0.5,-1,2"} for f in SINK_FAULTS},
+                                          **{f: {"mask": "sliding-window", "window": 3} for f in WINDOW_FAULTS}}
 
 MASK_RELATIONS = mask_relations.RELATIONS
 
@@ -73,6 +78,9 @@ class Fault(str, Enum):
     values_batch_mix = "values-batch-mix"
     softmax_global_max = "softmax-global-max"
     softcap_after_mask = "softcap-after-mask"
+    sink_dropped = "sink-dropped"
+    sink_in_numerator = "sink-in-numerator"
+    window_too_wide = "window-too-wide"
 
 
 # keys that only a relation of the mask uses
@@ -136,6 +144,7 @@ class RunConfig(BaseModel):
 
     # the relation ``mask`` names, with the parameters its names use: set once, when the config is made
     _relation: mask_relations.RelationSpec = PrivateAttr(mask_relations.CAUSAL)
+    _sinks: Optional[tuple] = PrivateAttr(None)
 
     @field_validator("mask", mode="before")
     @classmethod
@@ -163,6 +172,7 @@ class RunConfig(BaseModel):
     softcap: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
                                      description="C: the scaled scores become C*tanh(s/C) before the mask")
     rope: Optional[Any] = Field(None, description="rotary positions: PAIRING[,base=B][,dim=D], or a table")
+    sinks: Optional[Any] = Field(None, description="attention sinks: a logit for every head, Nh logits, or a tensor file")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -193,7 +203,22 @@ class RunConfig(BaseModel):
         if self.device not in ("cpu", "cuda", "mps", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: got {self.device!r}, expected cpu, cuda, mps or auto")
         self._backward_and_positions()
+        try:
+            self._sinks = parse_sinks(self.sinks, self.num_heads)
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
+        if self.fault in SINK_FAULTS and self._sinks is None:
+            raise ValueError(f"fault: got {self.fault!r}, a fault in the attention sinks, expected it only with sinks "
+                             "(--sinks)")
+        if self.fault in WINDOW_FAULTS and "sliding-window" not in self.relations:
+            raise ValueError(f"fault: got {self.fault!r}, a fault in the sliding window, expected it only with mask "
+                             "'sliding-window'")
         return self
+
+    @property
+    def sink_logits(self) -> Optional[tuple]:
+        """The attention sinks, one finite logit per query head, or None."""
+        return self._sinks
 
     @model_validator(mode="after")
     def _used(self) -> "RunConfig":

@@ -99,6 +99,31 @@ def softmax_keys(masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool
     return weights
 
 
+def sink_softmax(softmax: Callable, masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool,
+                 sinks: "Tensor") -> "Tensor":
+    """Softmax over the keys plus one sink per head (gpt-oss's ``s_aux``), the sink's column dropped before the mix.
+
+    ``sinks`` ``[Nh]``: one logit per head, in the denominator only. The weights over the real keys
+    sum to one minus the sink's share; a query with no allowed key gives the sink everything and its
+    keys zeros. ``softmax`` (the plain stage) is not used: the sink's column changes the normaliser.
+    """
+    import torch
+
+    b, nh, r, _ = masked.shape
+    col = sinks.to(masked.dtype).reshape(1, nh, 1, 1).expand(b, nh, r, 1)  # [B, Nh, rows, 1]
+    return torch.softmax(torch.cat([masked, col], dim=-1), dim=-1)[..., :-1]  # [B, Nh, rows, Tk]
+
+
+def sink_share(masked: "Tensor", sinks: "Tensor") -> "Tensor":
+    """The sink's share of each query row, ``exp(s) / (exp(s) + sum_j exp(m_j))``, ``[B, Nh, rows]``, in float32 or wider."""
+    import torch
+
+    wide = torch.float32 if masked.dtype in (torch.float16, torch.bfloat16) else masked.dtype
+    m = masked.to(wide)
+    s = sinks.to(wide).reshape(1, -1, 1).expand(m.shape[0], m.shape[1], m.shape[2])  # [B, Nh, rows]
+    return torch.sigmoid(s - torch.logsumexp(m, dim=-1))  # logsumexp of an all -inf row is -inf: share 1
+
+
 def mix_values(weights: "Tensor", v: "Tensor") -> "Tensor":
     """``[B, Nh, Tq, Tk] @ [B, Nh, Tk, Dv] -> [B, Nh, Tq, Dv]``; the key axis is contracted."""
     return matmul(weights, v)
@@ -324,6 +349,35 @@ def _softmax_global_max(masked: "Tensor", allow: "Tensor | None", empty_rows_zer
     return weights
 
 
+def _sink_ignored(softmax: Callable, masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool,
+                  sinks: "Tensor") -> "Tensor":
+    return softmax(masked, allow, empty_rows_zero)  # the sinks accepted and never used: rows sum to one
+
+
+def _sink_in_numerator(softmax: Callable, masked: "Tensor", allow: "Tensor | None", empty_rows_zero: bool,
+                       sinks: "Tensor") -> "Tensor":
+    import torch
+
+    b, nh, r, _ = masked.shape
+    col = sinks.to(masked.dtype).reshape(1, nh, 1, 1).expand(b, nh, r, 1)  # [B, Nh, rows, 1]
+    return torch.softmax(torch.cat([masked, col], dim=-1), dim=-1)[..., 1:]  # the wrong end dropped: sink mixed as a value
+
+
+_register("sink-dropped", "the attention sinks accepted and dropped: softmax over the keys alone, rows sum to one",
+          sink_softmax=_sink_ignored)
+_register("sink-in-numerator", "the sink's column kept for the mix and the first key's dropped: the sink's weight is "
+          "mixed as if it were the last key's value", sink_softmax=_sink_in_numerator)
+
+
+@_fault("window-too-wide", "polarity", "the sliding window one key wider than W: each query also keeps the key W "
+        "positions back (every allowed band widened by one key on the left)")
+def _window_one_wider(allow: "Tensor | None") -> "Tensor | None":
+    if allow is None:
+        return None
+    wider = allow.clone()
+    wider[..., :-1] |= allow[..., 1:]  # key j kept where key j + 1 is: W + 1 keys, the query's own among them
+    return wider
+
 _register("softcap-after-mask", "the soft-cap applied after the mask, not to the scores: a forbidden key's -inf "
           "becomes -cap", cap_after_mask=True)
 
@@ -346,8 +400,11 @@ class Ops:
     softmax_backward: Callable = softmax_backward
     grad_q: Callable = grad_q
     grad_k: Callable = grad_k
+    sink_softmax: Callable = sink_softmax
     unscaled: bool = False
     cap_after_mask: bool = False
+    sinks: Any = None  # [Nh] the sink logits the softmax stage counts (with_sinks), or None
+    keys_softmax: Any = None  # the softmax stage over the keys alone, before with_sinks wrapped it
 
     def scale_for(self, dh: int, scale: float | None = None) -> float:
         """The score scale this pipeline applies: ``scale`` (default ``1/sqrt(Dh)``), or 1 when it forgets it."""
@@ -377,6 +434,20 @@ def with_softcap(ops: Ops, cap: float | None) -> Ops:
         return replace(ops, mask=lambda s, allow: soft_cap(mask(s, allow), cap))  # -inf becomes -cap: a weight
     scores = ops.scores
     return replace(ops, scores=lambda q, k, scale: soft_cap(scores(q, k, scale), cap))
+
+
+def with_sinks(ops: Ops, sinks: "Tensor | None") -> Ops:
+    """``ops`` whose softmax stage counts one sink logit per head (``[Nh]``) in its denominator (:func:`sink_softmax`)."""
+    if sinks is None:
+        return ops
+    plain, with_sink = ops.softmax, ops.sink_softmax
+    return replace(ops, softmax=lambda m, allow, empty_zero: with_sink(plain, m, allow, empty_zero, sinks),
+                   sinks=sinks, keys_softmax=plain)
+
+
+def without_sinks(ops: Ops) -> Ops:
+    """``ops`` as they were before :func:`with_sinks` (the properties probe, whose heads are a few of them)."""
+    return ops if ops.sinks is None else replace(ops, softmax=ops.keys_softmax, sinks=None, keys_softmax=None)
 
 
 def attend(ops: Ops, q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,

@@ -51,6 +51,7 @@ def reference_stages(
     empty_rows: str = "zeros",
     dtype: "torch.dtype | None" = None,
     softcap: float | None = None,
+    sinks: "torch.Tensor | None" = None,
 ) -> dict[str, "torch.Tensor"]:
     """Plain attention in float64 (or ``dtype``), returning every intermediate.
 
@@ -62,10 +63,12 @@ def reference_stages(
         empty_rows: what a query with every key blocked returns: ``"zeros"`` or ``"nan"``.
         softcap: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask
             (Gemma 2's logit soft-capping); None: no cap.
+        sinks: ``[Nh]`` one logit per head in the softmax's denominator only (gpt-oss's ``s_aux``): the
+            weights over the keys sum to one minus the sink's share; a row with no allowed key is zeros.
 
     Returns:
         dict with ``scores`` (scaled, capped, unmasked), ``masked_scores``, ``weights``, ``out``,
-        each ``[B, Nh, Tq, *]``, and ``allow`` (or None).
+        each ``[B, Nh, Tq, *]``, and ``allow`` (or None); with sinks also ``sink_share`` ``[B, Nh, Tq]``.
     """
     import torch
 
@@ -80,6 +83,8 @@ def reference_stages(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap  # [B, Nh, Tq, Tk], within (-softcap, softcap)
     allow = combined_allow(b, nh, tq, tk, allow_mask, is_causal, device=q.device)
+    if sinks is not None:
+        return _with_sinks(scores, allow, sinks.to(dtype), v64)
     if allow is None:
         masked = scores
         weights = torch.softmax(masked, dim=-1)
@@ -94,12 +99,26 @@ def reference_stages(
     return {"scores": scores, "masked_scores": masked, "weights": weights, "out": out, "allow": allow}
 
 
+def _with_sinks(scores: "torch.Tensor", allow: "torch.Tensor | None", sinks: "torch.Tensor",
+                v64: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    """The stages from the scores on with one sink logit per head as an extra key column, dropped before the mix."""
+    import torch
+
+    b, nh, tq, _ = scores.shape
+    masked = scores if allow is None else torch.where(allow, scores, float("-inf"))  # [B, Nh, Tq, Tk]
+    col = sinks.reshape(1, nh, 1, 1).expand(b, nh, tq, 1)  # [B, Nh, Tq, 1]: the sink, never masked
+    both = torch.softmax(torch.cat([masked, col], dim=-1), dim=-1)  # [B, Nh, Tq, Tk + 1]
+    weights = both[..., :-1]  # [B, Nh, Tq, Tk]
+    return {"scores": scores, "masked_scores": masked, "weights": weights, "out": torch.matmul(weights, v64),
+            "allow": allow, "sink_share": both[..., -1]}
+
+
 def reference_attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None, empty_rows="zeros", dtype=None,
-                        softcap=None):
+                        softcap=None, sinks=None):
     """The kernel protocol's reference output ``[B, Nh, Tq, Dv]`` in float64 (see :func:`reference_stages`)."""
     return reference_stages(
         q, k, v, allow_mask=allow_mask, is_causal=is_causal, scale=scale, empty_rows=empty_rows, dtype=dtype,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )["out"]
 
 
@@ -149,6 +168,7 @@ def reference_gradients(
     rope: "tuple | None" = None,
     dtype: "torch.dtype | None" = None,
     softcap: float | None = None,
+    sinks: "torch.Tensor | None" = None,
 ) -> dict[str, "torch.Tensor"]:
     """Float64 autograd of :func:`reference_stages` for some query rows, with ``O-bar`` on those rows.
 
@@ -162,22 +182,29 @@ def reference_gradients(
         q_positions: ``[R]`` the position of each row (query i sits at ``i + Tk - Tq``).
         allow_mask: bool, broadcastable to ``[B, Nh, R, Tk]``.
         rope: ``(RotarySpec, ...)`` to rotate q and k before the scores, or None.
+        sinks: ``[Nh]`` sink logits (see :func:`reference_stages`); their gradient is returned too.
 
     Returns:
         ``grad_q`` ``[B, Nh, R, Dh]``, ``grad_k`` ``[B, Nkv, Tk, Dh]``, ``grad_values`` ``[B, Nkv, Tk, Dv]``
-        (each before rotation), ``grad_weights`` and ``grad_scores`` ``[B, Nh, R, Tk]``, and ``out``.
+        (each before rotation), ``grad_weights`` and ``grad_scores`` ``[B, Nh, R, Tk]``, and ``out``;
+        with sinks, ``grad_sinks`` ``[Nh]``.
     """
     import torch
 
     dtype = dtype or torch.float64
     with torch.enable_grad():
         q64, k64, v64 = (t.detach().to(dtype).requires_grad_(True) for t in (q_rows, k, v))
+        s64 = None if sinks is None else sinks.detach().to(dtype).requires_grad_(True)
         st = _rotated_stages(q64, k64, v64, q_positions, rope, allow_mask=allow_mask, scale=scale, empty_rows=empty_rows,
-                             dtype=dtype, softcap=softcap)
+                             dtype=dtype, softcap=softcap, sinks=s64)
         loss = (st["out"] * grad_context.to(dtype)).sum()
-        gq, gk, gv, gw, gs = torch.autograd.grad(loss, (q64, k64, v64, st["weights"], st["scores"]))
-    return {"grad_q": gq, "grad_k": gk, "grad_values": gv, "grad_weights": gw, "grad_scores": gs,
-            "out": st["out"].detach()}
+        wanted = (q64, k64, v64, st["weights"], st["scores"]) + (() if s64 is None else (s64,))
+        gq, gk, gv, gw, gs, *gsink = torch.autograd.grad(loss, wanted)
+    found = {"grad_q": gq, "grad_k": gk, "grad_values": gv, "grad_weights": gw, "grad_scores": gs,
+             "out": st["out"].detach()}
+    if gsink:
+        found["grad_sinks"] = gsink[0]
+    return found
 
 
 def reference_chain_gradients(

@@ -306,6 +306,29 @@ def _softcap_dropped_module(embed_dim: int, num_heads: int) -> "nn.Module":
     return SoftcapDropped()
 
 
+def _sinks_unused_module(embed_dim: int, num_heads: int) -> "nn.Module":
+    """A causal layer with one sink logit per head (gpt-oss's ``self.sinks``) that its hand-written core never
+    reads: ``softmax(s)`` where ``softmax(cat([s, sinks]))[..., :-1]`` was meant."""
+    import torch
+    from torch import nn
+
+    class SinksUnused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            _fused_projections(self, embed_dim, num_heads)
+            self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, num_heads))  # declared, never read
+
+        def forward(self, x):
+            t = x.shape[1]
+            q, k, v = (_split(p, self.num_heads) for p in self.qkv(x).chunk(3, dim=-1))  # [B, Nh, T, Dh]
+            s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # [B, Nh, T, T]
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            w = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)  # the sinks belong in this softmax
+            return self.out(_merge(w @ v))  # [B, T, E]
+
+    return SinksUnused()
+
+
 # --- the catalogue ----------------------------------------------------------------------
 
 MODULE_EMBED_DIM, MODULE_HEADS = 12, 3  # the sizes the module faults are built and checked at
@@ -317,7 +340,8 @@ class Fault:
 
     Attributes:
         name: stable id (the pipeline's fault name where it has one).
-        kind: ``kernel`` (checked with the kernel protocol) or ``module`` (check_module).
+        kind: ``kernel`` (checked with the kernel protocol), ``module`` (check_module) or ``ledger`` (a fault in a
+            feature only the built-in pipeline has here, sinks or a window: seen by ``run --fault`` alone).
         summary: what the code does wrong, in one line.
         target: the broken kernel function, or the module factory.
         pipeline_fault: the same fault in the built-in pipeline (``run --fault``), if any.
@@ -330,11 +354,12 @@ class Fault:
     name: str
     kind: str
     summary: str
-    target: Callable[..., Any]
+    target: Callable[..., Any] | None
     pipeline_fault: str | None = None
     module_causal: bool = True
     near_threshold: bool = False
     module_softcap: float | None = None
+    module_sinks: Any = None  # for modules, the sinks declared (check --module --sinks), or None
 
 
 CATALOGUE: tuple[Fault, ...] = (
@@ -366,6 +391,16 @@ CATALOGUE: tuple[Fault, ...] = (
           near_threshold=True),
     Fault("softmax-bf16", "kernel", "softmax taken in bfloat16 whatever the input dtype", softmax_bf16,
           near_threshold=True),
+    Fault("sinks-unused", "module", "a layer declared with attention sinks (--sinks -1,0,1) whose core never uses them",
+          _sinks_unused_module, module_sinks=(-1.0, 0.0, 1.0)),
+    Fault("sink-dropped", "ledger", "attention sinks (--sinks) accepted and dropped: softmax over the keys alone",
+          None, "sink-dropped"),
+    Fault("sink-in-numerator", "ledger", "the sink's weight mixed as if it were a key's value, the first key's "
+          "weight dropped instead", None, "sink-in-numerator"),
+    Fault("softcap-after-mask", "ledger", "the soft-cap (--softcap) applied after the mask: a forbidden key's -inf "
+          "becomes -cap", None, "softcap-after-mask"),
+    Fault("window-too-wide", "ledger", "a sliding window of W keys (the query's own among them, as transformers' "
+          "masking_utils counts) kept W + 1", None, "window-too-wide"),
 )
 
 NEAR_THRESHOLD: tuple[Fault, ...] = tuple(f for f in CATALOGUE if f.near_threshold)
@@ -422,18 +457,30 @@ def _module_view(fault: Fault, seed: int) -> _BlackBox:
     from attn_ledger.probes.module.check import check_module
 
     report = check_module(fault.target, MODULE_EMBED_DIM, MODULE_HEADS, causal=fault.module_causal, seed=seed,
-                          subject=fault.name, softcap=fault.module_softcap)
+                          subject=fault.name, softcap=fault.module_softcap, sinks=fault.module_sinks)
+    first = report.first_finding
+    checks = tuple(c for _, c in report.checks())
+    return _BlackBox(None if first is None else first.level, None if first is None else first.name, None, checks)
+
+
+def _ledger_view(fault: Fault) -> _BlackBox:
+    """A ``ledger`` fault: the built-in pipeline's first finding with it, under the feature it breaks."""
+    from attn_ledger.inputs.config import FAULT_NEEDS, load_config
+    from attn_ledger.ledger import run_ledger
+
+    report = run_ledger(load_config(overrides={"fault": fault.pipeline_fault, **FAULT_NEEDS.get(fault.pipeline_fault, {})}))
     first = report.first_finding
     checks = tuple(c for _, c in report.checks())
     return _BlackBox(None if first is None else first.level, None if first is None else first.name, None, checks)
 
 
 def _white_box(pipeline_fault: str) -> dict[str, Any]:
-    """The ledger's first finding on the built-in pipeline with the same fault (``run --fault``)."""
-    from attn_ledger.inputs.config import load_config
+    """The ledger's first finding on the built-in pipeline with the same fault (``run --fault``), under what
+    the fault needs to have its stage (``FAULT_NEEDS``)."""
+    from attn_ledger.inputs.config import FAULT_NEEDS, load_config
     from attn_ledger.ledger import run_ledger
 
-    f = run_ledger(load_config(overrides={"fault": pipeline_fault})).first_finding
+    f = run_ledger(load_config(overrides={"fault": pipeline_fault, **FAULT_NEEDS.get(pipeline_fault, {})})).first_finding
     found = {"level": None, "stage": None, "check": None} if f is None else {"level": f.level, "stage": f.row,
                                                                             "check": f.name}
     return {"fault": pipeline_fault, **found}
@@ -448,7 +495,9 @@ def check_fault(fault: Fault, seed: int = 0) -> Row:
         none does. The check's ``data`` holds the white-box view, the checks that passed all
         the way through and the levels where nothing failed.
     """
-    view = _kernel_view(fault, seed) if fault.kind == "kernel" else _module_view(fault, seed)
+    views = {"kernel": lambda: _kernel_view(fault, seed), "module": lambda: _module_view(fault, seed),
+             "ledger": lambda: _ledger_view(fault)}
+    view = views[fault.kind]()
     white = None if fault.pipeline_fault is None else _white_box(fault.pipeline_fault)
     data = {"kind": fault.kind, "check": view.check, "case": view.case, "white_box": white,
             "passes_through": _passes(view.checks), "clean_levels": _clean(view.checks)}

@@ -78,6 +78,13 @@ def _softcap(d: Mapping[str, Any]) -> str:
             f"additive mask{', and so does each pinned backend' if d.get('pinned') else ''}")
 
 
+def _sinks(d: Mapping[str, Any]) -> str:
+    shown = ", ".join(f"{x:.4g}" for x in d["sinks"])
+    return (f"attention sinks, one logit per head ({shown}): each is one more column of the softmax, in the "
+            "denominator only, and dropped before the mix, in the pipeline, the float64 reference and SDPA (given "
+            "it as one more column of its additive mask); the weights over the keys sum to one minus the sink's share")
+
+
 def _backends_unavailable(d: Mapping[str, Any]) -> str:
     return "SDPA backends not available here: " + ", ".join(
         f"{u['backend']},{u['dtype']} ({u['reason']})" for u in d["unavailable"])
@@ -160,6 +167,7 @@ TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "values": _values,
     "score_scale": _score_scale,
     "softcap": _softcap,
+    "sinks": _sinks,
     "backends_unavailable": _backends_unavailable,
     "query_blocks": _query_blocks,
     "reference_sample": _reference_sample,

@@ -202,7 +202,7 @@ def _module_check_run(state: Any, args: dict[str, Any], unit: Any, progress: Pro
     module, decode = state
     return check_built_module(module, args["embed_dim"], args["num_heads"], causal=args["causal"],
                               window=args.get("window"), scale=args.get("scale"), softcap=args.get("softcap"),
-                              seed=args["seed"],
+                              sinks=args.get("sinks"), seed=args["seed"],
                               batch_size=args.get("batch_size", BATCH_SIZE), seq_len=args.get("seq_len", SEQ_LEN),
                               progress=progress, subject=args["spec"], decode=decode)
 
@@ -211,7 +211,8 @@ def _module_check_stopped(args: dict[str, Any], unit: Any, reason: str, data: di
     sizes = {"B": args.get("batch_size", BATCH_SIZE), "T": args.get("seq_len", SEQ_LEN), "E": args["embed_dim"],
              "Nh": args["num_heads"]}
     return stopped_module_report(args["spec"], sizes, args["causal"], reason, data, window=args.get("window"),
-                                 scale=args.get("scale"), softcap=args.get("softcap"))
+                                 scale=args.get("scale"), softcap=args.get("softcap"),
+                                 sinks=None if args.get("sinks") is None else tuple(args["sinks"]))
 
 
 def _intervene_run(state: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:

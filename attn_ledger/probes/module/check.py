@@ -420,7 +420,7 @@ def check_module(factory: Callable[..., Any], embed_dim: int, num_heads: int, *,
     bound.apply_defaults()  # the declaration with check_built_module's defaults, checked before the factory runs
     given = bound.arguments
     _declared(embed_dim, num_heads, given["batch_size"], given["seq_len"], given["causal"], given["window"],
-              given["scale"], given["decode"], given["softcap"])
+              given["scale"], given["decode"], given["softcap"], given["sinks"])
     with torch.random.fork_rng(devices=[]):
         manual_seed(seed)
         module = build_module(factory, embed_dim, num_heads)
@@ -436,6 +436,7 @@ def check_built_module(  # long by its documented arguments; the code is about 3
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Any = None,
     seed: int = 0,
     batch_size: int = BATCH_SIZE,
     seq_len: int = SEQ_LEN,
@@ -458,6 +459,9 @@ def check_built_module(  # long by its documented arguments; the code is about 3
         scale: the design's own softmax scale, where it is not 1/sqrt(Dh).
         softcap: the scaled scores are soft-capped, ``softcap * tanh(s / softcap)``, before the
             mask (Gemma 2's ``attn_logit_softcapping``); a cap the core does not apply fails.
+        sinks: attention sinks, one logit per head in the softmax's denominator (gpt-oss's ``sinks``): a number
+            for every head, a sequence of Nh, or their text (``--sinks``); sinks the core does not apply fail.
+            Undeclared sinks the weights show pass, named.
         seed: seeds the inputs and torch's generator around the forwards.
         batch_size: B (at least 2, so batch independence can be judged).
         seq_len: T (at least 2).
@@ -478,7 +482,7 @@ def check_built_module(  # long by its documented arguments; the code is about 3
     """
     import torch
 
-    declared = _declared(embed_dim, num_heads, batch_size, seq_len, causal, window, scale, decode, softcap)
+    declared = _declared(embed_dim, num_heads, batch_size, seq_len, causal, window, scale, decode, softcap, sinks)
     total, done = (5 if causal else 4) + (len(decodecheck.plan_scenarios()) if decode is not None else 0), 0
 
     def tick() -> None:
@@ -501,7 +505,7 @@ def check_built_module(  # long by its documented arguments; the code is about 3
                 if decode is not None else None
     except UserCodeError as exc:
         return stopped_module_report(subject, sizes, causal, f"{exc.what} {exc}", exc.facts(), dtype, training_on_entry,
-                                     window=window, scale=scale, softcap=softcap)
+                                     window=window, scale=scale, softcap=softcap, sinks=declared.sinks)
     if progress:
         progress(total, total)
     report = _module_report(checks, subject, sizes, declared, audit, dtype, training_on_entry)
@@ -510,7 +514,7 @@ def check_built_module(  # long by its documented arguments; the code is about 3
 
 def stopped_module_report(subject: str, sizes: dict[str, int], causal: bool, reason: str, data: dict[str, Any],
                           dtype: str | None = None, training_on_entry: bool = False, *, window: int | None = None,
-                          scale: float | None = None, softcap: float | None = None) -> Report:
+                          scale: float | None = None, softcap: float | None = None, sinks: Any = None) -> Report:
     """The report when a call into the module did not come back (an exit, the time limit, a crash).
 
     Its ``call`` row holds the L1 ``call`` finding (``reason`` and ``data`` say which call and
@@ -518,30 +522,33 @@ def stopped_module_report(subject: str, sizes: dict[str, int], causal: bool, rea
     """
     called = Check(1, "call", "fail", reason=reason, data=data)
     rest = [_not_reached(level, name, "the check stopped at a call that did not return") for level, name in _expected(causal)]
-    declared = Declared(module_relation(causal, window), scale=scale, softcap=softcap)
+    declared = Declared(module_relation(causal, window), scale=scale, softcap=softcap, sinks=sinks)
     return _module_report([called, *rest], subject, sizes, declared, None, dtype, training_on_entry, stopped=True)
 
 
 def validate_module_options(embed_dim: int, num_heads: int, *, causal: bool = True, window: int | None = None,
                             scale: float | None = None, batch_size: int = BATCH_SIZE, seq_len: int = SEQ_LEN,
-                            softcap: float | None = None) -> None:
+                            softcap: float | None = None, sinks: Any = None) -> None:
     """Refuse, before anything runs, sizes and declarations :func:`check_module` would refuse.
 
     Raises:
         InputError: naming the option, the value and what was expected.
     """
-    _declared(embed_dim, num_heads, batch_size, seq_len, causal, window, scale, softcap=softcap)
+    _declared(embed_dim, num_heads, batch_size, seq_len, causal, window, scale, softcap=softcap, sinks=sinks)
 
 
 def _declared(embed_dim: int, num_heads: int, batch_size: int, seq_len: int, causal: bool, window: int | None,
               scale: float | None, decode: Callable[..., Any] | None = None,
-              softcap: float | None = None) -> Declared:
+              softcap: float | None = None, sinks: Any = None) -> Declared:
+    from attn_ledger.inputs.sinks import parse_sinks
+
     _validate(embed_dim=(embed_dim, 1), num_heads=(num_heads, 1), batch_size=(batch_size, 2), seq_len=(seq_len, 2))
     if decode is not None and not causal:
         raise field_error("decode", getattr(decode, "__name__", "decode"),
                           "a causal module (decode parity compares with the causal forward)")
     return Declared(module_relation(causal, window), scale=None if scale is None else float(scale),
-                    softcap=float(softcap) if isinstance(softcap, int) and not isinstance(softcap, bool) else softcap)
+                    softcap=float(softcap) if isinstance(softcap, int) and not isinstance(softcap, bool) else softcap,
+                    sinks=parse_sinks(sinks, num_heads))
 
 
 @contextlib.contextmanager
@@ -590,6 +597,7 @@ def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], dec
         notes.append("the module came back in training mode: output comparisons ran in eval mode, gradients in training mode")
     details = {"subject": subject, "protocol": "module", "sizes": sizes, "causal": declared.causal,
                "window": declared.window, "scale": declared.scale, "softcap": declared.softcap,
+               "sinks": None if declared.sinks is None else list(declared.sinks),
                "relation": declared.text,
                "layout": found.get("layout"), "observed": found if found.get("core") else None, "dtype": dtype,
                "training_mode_on_entry": training_on_entry}
@@ -600,7 +608,8 @@ def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], dec
     hints = audit.hints if audit else ()
     title = (f"MODULE CHECK {subject} B={sizes['B']} T={sizes['T']} E={sizes['E']} Nh={sizes['Nh']} "
              f"{declared.text if declared.causal else 'not causal'}"
-             f"{f', soft-cap {declared.softcap:g}' if declared.softcap is not None else ''}")
+             f"{f', soft-cap {declared.softcap:g}' if declared.softcap is not None else ''}"
+             f"{', sinks' if declared.sinks is not None else ''}")
     return Report("check", title, tuple(rows), first_finding=_headline(rows), coverage=coverage, notes=tuple(notes),
                   details=details, unit="check", row_label="aspect", hints=hints)
 

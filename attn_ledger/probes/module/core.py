@@ -96,11 +96,13 @@ class Declared:
         scale: the design's own softmax scale; None means 1/sqrt(Dh).
         softcap: the scaled scores are soft-capped, ``softcap * tanh(s / softcap)``, before
             the mask (Gemma 2's ``attn_logit_softcapping``); None means no cap.
+        sinks: one sink logit per head in the softmax's denominator (gpt-oss's ``sinks``), or None.
     """
 
     relation: RelationSpec = CAUSAL
     scale: float | None = None
     softcap: float | None = None
+    sinks: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.relation.names not in ((), ("causal",), ("sliding-window",)) or (
@@ -112,6 +114,9 @@ class Declared:
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
                                          or not math.isfinite(self.softcap) or self.softcap <= 0):
             raise field_error("softcap", self.softcap, "a finite number > 0")
+        if self.sinks is not None and (not isinstance(self.sinks, tuple) or not self.sinks
+                                       or not all(isinstance(x, float) and math.isfinite(x) for x in self.sinks)):
+            raise field_error("sinks", self.sinks, "finite sink logits, one per head")
 
     @property
     def causal(self) -> bool:
@@ -246,21 +251,27 @@ def _judge(obs: "Observation", core: "Core", probes: tuple, declared: Declared, 
     factor = traced.factors["q"] * traced.factors["k"]
     scale = _scale_check(fit, factor, traced.relative_to, declared, core.q.shape[-1], embed_dim, dtype)
     rotary, positional = _rotary_check(core, traced)
-    design = _design_check(bias_fit, fit, declared, bent, reach)
+    found = recognise_sinks(w0, dtype) if bias_fit.kind == "none" else None
+    design = _sink_design(_design_check(bias_fit, fit, declared, bent, reach), declared, found)
     summed = _row_sums(w, w0, dtype)
     attention = _core_check(core, declared, fit, bias_fit, bias, factor, summed, (relation, scale, design), applied,
-                            dtype, bent)
-    sums = _sums_check(summed)
+                            dtype, bent, found)
+    sums = _sums_check(summed, sinks=found is not None or declared.sinks is not None)
     checks = {c.name: c for c in (traced.split, traced.pairing, merge, relation, scale, rotary, design, sums, attention)}
     if bias_fit.kind in ("alibi", "relative", "other"):
         positional.append(f"a position bias in the scores ({bias_fit.kind})")
     details = {"core": core.description, "layout": traced.layout, "relation": relation.data.get("applied_text"),
-               "scale": scale.value, "rotary": rotary.data.get("spec"), "design": design.data.get("design")}
+               "scale": scale.value, "rotary": rotary.data.get("spec"), "design": design.data.get("design"),
+               "sinks": None if found is None else list(found)}
     coverage, notes = None, []
     if traced.relative_to != "projection outputs":
         coverage = Coverage("partial", ("head_split", "kv_pairing", "rotary_positions"),
                             "q, k or v could not be traced to a projection of the input")
     hints = _hints(core, declared, fit, design, relation, attention, (bias_fit, bias), factor, dtype)
+    if found is not None and declared.sinks is None and design.status == "pass":
+        shown = ",".join(f"{round(x, 3) + 0.0:g}" for x in found)
+        notes.append(f"the weights sum to less than one by a per-head amount: attention sinks with logits {shown}: "
+                     f"declare them with --sinks {shown}")
     if obs.cores > 1:
         notes.append(f"{obs.cores} attention cores were seen; the first was judged")
     if obs.mha:
@@ -627,6 +638,76 @@ def _declared_cap(declared: Declared, fit: ScoreFit, bent: _Bent | None, reach: 
 
 # --- the core against float64 attention -------------------------------------------------------
 
+SINK_SHORTFALL = 10.0  # row-sum tolerances a q-zeroed row must fall short of one by to read a sink
+SINK_ATOL, SINK_RTOL = 0.01, 0.01  # a declared sink logit this far from the one the weights show fails
+
+
+def recognise_sinks(w0: "torch.Tensor", dtype: "torch.dtype") -> tuple[float, ...] | None:
+    """One sink logit per head, read from the q-zeroed weights ``[B, Nh, Tq, Tk]``, or None.
+
+    With q zeroed every score is 0, so a row with n allowed keys holds n weights ``1 / (n + e^s)``
+    and sums to ``n / (n + e^s)``: each row gives ``s = log(n (1 - S) / S)``. Sinks are recognised
+    when some row falls short of one by more than ``SINK_SHORTFALL`` row-sum tolerances and every
+    row of a head gives the same logit (within what the row sums' rounding explains); a head whose
+    rows sum to one has no sink (``-inf``). None when no row falls short, or when the shortfall is not
+    one logit per head (rows of one head disagree, or some sum to one and others not).
+    """
+    import torch
+
+    from attn_ledger import tolerance
+
+    w = w0.to(torch.float64)
+    n = (w > 0).sum(-1).to(torch.float64)  # [B, Nh, Tq]
+    total = w.sum(-1)
+    live = n > 0
+    tol = tolerance.row_sum(dtype)
+    short = live & (total < 1 - SINK_SHORTFALL * tol)
+    if not bool(short.any()):
+        return None
+    logits = []
+    for h in range(w.shape[1]):
+        sh, lv = short[:, h], live[:, h]
+        if not bool(sh.any()):
+            if bool(((total[:, h] - 1).abs() > tol)[lv].any()):
+                return None
+            logits.append(-math.inf)
+            continue
+        if not bool(torch.equal(sh, lv)):
+            return None  # some rows of the head sum to one, others fall short: not one logit
+        t, k = total[:, h][sh], n[:, h][sh]
+        est = torch.log(k * (1 - t) / t)
+        mid = float(est.median())
+        slack = float((tol / (t * (1 - t))).max())  # ds = dS / (S (1 - S))
+        if float((est - mid).abs().max()) > max(slack, 1e-6):
+            return None
+        logits.append(mid)
+    return tuple(logits)
+
+
+def _sink_design(design: Check, declared: Declared, found: tuple[float, ...] | None) -> Check:
+    """score_design with attention sinks: recognised ones named in the design, declared ones not applied a failure."""
+    if declared.sinks is not None and found is None:
+        shown = ",".join(f"{x:g}" for x in declared.sinks)
+        return Check(4, "score_design", "fail", reason=f"the declared --sinks {shown} are not applied: each query's "
+                     "weights sum to one over the keys, with no share left for a sink",
+                     data={**design.data, "declared_sinks": list(declared.sinks)})
+    if found is not None and declared.sinks is not None:
+        off = [h for h, (d, f) in enumerate(zip(declared.sinks, found))
+               if math.isfinite(f) and abs(d - f) > SINK_ATOL + SINK_RTOL * abs(d)]
+        if off:
+            h = off[0]
+            return Check(4, "score_design", "fail", "sink logit the weights show", found[h], declared.sinks[h], "==",
+                         rtol=SINK_RTOL, atol=SINK_ATOL,
+                         reason=f"the declared --sinks differ from those the weights show: head {h} declared "
+                                f"{declared.sinks[h]:g}, the weights show {found[h]:.4g}",
+                         data={**design.data, "declared_sinks": list(declared.sinks), "sinks": list(found), "head": h})
+    if found is None or design.status != "pass":
+        return design
+    name = "sinks" if design.data.get("design") == "plain" else f"{design.data.get('design')} + sinks"
+    return Check(4, "score_design", "pass", reason=f"design: {name}",
+                 data={**design.data, "design": name, "sinks": list(found)})
+
+
 def _row_sums(w: "torch.Tensor", w0: "torch.Tensor", dtype: "torch.dtype") -> tuple[float, float]:
     """max |sum over keys of a query's weights - 1| over queries with an allowed key, and its tolerance."""
     import torch
@@ -639,17 +720,21 @@ def _row_sums(w: "torch.Tensor", w0: "torch.Tensor", dtype: "torch.dtype") -> tu
     return (float(dev.max()) if dev.numel() else 0.0), tolerance.row_sum(dtype)
 
 
-def _sums_check(summed: tuple[float, float]) -> Check:
-    """key_row_sums: max |sum over keys of a query's weights - 1| against the row-sum tolerance."""
+def _sums_check(summed: tuple[float, float], sinks: bool = False) -> Check:
+    """key_row_sums: max |sum over keys of a query's weights - 1| against the row-sum tolerance; not applicable
+    where attention sinks take a share of each row by design (score_design judges them)."""
 
     value, limit = summed
+    if sinks:
+        return Check(3, "key_row_sums", "not_applicable", reason="attention sinks take a share of each row, so its "
+                     "weights over the keys sum to less than one by design (score_design judges the sinks)")
     return bounded(3, "key_row_sums", "max |sum over keys of a query's weights - 1|", value, limit,
                    reason="" if value <= limit else "a query's weights do not sum to 1 over the keys "
                                                     "(softmax over another axis?)")
 
 
 def reference_context(core: "Core", allow: "torch.Tensor", scales: "torch.Tensor", bias: "torch.Tensor | None",
-                      caps: "torch.Tensor | None") -> "torch.Tensor":
+                      caps: "torch.Tensor | None", sinks: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Float64 attention on the core's own q, k, v: ``[B, Nh, Tq, Dv]``.
 
     Args:
@@ -657,6 +742,7 @@ def reference_context(core: "Core", allow: "torch.Tensor", scales: "torch.Tensor
         scales: ``[Nh]`` softmax scale per head, relative to the observed q and k.
         bias: ``[B, Nh, Tq, Tk]`` added to the logits (after any cap), or None.
         caps: ``[Nh]`` soft-capping caps, or None.
+        sinks: ``[Nh]`` sink logits in the denominator only (``-inf``: none for that head), or None.
     """
     import torch
 
@@ -671,18 +757,24 @@ def reference_context(core: "Core", allow: "torch.Tensor", scales: "torch.Tensor
     if bias is not None:
         logits = logits + bias
     logits = logits.masked_fill(~allow, float("-inf"))
+    if sinks is not None:
+        b, _, tq, _ = logits.shape
+        col = sinks.to(torch.float64).reshape(1, nh, 1, 1).expand(b, nh, tq, 1)
+        weights = torch.softmax(torch.cat([logits, col], dim=-1), dim=-1)[..., :-1].nan_to_num(0.0)
+        return weights @ v  # [B, Nh, Tq, Dv]
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query with no key reads nothing
     return weights @ v  # [B, Nh, Tq, Dv]
 
 
 def _core_check(core: "Core", declared: Declared, fit: ScoreFit, bias_fit: BiasFit, bias: "torch.Tensor",
                 factor: float, summed: tuple[float, float], diagnosis: tuple[Check, ...], applied: "torch.Tensor",
-                dtype: "torch.dtype", bent: _Bent | None = None) -> Check:
+                dtype: "torch.dtype", bent: _Bent | None = None, found: tuple[float, ...] | None = None) -> Check:
     """attention_core: the context against float64 attention as declared; where it differs, why.
 
     With a soft-cap declared, the reference applies it, and the bending probe's context is
     judged too: on the user's draw a cap far above the scores changes the context by less
-    than the tolerance, so a cap left out would pass there.
+    than the tolerance, so a cap left out would pass there. The reference counts the declared sinks,
+    or else the ones the weights show (``found``).
     """
     import torch
 
@@ -694,13 +786,15 @@ def _core_check(core: "Core", declared: Declared, fit: ScoreFit, bias_fit: BiasF
         caps = torch.tensor(fit.caps, dtype=torch.float64) if fit.form == "softcap" else None
     known = bias if bias_fit.kind in ("alibi", "relative") else None
     scales = torch.full((nh,), expected, dtype=torch.float64)
-    ref = reference_context(core, declared.allow(tq, tk), scales, known, caps)
+    chosen = declared.sinks if declared.sinks is not None else found
+    sinks = None if chosen is None else torch.tensor(chosen, dtype=torch.float64)
+    ref = reference_context(core, declared.allow(tq, tk), scales, known, caps, sinks)
     c = closeness(core.context, ref, dtype)
     measure = "max |context - float64 attention on the observed q, k, v|"
     data: dict[str, Any] = {**c.data(), "scale": expected, "relation": declared.text, "row_sum_deviation": summed[0],
-                            "softcap": declared.softcap}
+                            "softcap": declared.softcap, "sinks": None if chosen is None else list(chosen)}
     if declared.softcap is not None and bent is not None and c.ok:
-        bent_ref = reference_context(bent.core, declared.allow(tq, tk), scales, known, caps)
+        bent_ref = reference_context(bent.core, declared.allow(tq, tk), scales, known, caps, sinks)
         cb = closeness(bent.core.context, bent_ref, dtype)
         data["draw"] = {"delta": c.delta, "tolerance": c.tolerance}
         data["bent"] = {"q_factor": bent.factor, "delta": cb.delta, "tolerance": cb.tolerance, **cb.data()}
@@ -710,7 +804,7 @@ def _core_check(core: "Core", declared: Declared, fit: ScoreFit, bias_fit: BiasF
     if c.ok:
         return Check(4, "attention_core", "pass", measure, c.delta, c.tolerance, "<=", data=data)
     failed = [d.name for d in diagnosis if d.failed]
-    if summed[0] > summed[1]:
+    if summed[0] > summed[1] and chosen is None:  # with sinks the rows sum to less than one by design
         failed.append("weights_sum")
         data["reason"] = "a query's weights do not sum to 1 over the keys (softmax over another axis?)"
     if failed:
@@ -719,7 +813,7 @@ def _core_check(core: "Core", declared: Declared, fit: ScoreFit, bias_fit: BiasF
     soft = [d for d in diagnosis if d.status in ("warn", "inconclusive")]
     if fit.form in ("linear", "softcap"):
         scales = torch.tensor(fit.scales, dtype=torch.float64)  # slopes at 0, as the reference wants with caps too
-        refit = reference_context(core, applied, scales, bias, caps)
+        refit = reference_context(core, applied, scales, bias, caps, sinks)
         c2 = closeness(core.context, refit, dtype)
         data["refit_delta"] = c2.delta
         if c2.ok and soft:
