@@ -83,6 +83,7 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
     max_tq: int | None = None,
     max_tk: int | None = None,
     head_dims: Sequence[int] | None = None,
+    supports: Sequence[str] | None = None,
 ) -> None:
     """Assert that ``fn`` passes every check on a tier of cases, or on the given case ids.
 
@@ -103,6 +104,8 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
         device: ``cpu``, ``cuda``, ``mps`` or ``auto``.
         dtypes, masks, gqa, distinct_dv, max_tq, max_tk, head_dims: what the kernel supports (None: the
             table's, else everything); cases outside are skipped.
+        supports: the optional features it takes (``softcap``, ``window``, ``sinks``; None: the table's,
+            else none): each adds the cases that exercise it.
 
     Warns:
         InconclusiveCases: no case fails, but some case was judged by nothing past L1.
@@ -120,7 +123,8 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
     __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
     check_timeout(timeout, "timeout")
     declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv, "max_tq": max_tq,
-                "max_tk": max_tk, "head_dims": head_dims, "backward": backward, "empty_rows": empty_rows,
+                "max_tk": max_tk, "head_dims": head_dims, "backward": backward, "supports": supports,
+                "empty_rows": empty_rows,
                 "strict_precision": strict_precision, "strict_coverage": strict_coverage}
     decl, run = from_sources(declared, rootdir())
     ids = [cases] if isinstance(cases, str) else cases

@@ -80,6 +80,7 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     max_tq: Annotated[Optional[str], typer.Option("--max-tq", metavar=INT, help="The longest Tq it takes.", rich_help_panel=DECLARE)] = None,
     max_tk: Annotated[Optional[str], typer.Option("--max-tk", metavar=INT, help="The longest Tk it takes.", rich_help_panel=DECLARE)] = None,
     head_dims: Annotated[Optional[str], typer.Option("--head-dims", help="Head widths Dh and Dv may take, e.g. 64,128.", rich_help_panel=DECLARE)] = None,
+    supports: Annotated[Optional[str], typer.Option("--supports", help="Optional features it takes: softcap (softcap=C), window (window=W), sinks (sinks [Nh]), e.g. softcap,window; each adds the cases that exercise it. Default: none.", rich_help_panel=DECLARE)] = None,
     seed: SeedOption = None,
     timeout: TimeoutOption = None,
     max_timeouts: Annotated[
@@ -129,9 +130,9 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
                       "--strict-coverage/--lenient-coverage": strict_coverage,
                       "--dtypes": dtypes, "--masks": masks, "--gqa/--no-gqa": gqa,
                       "--distinct-dv/--no-distinct-dv": distinct_dv, "--max-tq": max_tq, "--max-tk": max_tk,
-                      "--head-dims": head_dims}
+                      "--head-dims": head_dims, "--supports": supports}
     declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv, "max_tq": max_tq,
-                "max_tk": max_tk, "head_dims": head_dims, "backward": backward,
+                "max_tk": max_tk, "head_dims": head_dims, "backward": backward, "supports": supports,
                 "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision,
                 "strict_coverage": strict_coverage}
     module_options = {"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal, "--window": window,
@@ -217,7 +218,7 @@ def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: d
 
     decl, run = from_sources(declared)
     tier = "full" if full else "default"
-    return {"target": target, "field": "target", "cases": [c.id for c in select_cases(case, tier)],
+    return {"target": target, "field": "target", "cases": [c.id for c in select_cases(case, tier, decl.supports)],
             "tier": None if case else tier, "empty_rows": run.get("empty_rows", "zeros"), "seed": seed,
             "backward": decl.backward, "strict_precision": run.get("strict_precision", False),
             "strict_coverage": run.get("strict_coverage", False), "device": device,
@@ -230,13 +231,13 @@ def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], modu
 
     from attn_ledger.commands.common import fail, write_atomic
     from attn_ledger.errors import AttnLedgerError
-    from attn_ledger.probes.kernel.cases import GRID, describe_tiers
+    from attn_ledger.probes.kernel.cases import GRID, describe_tiers, feature_grid
     from attn_ledger.render.table import wrap_words
 
     if target is not None or module is not None:
         given = target if target is not None else f"--module {module}"
         raise fail(f"--list-cases: got it with {given!r}, expected no target or --module: it lists the cases and runs nothing")
-    entries = describe_tiers(GRID)
+    entries = describe_tiers(GRID + feature_grid())
     if fmt is Format.json:
         text = json.dumps({"command": "check --list-cases", "cases": entries}, indent=2) + "\n"
     elif fmt is Format.table:
@@ -247,8 +248,9 @@ def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], modu
             reason = wrap_words(e["reason"], max(40, 100 - pad), indent="")
             lines.append(f"{e['id'].ljust(width)}  {e['tier'].ljust(7)}  {reason[0]}")
             lines += [" " * pad + more for more in reason[1:]]
-        counts = {t: sum(e["tier"] == t for e in entries) for t in ("default", "full")}
-        lines.append(f"{counts['default']} cases in the default tier; --full adds {counts['full']}")
+        counts = {t: sum(e["tier"] == t for e in entries) for t in ("default", "full", "features")}
+        lines.append(f"{counts['default']} cases in the default tier; --full adds {counts['full']}; "
+                     f"{counts['features']} more for the features a kernel declares (--supports)")
         text = "\n".join(lines) + "\n"
     else:
         raise fail(f"--format: got {fmt.value!r} with --list-cases, expected table or json")
