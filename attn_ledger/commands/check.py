@@ -15,7 +15,8 @@ from attn_ledger.commands.options import INT
 DECLARE = "Declaration"
 
 
-EmptyRows = opt.choices("EmptyRows", "zeros", "nan", "any")  # what a query with every key blocked must return
+EmptyRows = opt.choices("EmptyRows", "zeros", "nan", "any", "finite")  # what a query with every key blocked must return
+Protocol = opt.choices("Protocol", "kernel", "transformers")
 
 # the options many commands share, with check's help text
 DeviceOption = opt.device_option("Where the cases run; the reference is float64 where the device has it. Default: cpu.")
@@ -30,6 +31,10 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     target: Annotated[
         Optional[str],
         typer.Argument(help="The attention function, 'path/to/file.py:NAME' or 'package.module:NAME' (kernel protocol)."),
+    ] = None,
+    protocol: Annotated[
+        Optional[Protocol],
+        typer.Option("--protocol", help="How the function is called: kernel (attention(q, k, v, ...)) or transformers (a function registered in transformers' AttentionInterface: fn(module, query, key, value, attention_mask, ...)). Default: detected from the signature."),
     ] = None,
     module: Annotated[
         Optional[str],
@@ -61,7 +66,7 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     full: Annotated[bool, typer.Option("--full", help="Run the full tier (real sizes chosen pairwise; for nightly CI) instead of the default tier.")] = False,
     list_cases: Annotated[bool, typer.Option("--list-cases", help="List the cases of the tiers with the reason for each, and exit.")] = False,
     empty_rows: Annotated[
-        Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked (kernel protocol). Default: zeros.")
+        Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked: zeros, nan, any, or finite (any finite row; transformers protocol only). Default: zeros (kernel), finite (transformers).")
     ] = None,
     backward: Annotated[
         Optional[bool], typer.Option("--backward/--no-backward", help="Check dq, dk and dv against float64 autograd. Default: backward.")
@@ -74,7 +79,7 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     ] = None,
     device: DeviceOption = None,
     dtypes: Annotated[Optional[str], typer.Option("--dtypes", help="Dtypes the kernel supports, e.g. float16,bfloat16.", rich_help_panel=DECLARE)] = None,
-    masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal.", rich_help_panel=DECLARE)] = None,
+    masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal; with --protocol transformers the mask functions registered for its name: sdpa, eager, none.", rich_help_panel=DECLARE)] = None,
     gqa: Annotated[Optional[bool], typer.Option("--gqa/--no-gqa", help="Whether it supports Nkv < Nh. Default: gqa.", rich_help_panel=DECLARE)] = None,
     distinct_dv: Annotated[Optional[bool], typer.Option("--distinct-dv/--no-distinct-dv", help="Whether it supports Dv != Dh. Default: distinct-dv.", rich_help_panel=DECLARE)] = None,
     max_tq: Annotated[Optional[str], typer.Option("--max-tq", metavar=INT, help="The longest Tq it takes.", rich_help_panel=DECLARE)] = None,
@@ -156,7 +161,16 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
             opt.refuse_given(module_options, "for a kernel-protocol function (it applies to --module)")
             parse_spec(target, "target")
             name, label = "kernel_check", "checking cases"
-            args = _kernel_args(target, case, full, declared, seed_value, device.value if device else "cpu")
+            chosen = protocol.value if protocol else None
+            if chosen == "transformers":
+                opt.refuse_given({k: v for k, v in kernel_options.items() if k not in ("--dtypes", "--masks", "--supports")},
+                                 "with --protocol transformers (it applies to the kernel protocol)")
+            if chosen == "kernel":
+                args = _kernel_args(target, case, full, declared, seed_value, device.value if device else "cpu")
+            else:
+                name = "attention_check"
+                args = _attention_args(target, chosen, case, full, declared, seed_value,
+                                       device.value if device else "cpu")
         with Progress(label) as bar:
             outcome = run_user_task(name, args, in_process=in_process, timeout=timeout, progress=bar, limits=limits)
         show_output(outcome.output)
@@ -223,6 +237,36 @@ def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: d
             "backward": decl.backward, "strict_precision": run.get("strict_precision", False),
             "strict_coverage": run.get("strict_coverage", False), "device": device,
             "declaration": decl.to_json()}
+
+
+def _attention_args(target: str, protocol: Optional[str], case: Optional[list[str]], full: bool, declared: dict,
+                    seed: int, device: str) -> dict:
+    """The arguments of a check whose protocol is detected from the target's signature (or given as
+    transformers): each protocol's own, read now; the kernel's may fail to read (an option meant for the
+    other protocol), which is an error only if the target turns out to follow it."""
+    from attn_ledger.errors import InputError
+    from attn_ledger.probes.kernel.spec import TABLE, read_table
+
+    args: dict = {"target": target, "field": "target", "protocol": protocol}
+    if protocol is None:
+        try:
+            args["kernel"] = _kernel_args(target, case, full, declared, seed, device)
+        except InputError as exc:
+            args["kernel"], args["kernel_error"] = None, str(exc)
+    table = read_table()
+    keys = ("masks", "dtypes", "supports")
+    given = {k: declared[k] for k in keys if declared.get(k) is not None}
+    from_table = {k: table[k] for k in keys if k in table and k not in given}
+    empty = declared.get("empty_rows") or table.get("empty_rows") or "finite"
+    if empty not in ("finite", "zeros", "any"):
+        raise InputError(f"--empty-rows: got {empty!r}, expected one of finite, zeros, any with --protocol transformers")
+    from attn_ledger.probes.interface.check import declaration as interface_declaration
+
+    interface_declaration(from_table, source=f"pyproject.toml [{TABLE}] ")  # a bad value is named before any import
+    interface_declaration(given)
+    args["interface"] = {"declared": {**from_table, **given}, "cases": list(case) if case else None, "seed": seed,
+                         "empty_rows": empty}
+    return args
 
 
 def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], module: Optional[str]) -> None:

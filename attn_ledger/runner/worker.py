@@ -713,6 +713,10 @@ def _call(channel: _Channel, state: tuple[Any, dict[str, Any]], kind: str, meta:
     if meta.get("sinks"):
         kw["sinks"] = tensors.get("sinks")
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    if "interface" in kw:  # check --protocol transformers: called as a transformers layer calls it
+        from attn_ledger.probes.interface.driver import InterfaceAdapter
+
+        fn = InterfaceAdapter(fn)
     if kind == "forward":
         called = call_forward(fn, q, k, v, kw, meta["what"], meta["grad_mode"])
     else:
