@@ -245,7 +245,6 @@ def _attention_args(target: str, protocol: Optional[str], case: Optional[list[st
     transformers): each protocol's own, read now; the kernel's may fail to read (an option meant for the
     other protocol), which is an error only if the target turns out to follow it."""
     from attn_ledger.errors import InputError
-    from attn_ledger.probes.kernel.spec import TABLE, read_table
 
     args: dict = {"target": target, "field": "target", "protocol": protocol}
     if protocol is None:
@@ -253,6 +252,21 @@ def _attention_args(target: str, protocol: Optional[str], case: Optional[list[st
             args["kernel"] = _kernel_args(target, case, full, declared, seed, device)
         except InputError as exc:
             args["kernel"], args["kernel_error"] = None, str(exc)
+    try:
+        args["interface"] = _interface_args(declared, case, seed)
+    except InputError as exc:  # options meant for the kernel protocol: an error only if the target is not one
+        if protocol is not None:
+            raise
+        args["interface"], args["interface_error"] = None, str(exc)
+    return args
+
+
+def _interface_args(declared: dict, case: Optional[list[str]], seed: int) -> dict:
+    """The transformers protocol's arguments: its declaration from the options over [tool.attn-ledger.check]."""
+    from attn_ledger.errors import InputError
+    from attn_ledger.probes.interface.check import declaration as interface_declaration
+    from attn_ledger.probes.kernel.spec import TABLE, read_table
+
     table = read_table()
     keys = ("masks", "dtypes", "supports")
     given = {k: declared[k] for k in keys if declared.get(k) is not None}
@@ -260,13 +274,10 @@ def _attention_args(target: str, protocol: Optional[str], case: Optional[list[st
     empty = declared.get("empty_rows") or table.get("empty_rows") or "finite"
     if empty not in ("finite", "zeros", "any"):
         raise InputError(f"--empty-rows: got {empty!r}, expected one of finite, zeros, any with --protocol transformers")
-    from attn_ledger.probes.interface.check import declaration as interface_declaration
-
     interface_declaration(from_table, source=f"pyproject.toml [{TABLE}] ")  # a bad value is named before any import
     interface_declaration(given)
-    args["interface"] = {"declared": {**from_table, **given}, "cases": list(case) if case else None, "seed": seed,
-                         "empty_rows": empty}
-    return args
+    return {"declared": {**from_table, **given}, "cases": list(case) if case else None, "seed": seed,
+            "empty_rows": empty}
 
 
 def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], module: Optional[str]) -> None:

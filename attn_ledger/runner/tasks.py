@@ -179,7 +179,10 @@ def _interface_setup(fn: Any, args: dict[str, Any], detected: bool) -> tuple[Any
 
     if importlib.util.find_spec("transformers") is None:  # transformers itself is imported in the worker only
         raise SetupError(NO_TRANSFORMERS)
-    iargs = args["interface"]
+    iargs = args.get("interface")
+    if iargs is None:
+        raise SetupError(f"target: {args['target']} follows the transformers protocol (detected from its signature), "
+                         f"and {args.get('interface_error') or 'its options could not be read'}")
     decl = interface_declaration(iargs["declared"], source=iargs.get("source", ""))
     cases, skipped = interface_plan(decl, iargs.get("cases"))
     if not cases:
