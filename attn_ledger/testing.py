@@ -83,6 +83,8 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
     max_tq: int | None = None,
     max_tk: int | None = None,
     head_dims: Sequence[int] | None = None,
+    supports: Sequence[str] | None = None,
+    protocol: str | None = None,
 ) -> None:
     """Assert that ``fn`` passes every check on a tier of cases, or on the given case ids.
 
@@ -103,6 +105,12 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
         device: ``cpu``, ``cuda``, ``mps`` or ``auto``.
         dtypes, masks, gqa, distinct_dv, max_tq, max_tk, head_dims: what the kernel supports (None: the
             table's, else everything); cases outside are skipped.
+        supports: the optional features it takes (``softcap``, ``window``, ``sinks``; None: the table's,
+            else none): each adds the cases that exercise it.
+        protocol: ``kernel`` or ``transformers`` (a function for transformers' ``AttentionInterface``,
+            ``fn(module, query, key, value, attention_mask, ...)``); None: detected from the signature.
+            Under ``transformers``, ``masks`` names the mask functions (``sdpa``, ``eager``, ``none``) and
+            only ``cases``, ``seed``, ``name``, ``empty_rows``, ``dtypes``, ``masks`` and ``supports`` apply.
 
     Warns:
         InconclusiveCases: no case fails, but some case was judged by nothing past L1.
@@ -119,8 +127,13 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
 
     __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
     check_timeout(timeout, "timeout")
+    if _is_interface(fn, protocol):
+        _assert_interface(fn, cases, empty_rows=empty_rows, seed=seed, name=name, timeout=timeout,
+                          dtypes=dtypes, masks=masks, supports=supports)
+        return
     declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv, "max_tq": max_tq,
-                "max_tk": max_tk, "head_dims": head_dims, "backward": backward, "empty_rows": empty_rows,
+                "max_tk": max_tk, "head_dims": head_dims, "backward": backward, "supports": supports,
+                "empty_rows": empty_rows,
                 "strict_precision": strict_precision, "strict_coverage": strict_coverage}
     decl, run = from_sources(declared, rootdir())
     ids = [cases] if isinstance(cases, str) else cases
@@ -134,6 +147,58 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
         raise AssertionError(diagnosis(report))
     if report.details["cases_inconclusive"]:
         warnings.warn(InconclusiveCases(diagnosis(report)), stacklevel=2)
+
+
+def _is_interface(fn: Callable[..., Any], protocol: str | None) -> bool:
+    import inspect
+
+    from attn_ledger.errors import InputError
+    from attn_ledger.probes.interface.check import is_interface
+
+    if protocol not in (None, "kernel", "transformers"):
+        raise InputError(f"protocol: got {protocol!r}, expected kernel or transformers")
+    if protocol is not None:
+        return protocol == "transformers"
+    try:
+        return is_interface(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return False
+
+
+def _assert_interface(fn: Callable[..., Any], cases: Sequence[str] | str | None, *, empty_rows: str | None,
+                      seed: int, name: str | None, timeout: float | None, dtypes: Sequence[str] | None,
+                      masks: Sequence[str] | None, supports: Sequence[str] | None) -> None:
+    """:func:`assert_attention_matches` under the transformers protocol (``[tool.attn-ledger.check]`` read too)."""
+    from attn_ledger.guard import in_process
+    from attn_ledger.probes.interface.check import check_interface, declaration
+    from attn_ledger.probes.kernel.spec import TABLE, read_table
+
+    __tracebackhide__ = True
+    table = read_table(rootdir())
+    keys = ("masks", "dtypes", "supports")
+    given = {"masks": masks, "dtypes": dtypes, "supports": supports}
+    values = {**{k: table[k] for k in keys if k in table}, **{k: v for k, v in given.items() if v is not None}}
+    decl = declaration(values, source=f"[{TABLE}] ")
+    ids = [cases] if isinstance(cases, str) else cases
+    target = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    with in_process(timeout):
+        report = check_interface(fn, ids, target=target, declaration=decl, seed=seed,
+                                 empty_rows=empty_rows or table.get("empty_rows", "finite"))
+    if report.exit_code:
+        raise AssertionError(interface_diagnosis(report))
+
+
+def interface_diagnosis(report: "Report") -> str:
+    """Plain text from a ``check --protocol transformers`` report: the count, the first finding, its reproduction."""
+    from attn_ledger.render.notes import interface_reproduce_lines
+    from attn_ledger.render.text import describe
+
+    d, first = report.details, report.first_finding
+    if first is None:
+        return f"{d['target']}: all {d['cases_total']} cases pass (transformers protocol)"
+    return "\n".join([f"{d['target']}: {d['cases_failed']} of {_cases(d['cases_total'])} fail (transformers protocol); "
+                      f"smallest failing case {first.row}: L{first.level} {first.name}: {describe(first.check)}",
+                      *(f"  {ln}" for ln in interface_reproduce_lines(d["reproduce"]))])
 
 
 def diagnosis(report: "Report", max_cases: int = 3) -> str:

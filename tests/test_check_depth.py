@@ -148,8 +148,10 @@ def test_list_cases_shows_tier_and_reason():
     res = runner.invoke(app, ["check", "--list-cases", "--format", "json"])
     assert res.exit_code == 0, res.output
     cases = json.loads(res.stdout)["cases"]
-    assert [c["id"] for c in cases] == [g.case.id for g in GRID]
-    assert {c["tier"] for c in cases} == {"default", "full"} and all(c["reason"] for c in cases)
+    from attn_ledger.probes.kernel.cases import feature_grid
+
+    assert [c["id"] for c in cases] == [g.case.id for g in GRID + feature_grid()]
+    assert {c["tier"] for c in cases} == {"default", "full", "features"} and all(c["reason"] for c in cases)
     table = runner.invoke(app, ["check", "--list-cases"])
     assert table.exit_code == 0
     assert re.search(r"^b2-h4kv2-tq113tk113-dh64dv64-lpad64-causal-rand-f32 +default +prefill", table.stdout, re.M)

@@ -15,7 +15,8 @@ from attn_ledger.commands.options import INT
 DECLARE = "Declaration"
 
 
-EmptyRows = opt.choices("EmptyRows", "zeros", "nan", "any")  # what a query with every key blocked must return
+EmptyRows = opt.choices("EmptyRows", "zeros", "nan", "any", "finite")  # what a query with every key blocked must return
+Protocol = opt.choices("Protocol", "kernel", "transformers")
 
 # the options many commands share, with check's help text
 DeviceOption = opt.device_option("Where the cases run; the reference is float64 where the device has it. Default: cpu.")
@@ -30,6 +31,10 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     target: Annotated[
         Optional[str],
         typer.Argument(help="The attention function, 'path/to/file.py:NAME' or 'package.module:NAME' (kernel protocol)."),
+    ] = None,
+    protocol: Annotated[
+        Optional[Protocol],
+        typer.Option("--protocol", help="How the function is called: kernel (attention(q, k, v, ...)) or transformers (a function registered in transformers' AttentionInterface: fn(module, query, key, value, attention_mask, ...)). Default: detected from the signature."),
     ] = None,
     module: Annotated[
         Optional[str],
@@ -64,7 +69,7 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     full: Annotated[bool, typer.Option("--full", help="Run the full tier (real sizes chosen pairwise; for nightly CI) instead of the default tier.")] = False,
     list_cases: Annotated[bool, typer.Option("--list-cases", help="List the cases of the tiers with the reason for each, and exit.")] = False,
     empty_rows: Annotated[
-        Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked (kernel protocol). Default: zeros.")
+        Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked: zeros, nan, any, or finite (any finite row; transformers protocol only). Default: zeros (kernel), finite (transformers).")
     ] = None,
     backward: Annotated[
         Optional[bool], typer.Option("--backward/--no-backward", help="Check dq, dk and dv against float64 autograd. Default: backward.")
@@ -77,12 +82,13 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     ] = None,
     device: DeviceOption = None,
     dtypes: Annotated[Optional[str], typer.Option("--dtypes", help="Dtypes the kernel supports, e.g. float16,bfloat16.", rich_help_panel=DECLARE)] = None,
-    masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal.", rich_help_panel=DECLARE)] = None,
+    masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal; with --protocol transformers the mask functions registered for its name: sdpa, eager, none.", rich_help_panel=DECLARE)] = None,
     gqa: Annotated[Optional[bool], typer.Option("--gqa/--no-gqa", help="Whether it supports Nkv < Nh. Default: gqa.", rich_help_panel=DECLARE)] = None,
     distinct_dv: Annotated[Optional[bool], typer.Option("--distinct-dv/--no-distinct-dv", help="Whether it supports Dv != Dh. Default: distinct-dv.", rich_help_panel=DECLARE)] = None,
     max_tq: Annotated[Optional[str], typer.Option("--max-tq", metavar=INT, help="The longest Tq it takes.", rich_help_panel=DECLARE)] = None,
     max_tk: Annotated[Optional[str], typer.Option("--max-tk", metavar=INT, help="The longest Tk it takes.", rich_help_panel=DECLARE)] = None,
     head_dims: Annotated[Optional[str], typer.Option("--head-dims", help="Head widths Dh and Dv may take, e.g. 64,128.", rich_help_panel=DECLARE)] = None,
+    supports: Annotated[Optional[str], typer.Option("--supports", help="Optional features it takes: softcap (softcap=C), window (window=W), sinks (sinks [Nh]), e.g. softcap,window; each adds the cases that exercise it. Default: none.", rich_help_panel=DECLARE)] = None,
     seed: SeedOption = None,
     timeout: TimeoutOption = None,
     max_timeouts: Annotated[
@@ -133,9 +139,9 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
                       "--strict-coverage/--lenient-coverage": strict_coverage,
                       "--dtypes": dtypes, "--masks": masks, "--gqa/--no-gqa": gqa,
                       "--distinct-dv/--no-distinct-dv": distinct_dv, "--max-tq": max_tq, "--max-tk": max_tk,
-                      "--head-dims": head_dims}
+                      "--head-dims": head_dims, "--supports": supports}
     declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv, "max_tq": max_tq,
-                "max_tk": max_tk, "head_dims": head_dims, "backward": backward,
+                "max_tk": max_tk, "head_dims": head_dims, "backward": backward, "supports": supports,
                 "empty_rows": empty_rows.value if empty_rows else None, "strict_precision": strict_precision,
                 "strict_coverage": strict_coverage}
     module_options = {"--embed-dim": embed_dim, "--heads": heads, "--causal/--no-causal": causal, "--window": window,
@@ -159,7 +165,16 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
             opt.refuse_given(module_options, "for a kernel-protocol function (it applies to --module)")
             parse_spec(target, "target")
             name, label = "kernel_check", "checking cases"
-            args = _kernel_args(target, case, full, declared, seed_value, device.value if device else "cpu")
+            chosen = protocol.value if protocol else None
+            if chosen == "transformers":
+                opt.refuse_given({k: v for k, v in kernel_options.items() if k not in ("--dtypes", "--masks", "--supports")},
+                                 "with --protocol transformers (it applies to the kernel protocol)")
+            if chosen == "kernel":
+                args = _kernel_args(target, case, full, declared, seed_value, device.value if device else "cpu")
+            else:
+                name = "attention_check"
+                args = _attention_args(target, chosen, case, full, declared, seed_value,
+                                       device.value if device else "cpu")
         with Progress(label) as bar:
             outcome = run_user_task(name, args, in_process=in_process, timeout=timeout, progress=bar, limits=limits)
         show_output(outcome.output)
@@ -224,11 +239,52 @@ def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: d
 
     decl, run = from_sources(declared)
     tier = "full" if full else "default"
-    return {"target": target, "field": "target", "cases": [c.id for c in select_cases(case, tier)],
+    return {"target": target, "field": "target", "cases": [c.id for c in select_cases(case, tier, decl.supports)],
             "tier": None if case else tier, "empty_rows": run.get("empty_rows", "zeros"), "seed": seed,
             "backward": decl.backward, "strict_precision": run.get("strict_precision", False),
             "strict_coverage": run.get("strict_coverage", False), "device": device,
             "declaration": decl.to_json()}
+
+
+def _attention_args(target: str, protocol: Optional[str], case: Optional[list[str]], full: bool, declared: dict,
+                    seed: int, device: str) -> dict:
+    """The arguments of a check whose protocol is detected from the target's signature (or given as
+    transformers): each protocol's own, read now; the kernel's may fail to read (an option meant for the
+    other protocol), which is an error only if the target turns out to follow it."""
+    from attn_ledger.errors import InputError
+
+    args: dict = {"target": target, "field": "target", "protocol": protocol}
+    if protocol is None:
+        try:
+            args["kernel"] = _kernel_args(target, case, full, declared, seed, device)
+        except InputError as exc:
+            args["kernel"], args["kernel_error"] = None, str(exc)
+    try:
+        args["interface"] = _interface_args(declared, case, seed)
+    except InputError as exc:  # options meant for the kernel protocol: an error only if the target is not one
+        if protocol is not None:
+            raise
+        args["interface"], args["interface_error"] = None, str(exc)
+    return args
+
+
+def _interface_args(declared: dict, case: Optional[list[str]], seed: int) -> dict:
+    """The transformers protocol's arguments: its declaration from the options over [tool.attn-ledger.check]."""
+    from attn_ledger.errors import InputError
+    from attn_ledger.probes.interface.check import declaration as interface_declaration
+    from attn_ledger.probes.kernel.spec import TABLE, read_table
+
+    table = read_table()
+    keys = ("masks", "dtypes", "supports")
+    given = {k: declared[k] for k in keys if declared.get(k) is not None}
+    from_table = {k: table[k] for k in keys if k in table and k not in given}
+    empty = declared.get("empty_rows") or table.get("empty_rows") or "finite"
+    if empty not in ("finite", "zeros", "any"):
+        raise InputError(f"--empty-rows: got {empty!r}, expected one of finite, zeros, any with --protocol transformers")
+    interface_declaration(from_table, source=f"pyproject.toml [{TABLE}] ")  # a bad value is named before any import
+    interface_declaration(given)
+    return {"declared": {**from_table, **given}, "cases": list(case) if case else None, "seed": seed,
+            "empty_rows": empty}
 
 
 def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], module: Optional[str]) -> None:
@@ -237,13 +293,13 @@ def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], modu
 
     from attn_ledger.commands.common import fail, write_atomic
     from attn_ledger.errors import AttnLedgerError
-    from attn_ledger.probes.kernel.cases import GRID, describe_tiers
+    from attn_ledger.probes.kernel.cases import GRID, describe_tiers, feature_grid
     from attn_ledger.render.table import wrap_words
 
     if target is not None or module is not None:
         given = target if target is not None else f"--module {module}"
         raise fail(f"--list-cases: got it with {given!r}, expected no target or --module: it lists the cases and runs nothing")
-    entries = describe_tiers(GRID)
+    entries = describe_tiers(GRID + feature_grid())
     if fmt is Format.json:
         text = json.dumps({"command": "check --list-cases", "cases": entries}, indent=2) + "\n"
     elif fmt is Format.table:
@@ -254,8 +310,9 @@ def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], modu
             reason = wrap_words(e["reason"], max(40, 100 - pad), indent="")
             lines.append(f"{e['id'].ljust(width)}  {e['tier'].ljust(7)}  {reason[0]}")
             lines += [" " * pad + more for more in reason[1:]]
-        counts = {t: sum(e["tier"] == t for e in entries) for t in ("default", "full")}
-        lines.append(f"{counts['default']} cases in the default tier; --full adds {counts['full']}")
+        counts = {t: sum(e["tier"] == t for e in entries) for t in ("default", "full", "features")}
+        lines.append(f"{counts['default']} cases in the default tier; --full adds {counts['full']}; "
+                     f"{counts['features']} more for the features a kernel declares (--supports)")
         text = "\n".join(lines) + "\n"
     else:
         raise fail(f"--format: got {fmt.value!r} with --list-cases, expected table or json")

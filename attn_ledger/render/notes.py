@@ -155,6 +155,18 @@ def reproduce_lines(d: Mapping[str, Any]) -> list[str]:
             *python_lines(d)]
 
 
+def interface_reproduce_lines(d: Mapping[str, Any]) -> list[str]:
+    """The notes that reproduce the smallest failing case of ``check --protocol transformers``: the call as a
+    layer makes it, the CLI line, and the Python lines that build the layer's arguments and call the function."""
+    rest = cli_line(d)[len(_check_command(d["target"])) + len(" --case "):]
+    passes = f", passes={list(d['passes'])!r}" if d.get("passes") else ""
+    seed = f", seed={d['seed']}" if d.get("seed") else ""
+    return [f"its call: {d['call']}", "reproduce it:", f"{_check_command(d['target'])} \\", f"    --case {rest}",
+            "from attn_ledger.probes.interface.driver import layer_call",
+            f"module, args, kwargs = layer_call({d['case']!r}{passes}{seed})",
+            f"attn_output, attn_weights = {d['function']}(module, *args, **kwargs)"]
+
+
 TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "given_input": _given_input,
     "config_input": _config_input,
@@ -176,6 +188,7 @@ TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
 }
 LINES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "reproduce": reproduce_lines,  # one note that reads as several lines
+    "interface_reproduce": interface_reproduce_lines,
 }
 
 

@@ -53,7 +53,7 @@ from attn_ledger.probes.kernel.check import (
 )
 from attn_ledger.probes.kernel.spec import declaration
 from attn_ledger.probes.module.check import BATCH_SIZE, SEQ_LEN, check_built_module, stopped_module_report
-from attn_ledger.report import Check, Coverage, Finding, Note, Report, Row
+from attn_ledger.report import Check, Coverage, Finding, Note, Report, Row, unjudged
 from attn_ledger.seeding import manual_seed
 from attn_ledger.inputs.userload import load_object
 
@@ -148,6 +148,97 @@ def _kernel_finish(fn: Any, args: dict[str, Any], plan: dict[str, Any], results:
     return with_call_notes(report, results, fn.state)
 
 
+# --- check FILE:NAME, the protocol detected: kernel, or transformers' attention interface --------------
+
+def _attention_setup(args: dict[str, Any], load: Callable[[str, str], Any]) -> tuple[Any, dict[str, Any]]:
+    """Import the target, detect its protocol from its signature (unless given), and set up that protocol's
+    cases. Units are ``PROTOCOL:CASE`` so that a stopped unit knows its protocol."""
+    from attn_ledger.errors import SetupError
+    from attn_ledger.probes.interface.check import PROTOCOL, is_interface
+
+    fn = load(args["target"], args["field"])
+    fn.ready()
+    given = args.get("protocol")
+    protocol = given or (PROTOCOL if is_interface(fn.__signature__) else "kernel")
+    if protocol == "kernel":
+        kargs = args.get("kernel")
+        if kargs is None:
+            raise SetupError(args.get("kernel_error") or "target: the kernel protocol's options could not be read")
+        state, plan = _kernel_setup({**kargs, "target": args["target"], "field": args["field"]}, lambda *_: fn)
+        return ("kernel", state, kargs), {**plan, "units": [f"kernel:{u}" for u in plan["units"]]}
+    return _interface_setup(fn, args, detected=given is None)
+
+
+def _interface_setup(fn: Any, args: dict[str, Any], detected: bool) -> tuple[Any, dict[str, Any]]:
+    import importlib.util
+
+    from attn_ledger.errors import SetupError
+    from attn_ledger.probes.common.driver import LocalKernel
+    from attn_ledger.probes.interface.check import declaration as interface_declaration, plan as interface_plan
+    from attn_ledger.probes.interface.driver import NO_TRANSFORMERS, InterfaceAdapter
+
+    if importlib.util.find_spec("transformers") is None:  # transformers itself is imported in the worker only
+        raise SetupError(NO_TRANSFORMERS)
+    iargs = args.get("interface")
+    if iargs is None:
+        raise SetupError(f"target: {args['target']} follows the transformers protocol (detected from its signature), "
+                         f"and {args.get('interface_error') or 'its options could not be read'}")
+    decl = interface_declaration(iargs["declared"], source=iargs.get("source", ""))
+    cases, skipped = interface_plan(decl, iargs.get("cases"))
+    if not cases:
+        raise SetupError("declaration: leaves no case to run")
+    if isinstance(fn, LocalKernel):
+        fn.fn = InterfaceAdapter(fn.fn)  # in this process; a worker wraps it for each call it is sent
+    state = ("transformers", fn, {**iargs, "declaration": decl.to_json(), "detected": detected, "skipped": skipped})
+    return state, {"units": [f"transformers:{c.id}" for c in cases]}
+
+
+def _attention_run(state: Any, args: dict[str, Any], unit: str, progress: Progress) -> Any:
+    protocol, fn, pargs = state
+    case = unit.split(":", 1)[1]
+    if protocol == "kernel":
+        return _kernel_run(fn, {**pargs, "target": args["target"]}, case, progress)
+    from attn_ledger.probes.interface.check import check_icase, declaration as interface_declaration, parse_icase
+
+    return check_icase(fn, parse_icase(case), interface_declaration(pargs["declaration"]),
+                       name=args["target"].rsplit(":", 1)[-1], seed=pargs["seed"], empty_rows=pargs["empty_rows"])
+
+
+def _interface_failed(unit: str, reason: str, data: dict[str, Any], status: str = "fail") -> Any:
+    from attn_ledger.probes.interface.check import CHECK_ORDER, ICaseResult, parse_icase
+
+    rest = [unjudged(level, name, "not_reached", reason) for level, name in CHECK_ORDER[1:]]
+    return ICaseResult(parse_icase(unit), (Check(1, "call", status, reason=reason, data=data), *rest))  # type: ignore[arg-type]
+
+
+def _attention_stopped(args: dict[str, Any], unit: str, reason: str, data: dict[str, Any]) -> Any:
+    protocol, case = unit.split(":", 1)
+    return _kernel_stopped(args, case, reason, data) if protocol == "kernel" else _interface_failed(case, reason, data)
+
+
+def _attention_not_reached(args: dict[str, Any], unit: str, reason: str, data: dict[str, Any]) -> Any:
+    protocol, case = unit.split(":", 1)
+    if protocol == "kernel":
+        return _kernel_not_reached(args, case, reason, data)
+    return _interface_failed(case, reason, data, "not_reached")
+
+
+def _attention_timed_out(result: Any) -> bool:
+    return any(c.failed and "timeout_s" in c.data for c in result.checks)
+
+
+def _attention_finish(state: Any, args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Report:
+    protocol, fn, pargs = state
+    if protocol == "kernel":
+        units = [u.split(":", 1)[1] for u in plan["units"]]
+        return _kernel_finish(fn, {**pargs, "target": args["target"]}, {**plan, "units": units}, results)
+    from attn_ledger.probes.interface.check import Run, declaration as interface_declaration, interface_report
+
+    run = Run(args["target"], interface_declaration(pargs["declaration"]), pargs["detected"], pargs["seed"],
+              pargs["empty_rows"], pargs["skipped"])
+    return interface_report(results, run)
+
+
 # --- check --module FILE:FACTORY and intervene --module: one unit ---------------------------------
 
 def _module_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -226,6 +317,8 @@ def _intervene_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[
 
 # A module's one unit not reached (--max-time spent on the import and the factory) is stopped before its call.
 TASKS: dict[str, Task | ParentTask] = {
+    "attention_check": ParentTask(_attention_setup, _attention_run, _attention_stopped, _attention_finish,
+                                  _attention_not_reached, _attention_timed_out),
     "kernel_check": ParentTask(_kernel_setup, _kernel_run, _kernel_stopped, _kernel_finish, _kernel_not_reached,
                          _kernel_timed_out),
     "module_check": ParentTask(_module_parent_setup, _module_check_run, _module_check_stopped, _module_parent_finish,
@@ -237,4 +330,5 @@ TASKS: dict[str, Task | ParentTask] = {
 }
 
 RESULT_TYPES: tuple[type, ...] = (Check, Row, Finding, Coverage, Note, Report, Case, CaseResult)
+# (an attention-interface case's result never crosses: its task is judged in this process)
 """The only classes a worker's result may be rebuilt into (a plan and a unit are plain data)."""

@@ -575,7 +575,11 @@ class RemoteKernel(KernelTarget):
         mask = kw.get("allow_mask", "absent")
         if mask is not None and not isinstance(mask, str):
             tensors = {**tensors, "allow_mask": mask}
-        meta = {**meta, "kw": {n: x for n, x in kw.items() if n != "allow_mask"},
+        sinks = kw.get("sinks")
+        if sinks is not None:
+            tensors = {**tensors, "sinks": sinks}
+        meta = {**meta, "kw": {n: x for n, x in kw.items() if n not in ("allow_mask", "sinks")},
+                "sinks": sinks is not None,
                 "mask": "absent" if isinstance(mask, str) else "none" if mask is None else "tensor",
                 "device": str(tensors["q"].device), "threads": _threads()}
         facts, blob = self.sup.call_kernel(kind, meta, pack(tensors))
@@ -706,7 +710,13 @@ def _call(channel: _Channel, state: tuple[Any, dict[str, Any]], kind: str, meta:
     kw = dict(meta["kw"])
     if meta["mask"] != "absent":
         kw["allow_mask"] = tensors.get("allow_mask")
+    if meta.get("sinks"):
+        kw["sinks"] = tensors.get("sinks")
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    if "interface" in kw:  # check --protocol transformers: called as a transformers layer calls it
+        from attn_ledger.probes.interface.driver import InterfaceAdapter
+
+        fn = InterfaceAdapter(fn)
     if kind == "forward":
         called = call_forward(fn, q, k, v, kw, meta["what"], meta["grad_mode"])
     else:

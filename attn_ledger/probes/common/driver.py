@@ -188,18 +188,24 @@ def _plain(data: dict[str, Any]) -> dict[str, Any]:
 # --- the calls ------------------------------------------------------------------------------------
 
 
+TENSOR_KEYWORDS = ("allow_mask", "sinks")
+"""The keyword arguments that carry tensors: copied for each call and compared after it."""
+
+
 def _copies(q: "Tensor", k: "Tensor", v: "Tensor", kw: dict[str, Any]) -> tuple[list["Tensor"], dict[str, Any]]:
     kw = dict(kw)
-    if kw.get("allow_mask") is not None:
-        kw["allow_mask"] = kw["allow_mask"].clone()
+    for name in TENSOR_KEYWORDS:
+        if kw.get(name) is not None:
+            kw[name] = kw[name].clone()
     return [q.clone(), k.clone(), v.clone()], kw
 
 
 def _after(qkv: list["Tensor"], kw: dict[str, Any]) -> dict[str, "Tensor"]:
     """The copies the call was given, as it left them (detached: a leaf's values, not its graph)."""
     after = {n: t.detach() for n, t in zip(INPUTS, qkv)}
-    if kw.get("allow_mask") is not None:
-        after["allow_mask"] = kw["allow_mask"]
+    for name in TENSOR_KEYWORDS:
+        if kw.get(name) is not None:
+            after[name] = kw[name]
     return after
 
 

@@ -4,6 +4,7 @@ A :class:`Case` is one call of the kernel on a seeded input. Its id is readable 
 
     b2-h8kv2-tq203tk217-dh80dv80-lpad64-causal-edge-bf16-s0.125
     |  |      |          |        |            |    |    explicit scale= (absent: 1/sqrt(Dh))
+    |  |      |          |        |            |    |    then the features: -capC soft-cap, -wW window, -sinks
     |  |      |          |        |            |    dtype: f32, f64, f16, bf16
     |  |      |          |        |            inputs: rand, index, large, edge, huge
     |  |      |          |        mask relation (below)
@@ -25,6 +26,14 @@ k times 12 (scores reach |s| > 100); ``edge`` q and k rescaled so that the large
 in bfloat16 and float32, 709.8 in float64); ``huge`` q and k rescaled so that the largest raw
 ``q . k`` is four times float16's largest finite value (use with a small explicit scale: the
 scaled scores stay modest while a kernel that multiplies before scaling overflows).
+
+Features (declared by a kernel that takes them, see :mod:`attn_ledger.probes.kernel.spec`): ``-capC``
+passes ``softcap=C`` (the scaled scores become ``C * tanh(s / C)`` before the mask); ``-wW`` passes
+``window=W`` (query i may use key j only if ``i + (Tk - Tq) - j < W``: W keys including the query's own
+position, as transformers' ``sliding_window_overlay`` defines it; combined with the other masks);
+``-sinks`` passes ``sinks``, one logit per query head ``[Nh]`` that joins each row's softmax
+denominator and mixes no value (gpt-oss). Cases with features are not in the tiers: they are added
+for a kernel that declares them (:func:`feature_cases`).
 
 Tiers: :data:`DEFAULT_TIER` runs fast on a CPU (the small cases that give the smallest failing
 case, and a few cases at real sizes for each class of bug); :data:`FULL_TIER` adds cases at
@@ -53,6 +62,7 @@ BASE_MASKS = ("none", "causal-flag", "causal-mask", "pad", "pad-causal", "pad-em
 INPUTS = ("rand", "index", "large", "edge", "huge")
 DTYPES = {"f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16"}
 TIERS = ("default", "full")
+FEATURES = ("softcap", "window", "sinks")
 
 LIMITS = {"B": 64, "Nh": 128, "Nkv": 128, "Tq": 4096, "Tk": 4096, "Dh": 512, "Dv": 512}
 MAX_CASE_BYTES = 1 << 30  # a case (inputs, outputs, probes and the streamed reference) fits in about 1 GiB
@@ -69,7 +79,8 @@ _ID_RE = re.compile(
     r"^b(?P<b>\d+)-h(?P<nh>\d+)kv(?P<nkv>\d+)-tq(?P<tq>\d+)tk(?P<tk>\d+)-dh(?P<dh>\d+)dv(?P<dv>\d+)"
     r"-(?P<mask>" + _MASK_RE + r")"
     r"-(?P<inputs>" + "|".join(INPUTS) + r")-(?P<dtype>" + "|".join(DTYPES) + r")"
-    r"(?:-s(?P<scale>\d+(?:\.\d+)?(?:e-?\d+)?))?$"
+    r"(?:-s(?P<scale>\d+(?:\.\d+)?(?:e-?\d+)?))?"
+    r"(?:-cap(?P<softcap>\d+(?:\.\d+)?))?(?:-w(?P<window>\d+))?(?P<sinks>-sinks)?$"
 )
 _LPAD_RE = re.compile(r"^lpad(\d+)(-causal)?$")
 _GAP_RE = re.compile(r"^gap(\d+)x(\d+)(-causal)?$")
@@ -85,6 +96,9 @@ class Case:
         inputs: ``rand``, ``index``, ``large``, ``edge`` or ``huge``.
         dtype: ``f32``, ``f64``, ``f16`` or ``bf16``.
         scale: an explicit ``scale=`` argument (id suffix ``-s0.25``), or None for 1/sqrt(Dh).
+        softcap: a ``softcap=`` argument (id suffix ``-cap30``), or None.
+        window: a ``window=`` argument (id suffix ``-w4``), or None.
+        sinks: the call passes ``sinks`` (one logit per query head; id suffix ``-sinks``).
     """
 
     b: int
@@ -98,13 +112,24 @@ class Case:
     inputs: str = "rand"
     dtype: str = "f32"
     scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
+    sinks: bool = False
 
     @property
     def id(self) -> str:
         return (
             f"b{self.b}-h{self.nh}kv{self.nkv}-tq{self.tq}tk{self.tk}-dh{self.dh}dv{self.dv}"
             f"-{self.mask}-{self.inputs}-{self.dtype}" + ("" if self.scale is None else f"-s{self.scale:g}")
+            + ("" if self.softcap is None else f"-cap{self.softcap:g}")
+            + ("" if self.window is None else f"-w{self.window}") + ("-sinks" if self.sinks else "")
         )
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The optional features the call passes (:data:`FEATURES`), in that order."""
+        on = {"softcap": self.softcap is not None, "window": self.window is not None, "sinks": self.sinks}
+        return tuple(f for f in FEATURES if on[f])
 
     @property
     def size(self) -> int:
@@ -196,6 +221,12 @@ class Case:
             args.append("is_causal=True")
         if self.scale is not None:
             args.append(f"scale={self.scale:g}")
+        if self.softcap is not None:
+            args.append(f"softcap={self.softcap:g}")
+        if self.window is not None:
+            args.append(f"window={self.window}")
+        if self.sinks:
+            args.append("sinks=sinks[Nh]")
         return f"{name}(q, k, v{''.join(', ' + a for a in args)})"
 
     def to_json(self) -> dict[str, Any]:
@@ -203,6 +234,9 @@ class Case:
             "id": self.id, "B": self.b, "Nh": self.nh, "Nkv": self.nkv, "Tq": self.tq, "Tk": self.tk,
             "Dh": self.dh, "Dv": self.dv, "mask": self.mask, "inputs": self.inputs,
             "dtype": self.dtype_name, "scale": self.scale, "elements": self.size,
+            **({"softcap": self.softcap} if self.softcap is not None else {}),
+            **({"window": self.window} if self.window is not None else {}),
+            **({"sinks": True} if self.sinks else {}),
         }
 
 
@@ -268,7 +302,9 @@ def parse_case(case_id: str) -> Case:
     _check_digits(case_id, g)
     case = Case(*(int(g[key]) for key in ("b", "nh", "nkv", "tq", "tk", "dh", "dv")),
                 mask=g["mask"], inputs=g["inputs"], dtype=g["dtype"],
-                scale=None if g["scale"] is None else float(g["scale"]))
+                scale=None if g["scale"] is None else float(g["scale"]),
+                softcap=None if g["softcap"] is None else float(g["softcap"]),
+                window=None if g["window"] is None else int(g["window"]), sinks=g["sinks"] is not None)
     validate(case, case_id)
     return case
 
@@ -286,9 +322,13 @@ def _check_digits(case_id: str, groups: Mapping[str, str | None]) -> None:
         numbers["blocked run start S (gapSxL)"], numbers["blocked run length L (gapSxL)"] = gap.group(1), gap.group(2)
     if groups["scale"] is not None:
         numbers["scale (-sSCALE)"] = groups["scale"]
+    if groups.get("softcap") is not None:
+        numbers["soft-cap (-capC)"] = groups["softcap"]
+    if groups.get("window") is not None:
+        numbers["window (-wW)"] = groups["window"]
     for field, text in numbers.items():
         digits = sum(ch.isdigit() for ch in text or "")
-        most = 2 * MAX_ID_DIGITS if field.startswith("scale") else MAX_ID_DIGITS  # mantissa and exponent
+        most = 2 * MAX_ID_DIGITS if field.startswith(("scale", "soft-cap")) else MAX_ID_DIGITS  # mantissa and exponent
         if digits > most:
             raise InputError(f"case {shown(case_id)}: {field} got {shown(text, 20)} of {digits} digits, "
                              f"expected at most {most} digits")
@@ -299,6 +339,10 @@ def validate(case: Case, case_id: str | None = None) -> None:
     name = case_id or case.id  # bounded: each number in it has at most MAX_ID_DIGITS digits
     if case.scale is not None and not 0 < case.scale <= 16:
         raise InputError(f"case {name!r}: scale={case.scale:g}, expected a value in (0, 16]")
+    if case.softcap is not None and not 0 < case.softcap <= 1e4:
+        raise InputError(f"case {name!r}: softcap={case.softcap:g}, expected a value in (0, 10000]")
+    if case.window is not None and not 1 <= case.window <= LIMITS["Tk"]:
+        raise InputError(f"case {name!r}: window={case.window}, expected between 1 and {LIMITS['Tk']}")
     sizes = {"B": case.b, "Nh": case.nh, "Nkv": case.nkv, "Tq": case.tq, "Tk": case.tk, "Dh": case.dh, "Dv": case.dv}
     for axis, value in sizes.items():
         if not 1 <= value <= LIMITS[axis]:
@@ -549,6 +593,66 @@ DEFAULT_TIER: tuple[Case, ...] = tuple(g.case for g in GRID if g.tier == "defaul
 FULL_TIER: tuple[Case, ...] = tuple(g.case for g in GRID)
 
 
+# Cases for the features a kernel declares: small ones that show each bug, a few at real sizes.
+_FEATURE_CASES: dict[str, tuple[tuple[str, str], ...]] = {
+    "softcap": (
+        ("b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32-cap1.5", "a soft-cap of 1.5 on scores of about 1: every row changes"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-pad-causal-large-f32-cap30",
+         "Gemma 2's soft-cap of 30 on scores past 100, with padding: applied before the mask"),
+        ("b2-h4kv2-tq5tk5-dh8dv8-none-index-f32-cap2", "soft-cap with index inputs: where a wrong value came from"),
+        ("b2-h4kv4-tq4tk4-dh4dv4-none-large-f64-cap20", "float64 with a soft-cap: the kernel's precision is judged"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-large-f16-cap30", "float16 with a soft-cap of 30 on scores past 100"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-large-bf16-cap30", "bfloat16 with a soft-cap of 30 on scores past 100"),
+        ("b2-h4kv2-tq64tk128-dh64dv64-causal-flag-large-f32-cap50", "a soft-cap of 50 at a real size, decode-style causal"),
+    ),
+    "window": (
+        ("b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32-w2", "a window of 2 keys (the query and the one before)"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-f32-w3", "a window of 3 with Tq < Tk: bottom-right aligned"),
+        ("b3-h2kv2-tq1tk6-dh8dv8-causal-mask-rand-f32-w4", "decode (Tq = 1) with a window of 4 and the causal part as a mask"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-pad-causal-rand-f32-w4", "a window with right padding"),
+        ("b2-h4kv2-tq24tk24-dh16dv16-lpad8-causal-rand-f32-w6", "a window with left padding: fully blocked rows"),
+        ("b2-h4kv2-tq5tk5-dh8dv8-causal-flag-index-f32-w2", "a window with index inputs: where a wrong value came from"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-f64-w3", "float64 with a window"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-f16-w3", "float16 with a window"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-bf16-w3", "bfloat16 with a window"),
+        ("b2-h4kv2-tq128tk128-dh64dv64-causal-flag-rand-f32-w32", "a window of 32 at a real size"),
+    ),
+    "sinks": (
+        ("b2-h4kv2-tq5tk5-dh8dv8-causal-flag-rand-f32-sinks", "sinks: one logit per head in each row's denominator"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-pad-causal-rand-f32-sinks", "sinks with padding and Tq < Tk"),
+        ("b3-h2kv2-tq1tk6-dh8dv8-none-rand-f32-sinks", "decode (Tq = 1) with sinks, no mask"),
+        ("b2-h4kv2-tq5tk5-dh8dv8-pad-empty-rand-f32-sinks", "sinks and a query with no key: the sink takes all the weight"),
+        ("b2-h4kv2-tq5tk5-dh8dv8-none-index-f32-sinks", "sinks with index inputs"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-f64-sinks", "float64 with sinks"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-f16-sinks", "float16 with sinks"),
+        ("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-bf16-sinks", "bfloat16 with sinks"),
+        ("b2-h4kv2-tq113tk113-dh64dv64-lpad64-causal-rand-f32-sinks", "sinks at a real size with left padding"),
+    ),
+    "softcap+window": (
+        ("b2-h4kv2-tq5tk9-dh8dv4-pad-causal-large-f32-cap30-w4", "Gemma 2's soft-cap and a window together"),
+    ),
+    "window+sinks": (
+        ("b2-h4kv2-tq5tk9-dh8dv4-lpad4-causal-rand-f32-w3-sinks", "gpt-oss: a window and sinks together"),
+    ),
+}
+
+
+def feature_cases(supports: Iterable[str]) -> tuple[Case, ...]:
+    """The cases that exercise the declared features (every feature of a case declared), in a stable order."""
+    on = set(supports)
+    out = []
+    for key, entries in _FEATURE_CASES.items():
+        if set(key.split("+")) <= on:
+            out += [parse_case(i) for i, _ in entries]
+    return tuple(out)
+
+
+def feature_grid() -> tuple[GridCase, ...]:
+    """The feature cases with their reasons, for ``--list-cases`` (tier ``features``)."""
+    return tuple(GridCase(parse_case(i), "features", f"{key}: {why}")
+                 for key, entries in _FEATURE_CASES.items() for i, why in entries)
+
+
 def tier_cases(tier: str = "default") -> tuple[Case, ...]:
     """The cases of a tier: ``default``, or ``full`` (the default tier and the pairwise cases)."""
     if tier not in TIERS:
@@ -563,10 +667,11 @@ def grid_entry(case: Case) -> GridCase | None:
     return None
 
 
-def select_cases(ids: Sequence[str] | None, tier: str = "default") -> tuple[Case, ...]:
-    """The tier's cases, or the named cases (each id parsed, so ids outside the grid work too)."""
+def select_cases(ids: Sequence[str] | None, tier: str = "default", supports: Iterable[str] = ()) -> tuple[Case, ...]:
+    """The tier's cases and those of the declared features, or the named cases (each id parsed, so ids
+    outside the grid work too)."""
     if not ids:
-        return tier_cases(tier)
+        return tier_cases(tier) + feature_cases(supports)
     return tuple(parse_case(i) for i in ids)
 
 
@@ -616,6 +721,30 @@ def _rescale(case: Case, q: "Tensor", k: "Tensor") -> tuple["Tensor", "Tensor"]:
         target = 4.0 * FLOAT16_MAX
     f = math.sqrt(target / raw)
     return q * f, k * f
+
+
+def window_allow(tq: int, tk: int, window: int, device: Any = None) -> "Tensor":
+    """``[Tq, Tk]`` True where key j is within the window of query i: ``i + (Tk - Tq) - j < window``
+    (bottom-right positions; W keys back including the query's own; later keys are left to the causal part)."""
+    import torch
+
+    i = torch.arange(tq, device=device)[:, None] + (tk - tq)
+    j = torch.arange(tk, device=device)[None, :]
+    return (i - j) < window
+
+
+def case_sinks(case: Case, seed: int = 0, device: Any = None) -> "Tensor | None":
+    """The ``sinks`` argument ``[Nh]`` in the case's dtype (None without the feature): drawn from the case's
+    own stream, about as large as its scores, so the sink's share of a row is neither 0 nor 1."""
+    import torch
+
+    from attn_ledger.seeding import generator
+
+    if not case.sinks:
+        return None
+    gen = generator(case_crc(case) ^ seed ^ 0x5157)
+    s = torch.randn(case.nh, generator=gen, dtype=torch.float64) + 0.5
+    return s.to(device=device, dtype=torch_dtype(case.dtype_name))
 
 
 def allow_argument(case: Case, device: Any = None) -> "Tensor | None":
@@ -668,6 +797,12 @@ def case_inputs(case: Case | str, seed: int = 0, device: Any = None) -> tuple["T
     kwargs: dict[str, Any] = {"allow_mask": allow_argument(case, device), "is_causal": case.causal_flag}
     if case.scale is not None:
         kwargs["scale"] = case.scale
+    if case.softcap is not None:
+        kwargs["softcap"] = case.softcap
+    if case.window is not None:
+        kwargs["window"] = case.window
+    if case.sinks:
+        kwargs["sinks"] = case_sinks(case, seed, device)
     return q, k, v, kwargs
 
 

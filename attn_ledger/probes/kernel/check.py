@@ -8,6 +8,11 @@ The kernel protocol::
 
     def attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None) -> Tensor
 
+and, for a kernel that declares them (``--supports softcap,window,sinks``), the keyword arguments
+``softcap=C`` (scaled scores become ``C * tanh(s / C)`` before the mask), ``window=W`` (query i may use
+key j only if ``i + (Tk - Tq) - j < W``) and ``sinks`` ``[Nh]`` (one logit per query head in each row's
+softmax denominator); an undeclared feature is never passed.
+
 q ``[B, Nh, Tq, Dh]``, k ``[B, Nkv, Tk, Dh]``, v ``[B, Nkv, Tk, Dv]``; query head h uses kv
 head ``h // (Nh // Nkv)``; ``allow_mask`` is bool, broadcastable to ``[B, Nh, Tq, Tk]``,
 True = may attend; ``is_causal`` is bottom-right aligned (query i may use key j iff
@@ -263,6 +268,8 @@ def reproduction_data(case: Case, target: str, *, options: Options | None = None
         opts += ["--empty-rows", o.empty_rows]
     if d.masks != Declaration().masks:
         opts += ["--masks", ",".join(d.masks)]
+    if d.supports:
+        opts += ["--supports", ",".join(d.supports)]
     if not (o.backward and d.backward):
         opts.append("--no-backward")
     if o.strict_precision:
@@ -557,7 +564,7 @@ class _Kernel:
             raise UserCodeError(error["text"], error.get("what") or what, **error.get("data", {}))
         if called.facts.get("subclass") and self.subclass is None:
             self.subclass = called.facts["subclass"]
-        changed = changed_inputs(called.tensors, sent, self.kwargs.get("allow_mask"))
+        changed = changed_inputs(called.tensors, sent, self.kwargs.get("allow_mask"), self.kwargs.get("sinks"))
         if changed:
             self.changed.setdefault(what, changed)
         if raised_ok and "out" not in called.tensors:
@@ -566,13 +573,15 @@ class _Kernel:
 
 
 def changed_inputs(after: dict[str, "Tensor"], sent: tuple["Tensor", "Tensor", "Tensor"],
-                   mask: "Tensor | None") -> list[str]:
+                   mask: "Tensor | None", sinks: "Tensor | None" = None) -> list[str]:
     """The inputs whose copies a call left different from what it was given (NaN equals NaN)."""
     import torch
 
     given = dict(zip(("q", "k", "v"), sent))
     if mask is not None:
         given["allow_mask"] = mask
+    if sinks is not None:
+        given["sinks"] = sinks
     changed = []
     for name, before in given.items():
         got = after.get(name)
@@ -658,6 +667,12 @@ class _Setup:
     tol: float = 0.0  # the bound a row may move by where it must stay
     noise: float = 0.0  # the dtype's floor: a move below ten times this is no move at all
     judge_empty: bool = True  # probes judge rows with no allowed key (the zeros contract); else they hold anything
+    sinks: "Tensor | None" = None  # [Nh] the sinks argument, where the case passes one
+
+    @property
+    def features(self) -> dict[str, Any]:
+        """The soft-cap and sinks the references apply (the window is in ``allow``)."""
+        return {"softcap": self.case.softcap, "sinks": self.sinks}
 
     @property
     def empty(self) -> "Tensor":
@@ -785,8 +800,12 @@ def _setup(case: Case, kernel: _Kernel, q: "Tensor", k: "Tensor", v: "Tensor", r
     import torch
 
     from attn_ledger.maths.reference import combined_allow
+    from attn_ledger.probes.kernel.cases import window_allow
 
     allow = combined_allow(case.b, 1, case.tq, case.tk, kwargs["allow_mask"], kwargs["is_causal"], device=q.device)
+    if case.window is not None:
+        win = window_allow(case.tq, case.tk, case.window, device=q.device)  # [Tq, Tk]
+        allow = win if allow is None else allow & win
     if allow is not None:
         while allow.dim() < 4:
             allow = allow[None]
@@ -797,7 +816,7 @@ def _setup(case: Case, kernel: _Kernel, q: "Tensor", k: "Tensor", v: "Tensor", r
     qk_scale = max(float(q.double().std()) if q.numel() > 1 else 1.0, float(k.double().std()) if k.numel() > 1 else 1.0)
     out = raw.detach().to(device=q.device, dtype=ref_dtype)
     return _Setup(case, kernel, q, k, v, out, allow, counts, gen, ref_dtype, qk_scale if qk_scale > 0 else 1.0,
-                  judge_empty=o.empty_rows == "zeros")
+                  judge_empty=o.empty_rows == "zeros", sinks=kwargs.get("sinks"))
 
 
 def _references(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
@@ -810,14 +829,15 @@ def _references(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
 
     case, dt = s.case, s.q.dtype
     scale = case.effective_scale
-    ref = attention(s.q, s.k, s.v, s.allow, scale, compute=s.ref_dtype, d_out=d_out)
+    ft = s.features
+    ref = attention(s.q, s.k, s.v, s.allow, scale, compute=s.ref_dtype, d_out=d_out, **ft)
     acc = EPS["float32"] / EPS[case.dtype_name] if is_half(case.dtype_name) else 1.0  # half accumulates in float32
     sub = tiny("float32" if dt == torch.float64 else case.dtype_name)  # the smallest normal of the judged levels
-    mags = magnitudes(s.q, s.k, s.v, s.allow, scale, d_out, accumulate=acc, tiny=sub)
-    pl = plain_variants(s.q, s.k, s.v, s.allow, scale, dt, d_out=d_out)
+    mags = magnitudes(s.q, s.k, s.v, s.allow, scale, d_out, accumulate=acc, tiny=sub, **ft)
+    pl = plain_variants(s.q, s.k, s.v, s.allow, scale, dt, d_out=d_out, **ft)
     pl32 = None
     if dt == torch.float64:
-        pl32 = plain(s.q, s.k, s.v, s.allow, scale, torch.float32, d_out=d_out)
+        pl32 = plain(s.q, s.k, s.v, s.allow, scale, torch.float32, d_out=d_out, **ft)
     vmax = float(s.v.abs().max().double()) if s.v.numel() else 0.0
     plain_err, errors = plain_error({n: c.out for n, c in pl.items()}, ref.out, s.live)
     s.tol = tolerance(case.dtype_name, plain_err, vmax)[0]  # the probes' bound: two runs of the kernel
@@ -911,7 +931,7 @@ def _grad_mode_check(s: _Setup, refs: dict[str, Any], out: "Tensor | None", exc:
 def _inputs_check(kernel: _Kernel) -> Check:
     """L1: every call left the tensors it was given (copies of the case's inputs) as they were."""
     changed = kernel.changed
-    names = sorted({n for ns in changed.values() for n in ns}, key=("q", "k", "v", "allow_mask").index)
+    names = sorted({n for ns in changed.values() for n in ns}, key=("q", "k", "v", "allow_mask", "sinks").index)
     if not names:
         return Check(1, "inputs_unchanged", "pass")
     call, first = next(iter(changed.items()))
@@ -1181,10 +1201,13 @@ def _runs_range(v: "Tensor", a: "Tensor", lo: "Tensor", hi: "Tensor") -> None:
 
 
 def _convex_check(s: _Setup) -> Check:
-    """L3: each output row lies inside the per-coordinate range of the value rows it may mix."""
+    """L3: each output row lies inside the per-coordinate range of the value rows it may mix (and zero,
+    with sinks: the sink's share of the weights mixes no value)."""
     import torch
 
     lo, hi = value_range(s.v.to(s.ref_dtype), s.allow, s.case.nh, s.case.tq)  # [B, Nh, Tq, Dv] each
+    if s.sinks is not None:
+        lo, hi = lo.clamp_max(0.0), hi.clamp_min(0.0)
     outside = torch.clamp(torch.maximum(lo - s.out, s.out - hi), min=0.0)  # [B, Nh, Tq, Dv]
     outside = torch.nan_to_num(outside, nan=0.0).amax(dim=-1).masked_fill(s.empty, 0.0)  # [B, Nh, Tq]
     worst = float(outside.max()) if outside.numel() else 0.0
@@ -1334,7 +1357,8 @@ def check_capabilities(fn: Callable[..., Any], plan: Plan, declaration: Declarat
         case = min(plan.cases, key=lambda c: (c.size, c.id)) if plan.cases else parse_case(
             "b1-h1kv1-tq1tk1-dh4dv4-none-rand-f32")
         q, k, v, _ = case_inputs(case, options.seed, resolve_device(options.device))
-        kw = {"allow_mask": None, "is_causal": False, "scale": 1.0 / math.sqrt(case.dh)}
+        kw = {"allow_mask": None, "is_causal": False, "scale": 1.0 / math.sqrt(case.dh),
+              "softcap": None, "window": None, "sinks": None}
         try:
             _Kernel(fn, {n: kw[n] for n in names}, "the argument probe")(q, k, v)
         except UserCodeError as exc:  # an exit or a hang before any case: the target cannot be checked
@@ -1380,7 +1404,7 @@ def check_kernel(
 
     Args:
         fn: ``attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None)``.
-        cases: cases to run (default: the ``tier``'s).
+        cases: cases to run (default: the ``tier``'s, and those of the features the declaration supports).
         tier: ``default`` or ``full`` (used when ``cases`` is None).
         target: how the function was named, for the reproduction line.
         empty_rows: contract for a query whose every key is blocked: ``zeros``, ``nan`` or ``any``.
@@ -1402,7 +1426,9 @@ def check_kernel(
     """
     o = Options(empty_rows, seed, backward, strict_precision, device, strict_coverage)
     d = declaration or Declaration()
-    plan = plan_cases(tier_cases(tier) if cases is None else cases, d, o.device)
+    from attn_ledger.probes.kernel.cases import feature_cases
+
+    plan = plan_cases(tier_cases(tier) + feature_cases(d.supports) if cases is None else cases, d, o.device)
     if not plan.cases:
         why = ", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items()) or "; ".join(plan.notes)
         raise SetupError(f"declaration: leaves no case to run ({why})")

@@ -14,6 +14,11 @@ so the memory a case needs grows with its inputs, not with Tq x Tk.
 
 A query whose every key is blocked gets zero weights, output and gradient here (the ``zeros``
 contract); checks that use another contract exclude such rows themselves.
+
+The features a kernel may declare are applied here as ``masking_utils`` and the eager attention
+of transformers define them: ``softcap`` C makes the scaled scores ``C * tanh(s / C)`` before the
+mask; ``sinks`` ``[Nh]`` adds one logit per head to each row's softmax denominator (a column that
+mixes no value, so a row's weights sum to one minus the sink's share); a window is part of ``allow``.
 """
 
 from __future__ import annotations
@@ -42,12 +47,32 @@ class Computed:
     raw_max: float = 0.0  # largest |q . k| before scaling (float64 reference only)
 
 
+def capped(s: "Tensor", softcap: float | None) -> "Tensor":
+    """The scores soft-capped, ``C * tanh(s / C)``, or as they are without a soft-cap."""
+    import torch
+
+    return s if softcap is None else torch.tanh(s / softcap) * softcap
+
+
+def softmax_with(s: "Tensor", sinks: "Tensor | None") -> "Tensor":
+    """Softmax over the last axis of masked scores ``[B, Nh, rows, Tk]``; with ``sinks`` ``[Nh]``, each head's
+    sink logit joins the denominator and its column is dropped (a row with every key blocked gets zeros)."""
+    import torch
+
+    if sinks is None:
+        return torch.softmax(s, dim=-1)
+    col = sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:-1], 1)  # [B, Nh, rows, 1]
+    return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1]
+
+
 def _attend(qb: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-            rnd: "torch.dtype | None", scale_first: bool = True) -> tuple["Tensor", "Tensor"]:
+            rnd: "torch.dtype | None", scale_first: bool = True, softcap: float | None = None,
+            sinks: "Tensor | None" = None) -> tuple["Tensor", "Tensor"]:
     """One query block: ``(out [B, Nh, rows, Dv], raw scores' largest |value| as a 0-d tensor)``.
 
     ``rnd``: round every result to this dtype (the plain same-dtype computation), or None.
     ``scale_first``: scale q before the product (else the product, then the scale).
+    ``softcap``, ``sinks``: the features (module docstring).
     """
     import torch
 
@@ -63,18 +88,21 @@ def _attend(qb: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scal
     else:
         s = r(r(torch.matmul(qb, kk.transpose(-2, -1))) * scale)  # [B, Nh, rows, Tk]
     raw = s.detach().abs().amax() / scale if s.numel() else s.new_zeros(())
+    if softcap is not None:
+        s = r(capped(s, softcap))  # before the mask, as Gemma 2 does
     if allow is not None:
         live = allow.any(dim=-1, keepdim=True)  # [B|1, 1|Nh, rows, 1]
         s = torch.where(allow, s, float("-inf")).where(live, 0.0)  # an empty row softmaxes zeros, then is zeroed
-        w = torch.softmax(s, dim=-1).where(live, 0.0)  # [B, Nh, rows, Tk]
+        w = softmax_with(s, sinks).where(live, 0.0)  # [B, Nh, rows, Tk]
     else:
-        w = torch.softmax(s, dim=-1)  # [B, Nh, rows, Tk]
+        w = softmax_with(s, sinks)  # [B, Nh, rows, Tk]
     return r(torch.matmul(r(w), vv)), raw  # [B, Nh, rows, Dv]
 
 
 def attention(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, *,
               compute: "torch.dtype", rounding: "torch.dtype | None" = None,
-              d_out: "Tensor | None" = None, scale_first: bool = True) -> Computed:
+              d_out: "Tensor | None" = None, scale_first: bool = True, softcap: float | None = None,
+              sinks: "Tensor | None" = None) -> Computed:
     """Attention over query blocks in ``compute`` precision, optionally rounded to ``rounding``.
 
     Args:
@@ -87,6 +115,7 @@ def attention(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", sca
         rounding: round every intermediate result to this dtype (the plain computation), or None.
         d_out: an upstream gradient ``[B, Nh, Tq, Dv]``: dq, dk and dv are computed by autograd.
         scale_first: scale q before the product (else after it).
+        softcap, sinks: the features (module docstring); ``sinks`` is ``[Nh]``, not differentiated.
 
     Returns:
         :class:`Computed` in ``compute`` precision.
@@ -102,11 +131,14 @@ def attention(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", sca
     dk = torch.zeros_like(kc) if grads else None
     dv = torch.zeros_like(vc) if grads else None
     raw = 0.0
+    sk = None if sinks is None else sinks.detach().to(compute)
+    if sk is not None and rounding is not None:
+        sk = sk.to(rounding).to(compute)
     for blk in query_blocks(b, nh, tq, tk):
         qb = q[:, :, blk].detach().to(compute).requires_grad_(grads)  # [B, Nh, rows, Dh]
         ab = None if allow is None else allow[..., blk, :] if allow.shape[-2] == tq else allow
         with torch.enable_grad() if grads else torch.no_grad():
-            ob, rb = _attend(qb, kc, vc, ab, scale, rounding, scale_first)
+            ob, rb = _attend(qb, kc, vc, ab, scale, rounding, scale_first, softcap, sk)
             if grads:
                 gq, gk, gv = torch.autograd.grad(ob, (qb, kc, vc), d_out[:, :, blk].to(compute))
                 dqs.append(gq)
@@ -127,14 +159,16 @@ def accumulate_dtype(dtype: "torch.dtype") -> "torch.dtype":
 
 
 def plain(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, dtype: "torch.dtype",
-          d_out: "Tensor | None" = None) -> Computed:
+          d_out: "Tensor | None" = None, softcap: float | None = None, sinks: "Tensor | None" = None) -> Computed:
     """The plain same-dtype computation in ``dtype`` (see the module docstring)."""
     acc = accumulate_dtype(dtype)
-    return attention(q, k, v, allow, scale, compute=acc, rounding=None if acc == dtype else dtype, d_out=d_out)
+    return attention(q, k, v, allow, scale, compute=acc, rounding=None if acc == dtype else dtype, d_out=d_out,
+                     softcap=softcap, sinks=sinks)
 
 
 def plain_variants(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                   dtype: "torch.dtype", d_out: "Tensor | None" = None) -> dict[str, Computed]:
+                   dtype: "torch.dtype", d_out: "Tensor | None" = None, softcap: float | None = None,
+                   sinks: "Tensor | None" = None) -> dict[str, Computed]:
     """The plain computations a correct kernel in ``dtype`` may be as inaccurate as.
 
     ``scale_first``: :func:`plain`. In half precision also ``textbook``: torch's own ops in the
@@ -144,22 +178,25 @@ def plain_variants(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None"
     (:func:`flash_backward`). Where a variant is not finite (the product overflows) it gives no
     error to scale by.
     """
-    out = {"scale_first": plain(q, k, v, allow, scale, dtype, d_out)}
+    feats = {"softcap": softcap, "sinks": sinks}
+    out = {"scale_first": plain(q, k, v, allow, scale, dtype, d_out, **feats)}
     if accumulate_dtype(dtype) != dtype:
-        out["textbook"] = attention(q, k, v, allow, scale, compute=dtype, d_out=d_out, scale_first=False)
+        out["textbook"] = attention(q, k, v, allow, scale, compute=dtype, d_out=d_out, scale_first=False, **feats)
     if d_out is not None:
-        out["flash"] = flash_backward(q, k, v, allow, scale, dtype, d_out)
+        out["flash"] = flash_backward(q, k, v, allow, scale, dtype, d_out, **feats)
     return out
 
 
 def flash_backward(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                   dtype: "torch.dtype", d_out: "Tensor") -> Computed:
+                   dtype: "torch.dtype", d_out: "Tensor", softcap: float | None = None,
+                   sinks: "Tensor | None" = None) -> Computed:
     """The plain backward of a FlashAttention-style kernel, in ``dtype`` (rounded as :func:`plain`).
 
     It takes the row term from the output, ``D = rowsum(dO * O)``, where autograd through the
     softmax takes ``rowsum(dP * P)``: equal in exact arithmetic, not in rounding, and a kernel
     that does it this way is as right as one that does not. ``dS = P * (dP - D)``,
-    ``dq = dS K scale``, ``dk = dS^T Q scale``, ``dv = P^T dO``, a query block at a time.
+    ``dq = dS K scale``, ``dk = dS^T Q scale``, ``dv = P^T dO``, a query block at a time. A soft-cap
+    multiplies dS by its derivative ``1 - tanh^2(s / C)``; a sink's column has no dP, so ``D`` stands.
     """
     import torch
 
@@ -175,21 +212,26 @@ def flash_backward(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None"
     dk = torch.zeros_like(kk)  # [B, Nh, Tk, Dh] per query head until the end
     dv = torch.zeros_like(vv)  # [B, Nh, Tk, Dv]
     outs, dqs = [], []
+    sk = None if sinks is None else r(sinks.detach().to(acc))
     for blk in query_blocks(b, nh, tq, tk):
         qs = r(q[:, :, blk].detach().to(acc) * scale)  # [B, Nh, rows, Dh]
         s = r(torch.matmul(qs, kk.transpose(-2, -1)))  # [B, Nh, rows, Tk]
+        t = None if softcap is None else torch.tanh(s / softcap)  # [B, Nh, rows, Tk]
+        s = s if t is None else r(t * softcap)
         if allow is not None:
             ab = allow[..., blk, :] if allow.shape[-2] == tq else allow
             live = ab.any(dim=-1, keepdim=True)
-            w = torch.softmax(torch.where(ab, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
+            w = softmax_with(torch.where(ab, s, float("-inf")).where(live, 0.0), sk).where(live, 0.0)
         else:
-            w = torch.softmax(s, dim=-1)  # [B, Nh, rows, Tk]
+            w = softmax_with(s, sk)  # [B, Nh, rows, Tk]
         w = r(w)
         o = r(torch.matmul(w, vv))  # [B, Nh, rows, Dv]
         do = r(d_out[:, :, blk].to(acc))  # [B, Nh, rows, Dv]
         dp = r(torch.matmul(do, vv.transpose(-2, -1)))  # [B, Nh, rows, Tk]
         row = (do * o).sum(dim=-1, keepdim=True)  # [B, Nh, rows, 1]: D from the output
         ds = r(w * (dp - row))  # [B, Nh, rows, Tk]
+        if t is not None:
+            ds = r(ds * (1.0 - t * t))  # through the soft-cap
         dqs.append(r(torch.matmul(ds, kk)) * scale)  # [B, Nh, rows, Dh]
         dk += torch.matmul(ds.transpose(-2, -1), qs)  # [B, Nh, Tk, Dh]
         dv += torch.matmul(w.transpose(-2, -1), do)  # [B, Nh, Tk, Dv]
@@ -233,7 +275,8 @@ class Magnitudes:
 
 # long: one derivation, each quantity's magnitude in turn, kept beside the formulas its docstring gives
 def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-               d_out: "Tensor | None" = None, accumulate: float = 1.0, tiny: float = 0.0) -> Magnitudes:
+               d_out: "Tensor | None" = None, accumulate: float = 1.0, tiny: float = 0.0,
+               softcap: float | None = None, sinks: "Tensor | None" = None) -> Magnitudes:
     """The magnitudes ``M`` (and ``U``) of attention's summands, a query block at a time, in float64.
 
     The forward error of a dot product is at most a multiple of eps times the sum of its terms'
@@ -257,6 +300,11 @@ def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", sc
     bound; blocked and pairwise orders do better): the score's error takes ``1 + a sqrt(Dh)``, and
     :func:`judge_rounding` multiplies ``M`` by ``1 + a sqrt(n)``, n the quantity's longest sum.
 
+    With a soft-cap, P comes from the capped scores, and the errors keep the raw scores' magnitudes
+    (the cap's derivative is at most one and ``|C tanh(s / C)| <= |s|``, so they bound the capped
+    scores' errors, tanh's own rounding included). With sinks, P is the sink-normalised weights, and
+    the log-sum-exp's error counts the sink's share times its logit.
+
     Args:
         q: ``[B, Nh, Tq, Dh]``; k: ``[B, Nkv, Tk, Dh]``; v: ``[B, Nkv, Tk, Dv]``.
         allow: bool broadcastable to ``[B, Nh, Tq, Tk]`` (True = may attend), or None.
@@ -274,6 +322,7 @@ def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", sc
     kk = repeat_kv(k.detach().to(f64), nh)  # [B, Nh, Tk, Dh]
     vv = repeat_kv(v.detach().to(f64), nh)  # [B, Nh, Tk, Dv]
     ka, va = kk.abs(), vv.abs()
+    sk = None if sinks is None else sinks.detach().to(f64)
     grads = d_out is not None
     m_out, u_out, m_dq, u_dq = [], [], [], []
     m_dk, u_dk = torch.zeros_like(kk), torch.zeros_like(kk)  # [B, Nh, Tk, Dh] per query head until the end
@@ -289,10 +338,12 @@ def magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", sc
             ab = allow[..., blk, :] if allow.shape[-2] == tq else allow
             ok = ab.expand_as(s)
         live = ok.any(dim=-1, keepdim=True)  # [B, Nh, rows, 1]
-        p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
+        p = softmax_with(torch.where(ok, capped(s, softcap), float("-inf")).where(live, 0.0), sk).where(live, 0.0)
         ones = (ok & live & (p < tiny)).to(f64)  # [B, Nh, rows, Tk]: allowed weights below the smallest normal, set to one
         sa = s.abs()
-        row = (p * sa).sum(dim=-1, keepdim=True) + 1.0 + math.log(max(tk, 1))  # [B, Nh, rows, 1]
+        row = (p * sa).sum(dim=-1, keepdim=True) + 1.0 + math.log(max(tk, 1) + (sk is not None))  # [B, Nh, rows, 1]
+        if sk is not None:  # the sink's share times its logit: its term in the log-sum-exp
+            row = row + (1.0 - p.sum(dim=-1, keepdim=True)).clamp_min(0.0) * sk.abs()[None, :, None, None]
         acc = accumulate * (1.0 + math.sqrt(q.shape[-1]))  # q . k sums Dh products at the accumulating precision
         row = row + acc * torch.where(ok, a, 0.0).amax(dim=-1, keepdim=True)
         e = p * (sa + acc * a + row)  # [B, Nh, rows, Tk]: the weights' error from the scores (eps units)

@@ -2,7 +2,8 @@
 
 A :class:`Declaration` names the dtypes, mask kinds (``none``: no mask; ``causal``: the
 ``is_causal`` flag; ``mask``: a bool ``allow_mask``), grouped-query heads, Dv != Dh, maximum
-lengths, head widths and backward a kernel supports. Cases outside it are skipped and
+lengths, head widths and backward a kernel supports, and the optional features it takes
+(``supports``: ``softcap``, ``window``, ``sinks``; none unless declared). Cases outside it are skipped and
 counted, never failed; the keyword arguments a kernel is called with follow it (a kernel
 declared without ``mask`` is never passed ``allow_mask``).
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from attn_ledger.errors import AttnLedgerError, ConfigError, InputError, SetupError, did_you_mean
-from attn_ledger.probes.kernel.cases import DTYPES, Case
+from attn_ledger.probes.kernel.cases import DTYPES, FEATURES, Case
 
 MASK_KINDS = ("none", "causal", "mask")
 DTYPE_NAMES = tuple(DTYPES.values())
@@ -47,6 +48,8 @@ class Declaration:
         max_tq, max_tk: the longest query and key lengths (None: no limit).
         head_dims: the head widths Dh and Dv may take (None: any).
         backward: the kernel is differentiable and its gradients are to be checked.
+        supports: the optional keyword arguments it takes (``softcap``, ``window``, ``sinks``): each
+            adds the cases that exercise it, and an undeclared one is never passed.
     """
 
     dtypes: tuple[str, ...] = DTYPE_NAMES
@@ -57,11 +60,15 @@ class Declaration:
     max_tk: int | None = None
     head_dims: tuple[int, ...] | None = None
     backward: bool = True
+    supports: tuple[str, ...] = ()
 
     def outside(self, case: Case) -> str | None:
         """Why the case is outside the declaration (a short phrase that counts cases), or None."""
         if case.dtype_name not in self.dtypes:
             return f"dtype {case.dtype_name}"
+        for feature in case.features:
+            if feature not in self.supports:
+                return f"{feature}= (not declared)"
         kinds = case.arguments  # read from the case's relation, never from its id
         for kind, phrase in (("mask", "allow_mask"), ("causal", "is_causal"), ("none", "no mask")):
             if kind in kinds and kind not in self.masks:
@@ -85,6 +92,9 @@ class Declaration:
             kw.pop("allow_mask", None)
         if "causal" not in self.masks and not kw.get("is_causal"):
             kw.pop("is_causal", None)
+        for feature in FEATURES:
+            if feature not in self.supports:
+                kw.pop(feature, None)
         return kw
 
     def protocol_keywords(self) -> tuple[str, ...]:
@@ -94,7 +104,7 @@ class Declaration:
             names.append("allow_mask")
         if "causal" in self.masks:
             names.append("is_causal")
-        return (*names, "scale")
+        return (*names, "scale", *(f for f in FEATURES if f in self.supports))
 
     def is_default(self) -> bool:
         return self == Declaration()
@@ -155,7 +165,15 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "max_tk": _int,
     "head_dims": _widths,
     "backward": _bool,
+    "supports": lambda v, f: _features(v, f),
 }
+
+
+def _features(value: Any, field: str) -> tuple[str, ...]:
+    """The declared features: a list of softcap, window, sinks (empty, or ``none``: none)."""
+    if value in ("", "none", [], ()):
+        return ()
+    return tuple(sorted(_list(value, field, FEATURES), key=FEATURES.index))
 
 
 def declaration(values: Mapping[str, Any], base: Declaration | None = None, source: str = "") -> Declaration:

@@ -1,0 +1,1 @@
+"""`check --protocol transformers`: a function registered in transformers' AttentionInterface."""
