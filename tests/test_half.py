@@ -62,9 +62,10 @@ def test_context_row_shows_the_rounding_rule_and_sdpas_factor(dtype):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_worse_than_plain_output_fails_the_rounding_rule(dtype):
-    """A given out computed with a softmax scale 5% off: close in absolute terms, far beyond plain rounding."""
+    """A given out computed with a softmax scale off (5% in float16; 30% in bfloat16, whose 8 bits leave a
+    5% error within a few roundings of the scores): close in absolute terms, beyond the rounding rule."""
     q, k, v = (t.to(DT[dtype]) for t in _qkv())
-    scale = 1.05 / 4.0  # Dh = 16
+    scale = (1.05 if dtype == "float16" else 1.3) / 4.0  # Dh = 16
     bad = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=scale).to(DT[dtype])
     good = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(DT[dtype])
     c_bad = ledger_on_qkv(q, k, v, mask="causal", out=bad).check("context", "user_out_matches_reference")

@@ -13,8 +13,12 @@ kernel's output and gradients the same way). On the sampled rows of the referenc
   and from its row;
 * context ``P V``: ``M = (P + E) |V| (1 + sqrt(Tk))``, E the weights' bound in eps units.
 
+The backward's stage tensors (``run --grad``) follow the same rule with ``M`` from
+:func:`grad_magnitudes`. Half-precision runs count sums as accumulated in float32
+(:func:`accumulation`) and allow a subnormal result its spacing.
+
 ``c`` per stage and dtype is :data:`attn_ledger.tolerance.ROUNDING_C` (``scores``,
-``weights``, ``context``), with the measurement that set it. Rows a relation
+``weights``, ``context``, ``grad_*``), with the measurement that set it. Rows a relation
 leaves empty have ``M = 0``: there the pipeline must give what the reference gives, exactly.
 """
 
