@@ -100,10 +100,11 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     return {"scores": m_scores, "weights": e, "out": m_out, "p": p, "s": s}
 
 
+# long: one chain of bounds, stage after stage, as the backward computes them
 def grad_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", go: "Tensor", allow: "Tensor | None", scale: float,
                     softcap: float | None = None, carried: "dict[str, Tensor] | None" = None,
                     eps: float = 1.0, tiny: float = 0.0,
-                    accumulate: float = 1.0) -> dict[str, "Tensor"]:  # long: one chain of bounds
+                    accumulate: float = 1.0) -> dict[str, "Tensor"]:
     """``M`` of the backward's stage tensors on the sampled rows, in float64 and in units of ``eps``.
 
     Each product ``z = x y`` summing ``n`` terms errs by at most ``(1 + sqrt(n)) |x| |y|`` of its own
