@@ -11,7 +11,7 @@ measured against:
   :data:`HALF_FACTOR` times the error of the plain same-dtype computation, never less
   than :func:`half_floor`, since rounding to 8 or 11 bits dominates any fixed bound;
 * :func:`rounding` (``check`` on a kernel, for out, dq, dk and dv against float64, and ``run``'s
-  scores, weights and context on float32 and float64 runs): elementwise
+  scores, weights and context and, with ``--grad``, its backward stage tensors, in every dtype): elementwise
   ``|err| <= c * eps(dtype) * M``, where ``M`` is the magnitude of the quantity's summands (the
   same computation on absolute values, :func:`attn_ledger.probes.kernel.reference.magnitudes`) and ``c`` is
   calibrated per quantity and dtype (:data:`ROUNDING_C`, with the measurement that set it). The
@@ -72,7 +72,8 @@ EPS = {"float64": 2.220446049250313e-16, "float32": 1.1920928955078125e-07, "flo
 
 # --- check on a kernel: error bounds from how rounding grows --------------------------------------
 
-ROUNDING_QUANTITIES = ("out", "dq", "dk", "dv", "scores", "weights", "context")
+ROUNDING_QUANTITIES = ("out", "dq", "dk", "dv", "scores", "weights", "context", "grad_context", "grad_weights",
+                       "grad_scores", "grad_q", "grad_k", "grad_values")
 
 # c per (quantity, dtype) in ``|err| <= c * eps(dtype) * M``. Each is at least twice the worst
 # error / (eps * M) measured on correct kernels, so that a correct kernel stays within half its
@@ -94,8 +95,8 @@ ROUNDING_C: dict[str, dict[str, float]] = {
     # half dv: the upstream gradient is rounded to the dtype before the kernel sees it, the result rounds
     # again, and the imprecise kernels reach 3.8 (bfloat16 softmax) and 3.7 (float16 sum): c stays at 8
     "dv": {"float64": 2.0, "float32": 2.0, "float16": 8.0, "bfloat16": 8.0},  # 0.13, 0.37, 0.69 (3.8), 1.16 (3.7)
-    # The ledger's stage tensors (``run``: attn_ledger.engine.rounding, on float32 and float64 runs; half
-    # precision keeps the factor rule). Measured over 9 configurations (the default; float64; E=256 Nh=4 T=64;
+    # The ledger's stage tensors (``run``: attn_ledger.engine.rounding; float32 and float64 runs first, half
+    # precision below). Measured over 9 configurations (the default; float64; E=256 Nh=4 T=64;
     # padding; GQA Nkv=2 with a window of 4; grad; soft-cap 1 at scale 2; temperature 0.05; rotary positions),
     # seeds 0-2, at ATEN_CPU_CAPABILITY unset (AVX512), avx2 and default, the worst err / (eps * M): scores
     # 0.49 (the default config), weights 0.30 (padding), context 0.93 (GQA, window 4, seed 0); float64 runs
@@ -103,7 +104,28 @@ ROUNDING_C: dict[str, dict[str, float]] = {
     # Every `run --fault` keeps its first finding (stage and check) over those configurations and capabilities.
     "scores": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
     "weights": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
-    "context": {"float64": 4.0, "float32": 4.0, "float16": 4.0, "bfloat16": 4.0},
+    # Half-precision runs (sums counted as accumulated in float32, subnormal weights' spacing allowed):
+    # 9 configurations (the default; padding with an empty row; GQA causal; rotary interleaved with a
+    # soft-cap of 5; scale 1.5, where weights go subnormal in float16; Tq = Tk = 256; Dh = 128), seeds 0-2,
+    # at ATEN_CPU_CAPABILITY unset (AVX512), avx2 and default, the worst err / (eps * M): float16 scores
+    # 0.64, weights 0.27, context 0.27 (Tq = Tk = 256); bfloat16 0.41, 0.28, 0.22. The context's c is 2
+    # there (worst ratio 0.14), not float32's 4: the bound keeps twice the power it would have at 4.
+    "context": {"float64": 4.0, "float32": 4.0, "float16": 2.0, "bfloat16": 2.0},
+    # The ledger's backward stage tensors (``run --grad``: attn_ledger.engine.rounding.grad_magnitudes), the
+    # same c in every dtype. Measured over 16 configurations (the forward's 9 above, causal at T = 48,
+    # T = 256, Dh = 128 and four half ones), seeds 0-5 (float32 and float64) and 0-2 (half), at
+    # ATEN_CPU_CAPABILITY unset (AVX512), avx2 and default, the worst err / (eps * M), float32 (float64;
+    # float16; bfloat16): grad_context 0.12 (0; 0.04; 0.03), grad_weights 0.68 (0; 0.60; 0.36),
+    # grad_values 0.98 (0; 0.32; 0.20; Dh = 128), grad_scores 0.12 (0.03; 0.11; 0.06), grad_q 0.08
+    # (0.02; 0.04; 0.04), grad_k 0.35 (0.03; 0.12; 0.12). Each c is at least twice that: the worst
+    # correct ratio is 0.34 (grad_weights). A gradient scaled by 1 + 256 float32 eps fails at its own
+    # stage (tests/test_ledger_rounding.py); SDPA's autograd comparisons keep the reference tolerance.
+    "grad_context": {"float64": 1.0, "float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
+    "grad_weights": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
+    "grad_scores": {"float64": 1.0, "float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
+    "grad_q": {"float64": 1.0, "float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
+    "grad_k": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
+    "grad_values": {"float64": 4.0, "float32": 4.0, "float16": 4.0, "bfloat16": 4.0},
 }
 
 # The kernel suites' view, kept beside the rule as data (each finding reports their limits too):

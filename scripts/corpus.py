@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.util
 import json
 import os
@@ -112,14 +113,12 @@ def judge(report: Any, name: str, seed: int, worst: dict[tuple[str, str], dict[s
     return {"failures": failures, "warnings": warns, "ratios": ratios, "backward_cases": grads}
 
 
-def run_correct(tier: str, seeds: list[int], only: set[str] | None) -> dict[str, Any]:
-    from attn_ledger.probes.kernel.check import check_kernel
-    from attn_ledger.probes.kernel.spec import declaration
+def _loaded(only: set[str] | None) -> tuple[list[tuple[str, Path, Any, Any, dict[str, Any]]], dict[str, str]]:
+    """The corpus's kernels to run (name, path, function, declaration, entry) and those skipped, with why."""
     from attn_ledger.inputs.userload import load_object
+    from attn_ledger.probes.kernel.spec import declaration
 
-    kernels: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    worst: dict[tuple[str, str], dict[str, Any]] = {}
+    found, skipped = [], {}
     for path in corpus_files():
         name = path.stem
         if only is not None and name not in only:
@@ -129,26 +128,40 @@ def run_correct(tier: str, seeds: list[int], only: set[str] | None) -> dict[str,
         if missing:
             skipped[name] = f"needs {', '.join(missing)}"
             continue
-        fn = load_object(f"{path}:attention")
         decl = declaration(marks.get("DECLARATION", {}), source=f"{path.name} DECLARATION ")
         entry: dict[str, Any] = {"failures": [], "warnings": [], "seconds": 0.0, "cases": 0, "backward_cases": 0,
                                  "empty_rows": marks.get("EMPTY_ROWS", "zeros"),
                                  "precision_warning_expected": bool(marks.get("PRECISION_WARNING", False)),
                                  "backward": decl.backward}
-        for seed in seeds:
-            start = time.perf_counter()
-            report = check_kernel(fn, tier=tier, target=f"{_shown(path)}:attention", seed=seed,
-                                  empty_rows=entry["empty_rows"], declaration=decl)
-            entry["seconds"] += time.perf_counter() - start
-            entry["cases"] += len(report.rows)
-            seen = judge(report, name, seed, worst, entry["precision_warning_expected"])
-            entry["backward_cases"] += seen["backward_cases"]
-            entry["failures"] += seen["failures"]
-            entry["warnings"] += seen["warnings"]
+        found.append((name, path, load_object(f"{path}:attention"), decl, entry))
+    return found, skipped
+
+
+def run_correct(tier: str, seeds: list[int], only: set[str] | None, shared: bool = True) -> dict[str, Any]:
+    """Every corpus kernel at every seed. Seed by seed, every kernel is judged against one set of each case's
+    kernel-free references (``shared``: :func:`attn_ledger.probes.kernel.check.shared_references`, reused only
+    on bitwise the same inputs), so the float64 reference, magnitudes and plain computations run once per
+    (case, seed) instead of once per kernel; the checks and bounds are a lone ``check``'s."""
+    from attn_ledger.probes.kernel.check import check_kernel, shared_references
+
+    kernels, skipped = _loaded(only)
+    worst: dict[tuple[str, str], dict[str, Any]] = {}
+    for seed in seeds:
+        with shared_references() if shared else contextlib.nullcontext():
+            for name, path, fn, decl, entry in kernels:
+                start = time.perf_counter()
+                report = check_kernel(fn, tier=tier, target=f"{_shown(path)}:attention", seed=seed,
+                                      empty_rows=entry["empty_rows"], declaration=decl)
+                entry["seconds"] += time.perf_counter() - start
+                entry["cases"] += len(report.rows)
+                seen = judge(report, name, seed, worst, entry["precision_warning_expected"])
+                entry["backward_cases"] += seen["backward_cases"]
+                entry["failures"] += seen["failures"]
+                entry["warnings"] += seen["warnings"]
+    for *_, entry in kernels:
         entry["seconds"] = round(entry["seconds"], 2)
-        kernels[name] = entry
     rows = sorted(worst.values(), key=lambda w: (w["check"], w["dtype"]))
-    return {"kernels": kernels, "skipped": skipped, "worst": rows}
+    return {"kernels": {name: entry for name, *_, entry in kernels}, "skipped": skipped, "worst": rows}
 
 
 def run_near(tier: str, seeds: list[int], only: set[str] | None) -> dict[str, Any]:
@@ -209,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default="correct", choices=("correct", "near", "all"))
     ap.add_argument("--only", default=None, help="comma-separated kernel (file stem) or fault names")
     ap.add_argument("--json", default=None, help="write the JSON here instead of stdout")
+    ap.add_argument("--no-shared", action="store_true",
+                    help="compute each case's references afresh for every kernel (as a lone check does)")
     args = ap.parse_args(argv)
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
@@ -227,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
               "this machine lacks it", file=sys.stderr)
     out: dict[str, Any] = {"capability": cap, "tier": args.tier, "seeds": seeds}
     if args.kernels in ("correct", "all"):
-        out.update(run_correct(args.tier, seeds, only))
+        out.update(run_correct(args.tier, seeds, only, shared=not args.no_shared))
     if args.kernels in ("near", "all"):
         out.update(run_near(args.tier, seeds, only))
     out["seconds"] = round(time.perf_counter() - start, 2)

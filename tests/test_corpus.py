@@ -140,6 +140,31 @@ def test_the_corpus_reports_a_wrong_kernel_as_a_failure(tmp_path, monkeypatch):
     assert worst[("reference", "float32")] > 1
 
 
+def _report_facts(report):
+    return [(row.name, [(c.name, c.status, c.value, c.limit) for c in row.checks]) for row in report.rows]
+
+
+def test_shared_references_judge_each_kernel_as_a_lone_check_does(monkeypatch):
+    """Two corpus kernels and a wrong one inside one shared_references: every check's status, value and limit
+    are a lone check's, the references ran once per case, and a case whose inputs differ is computed afresh."""
+    from attn_ledger.inputs.userload import load_object
+    from attn_ledger.probes.kernel import check as kernelcheck
+
+    cases = DEFAULT_TIER[:4]
+    fns = [load_object(f"{ROOT / 'fixtures/kernels/correct' / name}.py:attention") for name in ("einsum", "online_block16")]
+    fns.append(load_object(f"{ROOT / 'fixtures/kernels/near_threshold.py'}:scale_off_by_1pct"))
+    alone = [_report_facts(kernelcheck.check_kernel(fn, cases, seed=1)) for fn in fns]
+    computed = []
+    real = kernelcheck._compute_kernel_free
+    monkeypatch.setattr(kernelcheck, "_compute_kernel_free", lambda s, d: computed.append(s.case.id) or real(s, d))
+    with kernelcheck.shared_references():
+        shared = [_report_facts(kernelcheck.check_kernel(fn, cases, seed=1)) for fn in fns]
+        assert len(computed) == len(cases)  # once per case, not once per kernel
+        kernelcheck.check_kernel(fns[0], cases[:1], seed=2)  # the same case at another seed: other inputs
+        assert computed[-1] == cases[0].id and len(computed) == len(cases) + 1
+    assert shared == alone
+
+
 def _uniform_empty_rows(q, k, v, *, allow_mask=None, is_causal=False, scale=None):
     """transformers' eager convention: blocked keys get the dtype's lowest score, so a row with every
     key blocked comes out uniform over its keys (not zeros)."""

@@ -89,3 +89,76 @@ def test_a_given_out_is_judged_by_the_rounding_rule(tmp_path, nudge, verdict):
     parts = check.data["tolerance"]
     assert parts["rule"] == "c * eps * M" and parts["stage"] == "context"
     assert (parts["ratio"] > 1) == bool(verdict)
+
+
+# --- the backward's stage tensors (run --grad) -------------------------------------------------
+
+GRAD_STAGES = ("grad_context", "grad_weights", "grad_values", "grad_scores", "grad_q", "grad_k")
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"dtype": "float64"},
+    {"embed_dim": 64, "num_heads": 4, "num_kv_heads": 2, "seq_len": 33, "mask": "sliding-window", "window": 4},
+    {"rope": {"pairing": "half"}, "softcap": 1.0, "scale": 2.0},
+    {"dtype": "float16", "mask": "padding", "valid_lengths": [5, 0], "empty_rows": "zeros"},
+    {"dtype": "bfloat16", "mask": "causal"},
+], ids=["default", "float64", "gqa-window", "rotary-softcap", "float16-empty-rows", "bfloat16-causal"])
+def test_a_healthy_backward_sits_within_half_its_rounding_bound(overrides):
+    report = run_ledger(load_config(overrides={**overrides, "grad": True}))
+    assert report.exit_code == 0, report.first_finding
+    checks = reference_checks(report)
+    dtype = overrides.get("dtype", "float32")
+    for stage in (*STAGES, *GRAD_STAGES):  # half precision too: the forward's stages follow the same rule
+        parts = checks[stage].data["tolerance"]
+        assert parts["rule"] == "c * eps * M" and parts["stage"] == stage and parts["dtype"] == dtype
+        assert parts["c"] == tolerance.rounding_c(rounding.QUANTITY[stage], dtype)
+        assert parts["ratio"] <= 0.5, (stage, parts)
+
+
+def _grad_scaled(field: str, factor: float):
+    fn = getattr(HEALTHY, field)
+    return replace(HEALTHY, **{field: lambda *a, **kw: fn(*a, **kw) * factor})
+
+
+GRAD_OPS = [("grad_weights", "grad_weights"), ("grad_values", "grad_values"), ("softmax_backward", "grad_scores"),
+            ("grad_q", "grad_q"), ("grad_k", "grad_k")]
+
+
+@pytest.mark.parametrize("field, stage", GRAD_OPS, ids=[s for _, s in GRAD_OPS])
+def test_a_gradient_off_by_rounding_errors_fails_at_its_stage_with_the_parts_named(field, stage):
+    """256 float32 rounding units of the gradient's own size: past the bound at that stage, and first there."""
+    report = run_ledger(load_config(overrides={"grad": True}), ops=_grad_scaled(field, 1 + 256 * tolerance.EPS["float32"]))
+    assert report.exit_code == 1
+    finding = report.first_finding
+    assert (finding.row, finding.check.name) == (stage, "matches_reference")
+    parts = finding.check.data["tolerance"]
+    assert parts["stage"] == stage and parts["ratio"] > 1
+    assert parts["error"] > parts["bound"] == pytest.approx(parts["c"] * parts["eps"] * parts["M"])
+    text = describe(finding.check)
+    assert "worst element: error" in text and f"bound c {parts['c']:g} x eps 1.19e-07 x M" in text
+
+
+@pytest.mark.parametrize("field, stage", GRAD_OPS, ids=[s for _, s in GRAD_OPS])
+def test_the_same_gradient_off_by_a_fraction_of_a_rounding_error_passes(field, stage):
+    report = run_ledger(load_config(overrides={"grad": True}), ops=_grad_scaled(field, 1 + tolerance.EPS["float32"] / 4))
+    assert report.exit_code == 0, report.first_finding
+
+
+def test_a_saved_gradient_is_judged_by_the_rounding_rule(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g).requires_grad_(True) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    go = torch.randn(out.shape, generator=g)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+    path = tmp_path / "t.pt"
+    base = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "grad_out": go, "dk": dk, "dv": dv}
+    torch.save({**base, "dq": dq}, path)
+    good = run_ledger_tensors(str(path), grad=True)
+    assert good.exit_code == 0, good.first_finding
+    parts = reference_checks(good, "user_dq_matches_reference")["grad_q"].data["tolerance"]
+    assert parts["rule"] == "c * eps * M" and parts["ratio"] <= 0.5
+    torch.save({**base, "dq": dq * (1 + 1e-3)}, path)
+    bad = run_ledger_tensors(str(path), grad=True)
+    check = reference_checks(bad, "user_dq_matches_reference")["grad_q"]
+    assert check.status == "fail" and check.data["tolerance"]["ratio"] > 1

@@ -99,7 +99,8 @@ class Backward:
     def __init__(self, plan: P.Plan, relation: "Relation", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
                  grad_context: "Tensor", *, scale: float, sdpa_scale: float, empty_zero: bool, n_kv: int,
                  rotation: Rotation | None = None, ref: "dict[str, Tensor] | None" = None, sdpa: bool = True,
-                 softcap: float | None = None, sinks: "Tensor | None" = None) -> None:
+                 softcap: float | None = None, sinks: "Tensor | None" = None,
+                 mags: "dict[str, Tensor] | None" = None) -> None:
         import torch
 
         self.plan, self.relation, self.ops, self.sinks = plan, relation, ops, sinks
@@ -107,6 +108,7 @@ class Backward:
         self.scale, self.sdpa_scale, self.empty_zero, self.n_kv = scale, sdpa_scale, empty_zero, n_kv
         self.rotation, self.ref, self.softcap = rotation, ref, softcap
         self.rtol, self.atol = tolerance.reference(q.dtype)
+        self.mags, self.dtype_name = mags, tolerance.dtype_name(q.dtype)  # the rounding rule's M (grad_magnitudes)
         b, nh, tq, dh = q.shape
         like = dict(dtype=q.dtype, device=q.device)
         # allocated outside inference mode, so they stay ordinary tensors
@@ -257,17 +259,29 @@ class Backward:
 
         ref, spans = self.ref, self.plan.reference_spans
         for key in ("grad_weights", "grad_scores"):
-            yield _compare(key, "float64", self.got[key], ref[key], self.rtol, self.atol, spans=spans)
+            yield self._float64(key, self.got[key], ref[key], spans=spans)
         dq_rows = torch.cat([self.dq[:, :, r0:r1] for r0, r1 in spans], dim=2)  # [B, Nh, R, Dh]
-        yield _compare("grad_q", "float64", dq_rows, ref["grad_q"], self.rtol, self.atol, spans=spans, grid=False)
+        yield self._float64("grad_q", dq_rows, ref["grad_q"], spans=spans, grid=False)
         if self.every_row:
             dk, dv = self.dk, self.dv
         else:
             _, dk, dv = self._unrotated(self.dq, reduce_kv(self.partial["grad_k"], self.n_kv),
                                         reduce_kv(self.partial["grad_values"], self.n_kv))
         self.dk_sample, self.dv_sample = dk, dv
-        yield _compare("grad_k", "float64", dk, ref["grad_k"], self.rtol, self.atol, keys=True)
-        yield _compare("grad_values", "float64", dv, ref["grad_values"], self.rtol, self.atol, keys=True)
+        yield self._float64("grad_k", dk, ref["grad_k"], keys=True)
+        yield self._float64("grad_values", dv, ref["grad_values"], keys=True)
+
+    def _float64(self, stage: str, got: "Tensor", ref: "Tensor", *, spans: tuple[tuple[int, int], ...] = (),
+                 grid: bool = True, keys: bool = False) -> Agreement:
+        """One gradient against float64 autograd: elementwise within ``c * eps * M`` where ``M`` is known
+        (:func:`attn_ledger.engine.rounding.grad_magnitudes`), the reference tolerance otherwise."""
+        m = None if self.mags is None else self.mags.get(stage)
+        if m is None or got.shape != m.shape or got.shape != ref.shape:
+            return _compare(stage, "float64", got, ref, self.rtol, self.atol, spans=spans, grid=grid, keys=keys)
+        from attn_ledger.engine import rounding
+
+        return located(rounding.agreement(stage, "pipeline", got, ref, m, self.dtype_name, 0, 0 if grid else None),
+                       spans, keys)
 
     def _against_sdpa(self) -> Iterator[Agreement]:
         """Autograd of F.scaled_dot_product_attention on every row, compared as the stages produced them."""
@@ -405,6 +419,11 @@ def _compare(stage: str, against: str, got: "Tensor", ref: "Tensor", rtol: float
         if math.isnan(excess) or excess > 0:
             where = M.where_in(M.excess_index(got, ref, rtol), 0, 0 if grid else None)
         a = Agreement(stage, "pipeline", against, diff, excess, where=where)
+    return located(a, spans, keys)
+
+
+def located(a: Agreement, spans: tuple[tuple[int, int], ...], keys: bool) -> Agreement:
+    """A measured location as what it is: a key (K-bar, V-bar) or a sampled row as the query it is."""
     if a.where is None:
         return a
     if keys:

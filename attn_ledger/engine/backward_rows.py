@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from attn_ledger.engine import checks as C
 from attn_ledger import tolerance
-from attn_ledger.engine.backward import GRADCHECK_ENTRIES, Backward, Rotation, gradcheck
-from attn_ledger.engine.judge import AXES, Tally, judge_backward
+from attn_ledger.engine.backward import GRADCHECK_ENTRIES, Backward, Rotation, gradcheck, located
+from attn_ledger.engine.judge import AXES, Tally, judge_backward, rounded_check
 from attn_ledger.engine.rows import Rows
 from attn_ledger.report import Check, Note, unjudged
 
@@ -61,14 +61,55 @@ def sampled_words(plan: "Plan") -> str:
     return "every row" if plan.reference_rows == plan.tq else f"{plan.reference_rows} sampled rows"
 
 
+def grad_rounding(fwd: Forward, go: "Tensor", ref: "dict[str, Tensor]",
+                  go_ref: "Tensor | None" = None) -> "dict[str, Tensor] | None":
+    """The rounding rule's ``M`` of each backward stage tensor, shaped as the reference's gradients
+    (:func:`attn_ledger.engine.rounding.grad_magnitudes`): on the sampled rows, from the reference's
+    q, k, v (rotated in float64 as the reference rotates them) and ``O-bar`` (``go_ref``, the
+    sampled rows' float64 O-bar where the pipeline computed its own, else the pipeline's), with the
+    error the pipeline's own tensors carry against those. None where the reference is not float64."""
+    import torch
+
+    from attn_ledger.engine import rounding
+    from attn_ledger.engine.execute import sample_allow, sample_rows
+    from attn_ledger.maths.reference import repeat_kv
+    from attn_ledger.maths.rotary import apply_rotary
+
+    if ref.get("grad_q") is None or ref["grad_q"].dtype != torch.float64:
+        return None
+    f64, plan = torch.float64, fwd.plan
+    picked = sample_rows(plan.reference_spans, fwd.q.device)
+    nh, nkv, tk = fwd.q.shape[1], fwd.k_in.shape[1], fwd.k_exp.shape[2]
+    q, k, v = (t.detach().to(f64) for t in fwd.refs)
+    q = q[:, :, picked]
+    rot = fwd.rotation
+    if rot is not None:
+        q = apply_rotary(q, rot.spec, positions=picked + rot.q_start)
+        k = apply_rotary(k, rot.spec, positions=torch.arange(tk, device=k.device))
+    pipe_go = go[:, :, picked].detach().to(f64)
+    g = pipe_go if go_ref is None else go_ref.detach().to(f64)
+    carried = {"q": (fwd.q[:, :, picked].to(f64) - q).abs(), "k": (fwd.k_exp.to(f64) - repeat_kv(k, nh)).abs(),
+               "v": (fwd.v_exp.to(f64) - repeat_kv(v, nh)).abs(), "go": (pipe_go - g).abs()}
+    eps = tolerance.EPS.get(tolerance.dtype_name(fwd.q.dtype), tolerance.EPS["float32"])
+    with torch.inference_mode():
+        m = rounding.grad_magnitudes(q, k, v, g, sample_allow(fwd.relation, plan.reference_spans, tk), fwd.sdpa_scale,
+                                     fwd.softcap, carried, eps, tolerance.tiny(fwd.q.dtype),
+                                     rounding.accumulation(tolerance.dtype_name(fwd.q.dtype)))
+        spec = None if rot is None else rot.spec
+        return {"grad_weights": m["grad_weights"], "grad_scores": m["grad_scores"],
+                "grad_q": rounding.unrotated(m["grad_q"], m["mag_q"], spec),
+                "grad_k": rounding.per_kv(rounding.unrotated(m["grad_k"], m["mag_k"], spec), nkv),
+                "grad_values": rounding.per_kv(m["grad_values"], nkv)}
+
+
 def core_backward(rows: Rows, ops: Any, fwd: Forward, go: "Tensor", ref: "dict[str, Tensor]", *,
-                  replay: bool) -> Backward | None:
+                  replay: bool, go_ref: "Tensor | None" = None) -> Backward | None:
     """The backward's score-grid stages: run, judged, gradcheck on small inputs, and the gradients kept."""
     b, nh, tq, dh = fwd.q.shape
     nkv, tk, dv = fwd.k_in.shape[1], fwd.k_exp.shape[2], fwd.v_exp.shape[-1]
     run = Backward(fwd.plan, fwd.relation, ops, fwd.q, fwd.k_exp, fwd.v_exp, go, scale=fwd.scale,
                    sdpa_scale=fwd.sdpa_scale, empty_zero=fwd.empty_zero, n_kv=nkv, rotation=fwd.rotation, ref=ref,
-                   softcap=fwd.softcap, sinks=fwd.sinks)
+                   softcap=fwd.softcap, sinks=fwd.sinks, mags=grad_rounding(fwd, go, ref, go_ref))
     tally = Tally.of(run.run())
     derived = {"grad_weights": (b, nh, tq, tk), "grad_values": (b, nkv, tk, dv), "grad_scores": (b, nh, tq, tk),
                "grad_q": (b, nh, tq, dh), "grad_k": (b, nkv, tk, dh)}
@@ -151,16 +192,31 @@ def user_grads(rows: Rows, run: Backward, ref: "dict[str, Tensor]", given: "dict
         t = given[name]
         if stage == "grad_q":
             rows_t = torch.cat([t[:, :, r0:r1] for r0, r1 in spans], dim=2)  # [B, Nh, R, Dh]
-            checks.append(_agree(f"user_{name}_matches_reference", rows_t, ref[stage], rtol, atol,
-                                 f"float64 autograd ({sampled_words(plan)})"))
+            checks.append(_user_agree(run, stage, f"user_{name}_matches_reference", rows_t, ref[stage],
+                                      f"float64 autograd ({sampled_words(plan)})", spans))
         elif run.every_row:
-            checks.append(_agree(f"user_{name}_matches_reference", t, ref[stage], rtol, atol, "float64 autograd (every row)"))
+            checks.append(_user_agree(run, stage, f"user_{name}_matches_reference", t, ref[stage],
+                                      "float64 autograd (every row)", ()))
         else:
             checks.append(unjudged(4, f"user_{name}_matches_reference", "not_applicable",
                                    "K-bar and V-bar sum over every query row; the float64 reference sampled some"))
         if run.sdpa_grads is not None:
             checks.append(_agree(f"user_{name}_matches_sdpa", t, run.sdpa_grads[stage], rtol, atol,
                                  "autograd of F.scaled_dot_product_attention (every row)"))
+
+
+def _user_agree(run: Backward, stage: str, name: str, got: "Tensor", want: "Tensor", against: str,
+                spans: tuple[tuple[int, int], ...]) -> Check:
+    """A saved gradient against float64 autograd: within ``c * eps * M`` of the ledger's own stage
+    (its ``M``, :func:`grad_rounding`) where known, the reference tolerance otherwise."""
+    from attn_ledger.engine import rounding
+
+    m = None if run.mags is None else run.mags.get(stage)
+    if m is None or tuple(m.shape) != tuple(got.shape) or got.shape != want.shape:
+        rtol, atol = tolerance.reference(got.dtype)
+        return _agree(name, got, want, rtol, atol, against)
+    a = rounding.agreement(stage, "given", got, want, m, tolerance.dtype_name(got.dtype), 0, None)
+    return rounded_check(stage, name, located(a, spans, stage != "grad_q"), against)
 
 
 def _agree(name: str, got: "Tensor", want: "Tensor", rtol: float, atol: float, against: str) -> Check:
@@ -186,13 +242,34 @@ def config_context_row(rows: Rows, ops: Any, go_out: "Tensor", wo: "Tensor", nh:
     if tuple(go.shape) == want:
         spans = plan.reference_spans
         got = torch.cat([go[:, :, r0:r1] for r0, r1 in spans], dim=2)  # [B, Nh, R, Dv]
-        rtol, atol = tolerance.reference(go.dtype)
-        checks.append(_agree("matches_reference", got, ref["grad_context"], rtol, atol,
-                             f"float64 autograd ({sampled_words(plan)})"))
+        checks.append(_context_rounded(got, go_out, wo, nh, ref["grad_context"], plan))
     rows.stage("grad_context", tuple(go.shape), checks)
     rows.row_notes["grad_context"] = Note("grad_seed", {"on": "output", **source})
     rows.tensors["grad_context"] = go
     return go if tuple(go.shape) == want else None
+
+
+def _context_rounded(got: "Tensor", go_out: "Tensor", wo: "Tensor", nh: int, want: "Tensor", plan: "Plan") -> Check:
+    """``O-bar`` on the sampled rows against float64 within ``c * eps * M``, ``M = |O-bar of the output| |W_o|``
+    (E terms, split by heads); the reference tolerance where the reference is not float64."""
+    import math
+
+    import torch
+
+    from attn_ledger.engine import rounding
+    from attn_ledger.engine.execute import sample_rows
+    from attn_ledger.maths.reference import heads_of
+
+    against = f"float64 autograd ({sampled_words(plan)})"
+    if want.dtype != torch.float64:
+        rtol, atol = tolerance.reference(got.dtype)
+        return _agree("matches_reference", got, want, rtol, atol, against)
+    picked = sample_rows(plan.reference_spans, go_out.device)
+    e = go_out.shape[-1]
+    m = heads_of(go_out[:, picked].to(torch.float64).abs() @ wo.to(torch.float64).abs(), nh)  # [B, Nh, R, Dv]
+    m = m * (1.0 + math.sqrt(e))
+    a = rounding.agreement("grad_context", "pipeline", got, want, m, tolerance.dtype_name(got.dtype), 0, None)
+    return rounded_check("grad_context", "matches_reference", located(a, plan.reference_spans, False), against)
 
 
 def config_rows(rows: Rows, ops: Any, run: Backward, inp: Any, go_out: "Tensor", merged: "Tensor",
@@ -267,7 +344,7 @@ def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merg
     go = config_context_row(rows, ops, go_out, w.wo, cfg.num_heads, cfg.dv, ref, plan, seed_data(cfg.grad_output))
     if go is None or (rows.failed() and not keep_going):
         return
-    run = core_backward(rows, ops, fwd, go, ref, replay=cfg.replay)
+    run = core_backward(rows, ops, fwd, go, ref, replay=cfg.replay, go_ref=ref.get("grad_context"))
     if run is None or (rows.failed() and not keep_going):
         return
     sdpa = None

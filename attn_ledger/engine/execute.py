@@ -15,8 +15,9 @@ The references:
   (:class:`Sample`) and compared with it once per stage, after the blocks;
 * F.scaled_dot_product_attention runs on every row, a group of blocks per call (or one
   ``is_causal`` call on the whole input), and is compared group by group;
-* in half precision, the plain same-dtype reference on the sampled rows measures the
-  rounding error the factor rule allows for;
+* every dtype's scores, weights and context on the sampled rows are judged against float64 by
+  the rounding rule (:mod:`attn_ledger.engine.rounding`); in half precision the plain same-dtype
+  reference on the sampled rows still measures the rounding error SDPA's factor rule allows for;
 * with ``backends``, each pinned SDPA backend repeats the context comparison.
 
 With a soft-cap, every reference caps the scaled scores before the mask; SDPA, which has no
@@ -145,7 +146,7 @@ class Execution:
         empty = "zeros" if self.empty_zero else "nan"
         self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype,
                                                self.softcap, self.sinks), plan.reference_spans)
-        if not self.half and ref_dtype == torch.float64:  # half precision keeps the factor rule
+        if ref_dtype == torch.float64:  # the rounding rule, half precision included
             self.sample.mags = sampled_rounding(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, self.softcap,
                                                 (self.q, self.k_exp, self.v_exp))
             self.sample.dtype = self.dtype_name
@@ -569,8 +570,10 @@ def sampled_rounding(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation"
         return x[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([x[:, :, r0:r1] for r0, r1 in spans], dim=2)
 
     pq, pk, pv = pipeline
+    dn = tolerance.dtype_name(pq.dtype)
     return rounding.sampled_magnitudes(rows(q), k, v, sample_allow(relation, spans, k.shape[-2]), scale, softcap,
-                                       (rows(pq), pk, pv), tolerance.EPS.get(tolerance.dtype_name(pq.dtype), 1.0))
+                                       (rows(pq), pk, pv), tolerance.EPS.get(dn, 1.0), tiny=tolerance.tiny(dn),
+                                       accumulate=rounding.accumulation(dn))
 
 
 def sample_allow(relation: "Relation", spans: tuple[tuple[int, int], ...], tk: int) -> "Tensor | None":

@@ -310,6 +310,11 @@ def _rounded(v: Verdicts, stage: str, name: str, a: Agreement, against: str) -> 
     return v.add(stage, replace(check, data={"excess": a.excess, "tolerance": parts}), a.where)
 
 
+def rounded_check(stage: str, name: str, a: Agreement, against: str) -> Check:
+    """:func:`_rounded` for one agreement outside a tally: the check, located when it fails."""
+    return _rounded(Verdicts(), stage, name, a, against)
+
+
 # --- one function per kind of check ---------------------------------------------------------
 
 def _compare(v: Verdicts, stage: str, name: str, a: Agreement | None, dtype: str, against: str) -> Check | None:
@@ -325,7 +330,11 @@ def _compare(v: Verdicts, stage: str, name: str, a: Agreement | None, dtype: str
 
 def _factor(v: Verdicts, stage: str, name: str, a: Agreement | None, plain: Agreement | None, dtype: str,
             against: str, always: bool = False) -> Check | None:
-    """L4 in half precision: the error against float64 within HALF_FACTOR of the plain same-dtype error."""
+    """L4 in half precision: the error against float64 within HALF_FACTOR of the plain same-dtype error;
+    by the rounding rule instead where ``a`` was measured by it (the pipeline's and the given tensors
+    against float64: :mod:`attn_ledger.engine.rounding`)."""
+    if a is not None and a.parts is not None and a.parts.get("rule") == "c * eps * M":
+        return _rounded(v, stage, name, a, against)
     if (a is None or plain is None) and not always:
         return None
     check = C.factor_check(name, math.nan if a is None else a.diff, math.nan if plain is None else plain.diff,

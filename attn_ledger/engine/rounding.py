@@ -13,8 +13,12 @@ kernel's output and gradients the same way). On the sampled rows of the referenc
   and from its row;
 * context ``P V``: ``M = (P + E) |V| (1 + sqrt(Tk))``, E the weights' bound in eps units.
 
+The backward's stage tensors (``run --grad``) follow the same rule with ``M`` from
+:func:`grad_magnitudes`. Half-precision runs count sums as accumulated in float32
+(:func:`accumulation`) and allow a subnormal result its spacing.
+
 ``c`` per stage and dtype is :data:`attn_ledger.tolerance.ROUNDING_C` (``scores``,
-``weights``, ``context``), with the measurement that set it. Rows a relation
+``weights``, ``context``, ``grad_*``), with the measurement that set it. Rows a relation
 leaves empty have ``M = 0``: there the pipeline must give what the reference gives, exactly.
 """
 
@@ -30,12 +34,14 @@ from attn_ledger.engine.measure import Agreement
 if TYPE_CHECKING:
     from torch import Tensor
 
-QUANTITY = {"scores": "scores", "weights": "weights", "context": "context"}  # the stage's c in ROUNDING_C
+QUANTITY = {"scores": "scores", "weights": "weights", "context": "context", "grad_context": "grad_context",
+            "grad_weights": "grad_weights", "grad_scores": "grad_scores", "grad_q": "grad_q", "grad_k": "grad_k",
+            "grad_values": "grad_values"}  # the stage's c in ROUNDING_C
 
 
 def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
                      softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
-                     eps: float = 1.0) -> dict[str, "Tensor"]:
+                     eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0) -> dict[str, "Tensor"]:
     """``M`` of the scores, weights and context, in float64.
 
     Args:
@@ -47,6 +53,13 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
             error they already carry (a projection's or rotation's rounding, judged at its own
             stage) is carried through, ``(|dq| |k|^T + |q| |dk|^T + |dq| |dk|^T) |scale|`` into
             the scores and ``P |dv|`` into the context, in units of ``eps``.
+        tiny: the dtype's smallest normal number: a weight below it is subnormal and keeps an
+            absolute error of up to ``tiny * eps`` (float16's 6e-8), so each allowed weight's
+            ``M`` gets ``tiny`` and the context ``tiny`` times the allowed values' sum.
+        accumulate: eps of the precision sums accumulate in over the dtype's eps (:func:`accumulation`):
+            1 for float32 and float64; half precision sums in float32 (torch's CPU kernels do), so a
+            sum's ``sqrt(n)`` growth is ``2^-13`` (float16) or ``2^-16`` (bfloat16) of the dtype's
+            rounding, while each result still rounds once to the dtype.
 
     Returns:
         ``{"scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``.
@@ -65,7 +78,8 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     a = torch.matmul(qd.abs(), kk.abs().transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
-    dot = 1.0 + math.sqrt(dh)  # q . k sums Dh products
+    acc = accumulate
+    dot = 1.0 + acc * math.sqrt(dh)  # q . k sums Dh products
     sa = s.abs()
     m_scores = a * dot + sa
     dv_in = None
@@ -78,17 +92,123 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     live = ok.any(dim=-1, keepdim=True)  # [B, Nh, R, 1]
     p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
     err_s = torch.where(ok, m_scores, 0.0)  # [B, Nh, R, Tk]: each allowed score's bound (eps units)
-    row = (p * err_s).sum(dim=-1, keepdim=True) + err_s.amax(dim=-1, keepdim=True) + 1.0 + math.sqrt(max(tk, 1))
-    e = torch.where(ok & live, p * (err_s + row), 0.0)  # [B, Nh, R, Tk]: the weights' bound (eps units)
-    m_out = torch.matmul(p + e, va) * (1.0 + math.sqrt(max(tk, 1)))  # [B, Nh, R, Dv]
+    row = (p * err_s).sum(dim=-1, keepdim=True) + err_s.amax(dim=-1, keepdim=True) + 1.0 + acc * math.sqrt(max(tk, 1))
+    e = torch.where(ok & live, p * (err_s + row) + tiny, 0.0)  # [B, Nh, R, Tk]: the weights' bound (eps units)
+    m_out = torch.matmul(p + e, va) * (1.0 + acc * math.sqrt(max(tk, 1))) + tiny * live  # [B, Nh, R, Dv]
     if dv_in is not None:
         m_out = m_out + torch.matmul(p + e * eps, dv_in) / eps
-    return {"scores": m_scores, "weights": e, "out": m_out}
+    return {"scores": m_scores, "weights": e, "out": m_out, "p": p, "s": s}
+
+
+# long: one chain of bounds, stage after stage, as the backward computes them
+def grad_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", go: "Tensor", allow: "Tensor | None", scale: float,
+                    softcap: float | None = None, carried: "dict[str, Tensor] | None" = None,
+                    eps: float = 1.0, tiny: float = 0.0,
+                    accumulate: float = 1.0) -> dict[str, "Tensor"]:
+    """``M`` of the backward's stage tensors on the sampled rows, in float64 and in units of ``eps``.
+
+    Each product ``z = x y`` summing ``n`` terms errs by at most ``(1 + sqrt(n)) |x| |y|`` of its own
+    plus what its factors carry, ``e_x |y| + |x| e_y + eps e_x e_y`` (``e`` a factor's bound in eps
+    units). Carried stage by stage, P the float64 weights and E their bound (:func:`stage_magnitudes`):
+
+    * ``A-bar = O-bar V^T`` (Dv terms): ``|A-bar| <= |O-bar| |V|^T``;
+    * ``V-bar = P^T O-bar`` (the rows' terms, summed over the query heads a kv head serves);
+    * ``D = rowsum(P A-bar)`` and ``S-bar = P (A-bar - D)`` with the subtraction's and product's rounding;
+    * under a soft-cap, ``S-bar`` times the cap's slope ``1 - (capped / C)^2``, whose error follows the scores';
+    * ``Q-bar = scale S-bar K`` (Tk terms) and ``K-bar = scale S-bar^T Q`` (the rows' terms, per query head).
+
+    Args:
+        q: ``[B, Nh, R, Dh]`` the reference's queries on the sampled rows, as they enter the scores
+            (rotated); k, v: ``[B, Nkv, Tk, *]`` likewise; go: ``O-bar`` ``[B, Nh, R, Dv]`` (the reference's).
+        carried: the error the pipeline's own tensors carry against these, ``|pipeline - reference|``:
+            ``q`` ``[B, Nh, R, Dh]``, ``k`` ``[B, Nh, Tk, Dh]``, ``v`` ``[B, Nh, Tk, Dv]`` (kv heads
+            expanded), ``go`` ``[B, Nh, R, Dv]``; missing ones are zero.
+        eps: the run dtype's epsilon (the carried errors are divided by it); tiny: its smallest normal
+            number (every result may underflow by ``tiny * eps``, as in :func:`stage_magnitudes`);
+            accumulate: as :func:`stage_magnitudes` takes it.
+
+    Returns:
+        ``grad_weights``, ``grad_scores`` ``[B, Nh, R, Tk]``; ``grad_q`` ``[B, Nh, R, Dh]`` and
+        ``grad_k`` ``[B, Nh, Tk, Dh]`` (rotated, per query head), ``grad_values`` ``[B, Nh, Tk, Dv]``
+        (per query head); and ``mag_q``, ``mag_k``: the bounds on |Q-bar|, |K-bar| themselves.
+    """
+    import torch
+
+    from attn_ledger.maths.reference import repeat_kv
+
+    f64 = torch.float64
+    nh, r, tk = q.shape[1], q.shape[2], k.shape[-2]
+    group = nh // k.shape[1]
+    kk, vv = (repeat_kv(t.detach().to(f64), nh) for t in (k, v))  # [B, Nh, Tk, *]
+    qd, gd = q.detach().to(f64), go.detach().to(f64)
+    carried = carried or {}
+
+    def err(key: str, like: "Tensor") -> "Tensor":
+        t = carried.get(key)
+        return torch.zeros_like(like) if t is None else t.detach().to(f64) / eps
+
+    eq, ek, ev, eg = err("q", qd), err("k", kk), err("v", vv), err("go", gd)
+    pipe = None if not carried else (qd + eq * eps, kk + ek * eps, vv + ev * eps)
+    fw = stage_magnitudes(qd, k, v, allow, scale, softcap, pipe, eps, tiny, accumulate)
+    acc = accumulate
+    p, e, err_s, s = fw["p"], fw["weights"], fw["scores"], fw["s"]
+    qa, ka, va, ga = qd.abs(), kk.abs(), vv.abs(), gd.abs()
+    vt, evt = va.transpose(-2, -1), ev.transpose(-2, -1)
+    mp = torch.matmul(ga, vt)  # [B, Nh, R, Tk]: |A-bar|
+    e_p = mp * (1.0 + acc * math.sqrt(v.shape[-1])) + torch.matmul(eg, vt) + torch.matmul(ga, evt) + eps * torch.matmul(eg, evt)
+    n_rows = 1.0 + acc * math.sqrt(max(1, r * group))
+    pt, et = p.transpose(-2, -1), e.transpose(-2, -1)
+    e_v = (torch.matmul(pt, ga) * n_rows + torch.matmul(et, ga) + torch.matmul(pt, eg)
+           + eps * torch.matmul(et, eg))  # [B, Nh, Tk, Dv]
+    md = (p * mp).sum(dim=-1, keepdim=True)  # [B, Nh, R, 1]: |D|
+    e_d = md * (1.0 + acc * math.sqrt(max(tk, 1))) + (e * mp + p * e_p + eps * e * e_p).sum(dim=-1, keepdim=True)
+    ms = p * (mp + md)  # [B, Nh, R, Tk]: |S-bar|
+    e_s = e * (mp + md) + (p + eps * e) * (e_p + e_d) + 2.0 * ms + tiny
+    if softcap is None:
+        ms_c, e_c = ms, e_s
+    else:  # through the slope 1 - (capped / C)^2 (in [0, 1]); its error follows the capped score's
+        fin = torch.isfinite(s)
+        slope = torch.where(fin, 1.0 - (s / softcap) ** 2, 0.0).abs()
+        e_sl = torch.where(fin, 2.0 * s.abs() / softcap ** 2 * err_s + 3.0, 0.0)
+        ms_c = ms * slope
+        e_c = e_s * slope + ms * e_sl + eps * e_s * e_sl + ms_c
+    sc = abs(scale)
+    mq = torch.matmul(ms_c, ka) * sc  # [B, Nh, R, Dh]: |Q-bar|
+    e_q = (mq * (2.0 + acc * math.sqrt(max(tk, 1))) + (torch.matmul(e_c, ka) + torch.matmul(ms_c, ek)
+                                                 + eps * torch.matmul(e_c, ek)) * sc)
+    ct, ect = ms_c.transpose(-2, -1), e_c.transpose(-2, -1)
+    mk = torch.matmul(ct, qa) * sc  # [B, Nh, Tk, Dh]: |K-bar| per query head
+    e_k = mk * (1.0 + n_rows) + (torch.matmul(ect, qa) + torch.matmul(ct, eq) + eps * torch.matmul(ect, eq)) * sc
+    return {"grad_weights": e_p + tiny, "grad_scores": e_s, "grad_q": e_q + tiny, "grad_k": e_k + tiny,
+            "grad_values": e_v + tiny,
+            "mag_q": mq, "mag_k": mk}
+
+
+def unrotated(m: "Tensor", mag: "Tensor", spec: Any) -> "Tensor":
+    """A bound through the inverse rotation (cos and sin at most 1 in size, products in float64, one
+    rounding): each feature of a rotated pair takes both features' bounds and one unit of their size."""
+    if spec is None:
+        return m
+    from attn_ledger.maths.rotary import pair_indices
+
+    first, second = (i.to(m.device) for i in pair_indices(spec.pairing, spec.width(m.shape[-1])))
+    out = m.clone()
+    both = m[..., first] + m[..., second] + mag[..., first] + mag[..., second]  # [..., P]
+    out[..., first] = both
+    out[..., second] = both
+    return out
+
+
+def per_kv(t: "Tensor", n_kv: int) -> "Tensor":
+    """``[B, Nh, T, D]`` summed over the query heads each kv head serves: ``[B, Nkv, T, D]``."""
+    b, nh = t.shape[0], t.shape[1]
+    return t.reshape(b, n_kv, nh // n_kv, *t.shape[2:]).sum(dim=2)
 
 
 def sampled_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
                        softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
-                       eps: float = 1.0, chunk_bytes: int = 1 << 22) -> dict[str, "Tensor"]:
+                       eps: float = 1.0, chunk_bytes: int = 1 << 22, tiny: float = 0.0,
+                       accumulate: float = 1.0) -> dict[str, "Tensor"]:
     """:func:`stage_magnitudes` a few kv heads at a time (heads are independent), as the reference runs."""
     import torch
 
@@ -97,15 +217,23 @@ def sampled_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | N
     per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * 8 * (1 + group)
     step = max(1, chunk_bytes // max(1, per_kv_head))
     if step >= nkv:
-        return stage_magnitudes(q, k, v, allow, scale, softcap, carried, eps)
+        whole = stage_magnitudes(q, k, v, allow, scale, softcap, carried, eps, tiny, accumulate)
+        return {key: whole[key] for key in ("scores", "weights", "out")}
     parts = []
     for j0 in range(0, nkv, step):
         j1 = min(j0 + step, nkv)
         h0, h1 = j0 * group, j1 * group
         a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
         c = None if carried is None else (carried[0][:, h0:h1], carried[1][:, h0:h1], carried[2][:, h0:h1])
-        parts.append(stage_magnitudes(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], a, scale, softcap, c, eps))
+        parts.append(stage_magnitudes(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], a, scale, softcap, c, eps, tiny,
+                                      accumulate))
     return {key: torch.cat([p[key] for p in parts], dim=1) for key in ("scores", "weights", "out")}
+
+
+def accumulation(dtype: str) -> float:
+    """``accumulate`` of :func:`stage_magnitudes` for a run in ``dtype``: float32's eps over the dtype's in
+    half precision (sums accumulate in float32), 1 otherwise."""
+    return tolerance.EPS["float32"] / tolerance.EPS[dtype] if tolerance.is_half(dtype) else 1.0
 
 
 def agreement(stage: str, of: str, got: "Tensor", ref: "Tensor", m: "Tensor", dtype: str, q0: int = 0,

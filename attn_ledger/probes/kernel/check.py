@@ -819,13 +819,46 @@ def _setup(case: Case, kernel: _Kernel, q: "Tensor", k: "Tensor", v: "Tensor", r
                   judge_empty=o.empty_rows == "zeros", sinks=kwargs.get("sinks"))
 
 
-def _references(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
-    """The float64 reference, the summands' magnitudes that bound a kernel's error (the rounding rule),
-    the plain same-dtype computation (and float32's, for float64 cases) that sets the probes' tolerance,
-    and the output judged; with gradients when ``d_out`` is given."""
+_SHARED: "dict[tuple[str, bool], tuple[tuple[Tensor, ...], dict[str, Any]]] | None" = None
+
+
+@contextlib.contextmanager
+def shared_references() -> Any:
+    """Within it, each case's kernel-free references (:func:`_kernel_free`) are computed once and reused by
+    every kernel checked on the same inputs: ``scripts/corpus.py`` judges the whole corpus of trusted
+    fixtures against one set per (case, seed). A reuse is taken only where q, k, v, the mask and the
+    upstream gradient are bitwise the inputs it was computed on; everything that depends on the
+    kernel's output is computed afresh, so the checks and bounds are those of a lone ``check``."""
+    global _SHARED
+    before, _SHARED = _SHARED, {}
+    try:
+        yield
+    finally:
+        _SHARED = before
+
+
+def _kernel_free(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
+    """What :func:`_references` needs that does not depend on the kernel: the float64 reference, the
+    magnitudes, the plain computations and their error; shared under :func:`shared_references`."""
     import torch
 
-    from attn_ledger.probes.kernel.reference import attention, judge_rounding, magnitudes
+    inputs = tuple(t for t in (s.q, s.k, s.v, s.allow, d_out) if t is not None)
+    key = (s.case.id, d_out is not None)
+    if _SHARED is not None and key in _SHARED:
+        seen, found = _SHARED[key]
+        if len(seen) == len(inputs) and all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+                                            for a, b in zip(seen, inputs)):
+            return found
+    found = _compute_kernel_free(s, d_out)
+    if _SHARED is not None:
+        _SHARED[key] = (tuple(t.clone() for t in inputs), found)
+    return found
+
+
+def _compute_kernel_free(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
+    import torch
+
+    from attn_ledger.probes.kernel.reference import attention, magnitudes
 
     case, dt = s.case, s.q.dtype
     scale = case.effective_scale
@@ -840,6 +873,21 @@ def _references(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
         pl32 = plain(s.q, s.k, s.v, s.allow, scale, torch.float32, d_out=d_out, **ft)
     vmax = float(s.v.abs().max().double()) if s.v.numel() else 0.0
     plain_err, errors = plain_error({n: c.out for n, c in pl.items()}, ref.out, s.live)
+    plain32_err = None if pl32 is None else max_over(row_diff(pl32.out.to(s.ref_dtype), ref.out), s.live)
+    return {"ref": ref, "mags": mags, "plain": pl, "plain32": pl32, "vmax": vmax, "plain_err": plain_err,
+            "errors": errors, "plain32_err": plain32_err}
+
+
+def _references(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
+    """The float64 reference, the summands' magnitudes that bound a kernel's error (the rounding rule),
+    the plain same-dtype computation (and float32's, for float64 cases) that sets the probes' tolerance,
+    and the output judged; with gradients when ``d_out`` is given."""
+    from attn_ledger.probes.kernel.reference import judge_rounding
+
+    free = _kernel_free(s, d_out)
+    case = s.case
+    ref, mags, pl, pl32, vmax = free["ref"], free["mags"], free["plain"], free["plain32"], free["vmax"]
+    plain_err, errors = free["plain_err"], free["errors"]
     s.tol = tolerance(case.dtype_name, plain_err, vmax)[0]  # the probes' bound: two runs of the kernel
     s.noise = tolerance(case.dtype_name, 0.0, vmax)[0]
     names = ("example", "head", "query")
@@ -848,7 +896,7 @@ def _references(s: _Setup, d_out: "Tensor | None") -> dict[str, Any]:
     facts = {**judged.parts, **suites_view("out", judged.max_error, errors)}
     if pl32 is not None:  # float64: the reference check is held to the float32 level; precision to float64's
         at64 = judge_rounding(s.out, ref.out, mags, "out", "float64", s.live, names)
-        plain32_err = max_over(row_diff(pl32.out.to(s.ref_dtype), ref.out), s.live)
+        plain32_err = free["plain32_err"]
         judged = judge_rounding(s.out, ref.out, mags, "out", "float32", s.live, names)
         out_precision = {"error": judged.max_error, "float64_ratio": at64.ratio, "float32_ratio": judged.ratio}
         facts = {**judged.parts, **suites_view("out", judged.max_error, {"float32": plain32_err}),
