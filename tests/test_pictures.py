@@ -145,8 +145,8 @@ def test_shades_cover_zero_to_one_and_not_finite():
 
 
 def test_show_weights_at_80_columns_splits_no_number_or_label():
-    narrow = invoke("run", "--fault", "mask-polarity", "--seq-len", "32", "--show", "weights", "--show", "mask", columns=80)
-    wide = invoke("run", "--fault", "mask-polarity", "--seq-len", "32", "--show", "weights", "--show", "mask", columns=400)
+    narrow = invoke("run", "--fault", "mask-polarity", "--seq-len", "32", "--show", "weights", "--show", "mask", "--detail", columns=80)
+    wide = invoke("run", "--fault", "mask-polarity", "--seq-len", "32", "--show", "weights", "--show", "mask", "--detail", columns=400)
     assert narrow.exit_code == 1 and wide.exit_code == 1, narrow.output
     assert max(len(ln) for ln in narrow.output.splitlines()) <= 80
     assert _tokens(narrow.output) == _tokens(wide.output)  # the same tokens, only laid out again

@@ -40,8 +40,8 @@ def _window(d: Mapping[str, Any]) -> str:
 
 
 def _alignment(d: Mapping[str, Any]) -> str:
-    return (f"every failing case ({d['failing']}) is causal with Tq != Tk, while {d['passing']} causal cases with "
-            f"Tq == Tk pass, and {d['case']}'s output matches {d['found']} causal attention (max |diff| "
+    return (f"every failing case ({d['failing']}) is causal with Tq != Tk, while {d['passing']} causal "
+            f"{'case' if d['passing'] == 1 else 'cases'} with Tq == Tk {'passes' if d['passing'] == 1 else 'pass'}, and {d['case']}'s output matches {d['found']} causal attention (max |diff| "
             f"{_num(d['value'])}, within its bound): align is_causal {d['expected']} (key j <= query i + Tk - Tq), as "
             "the protocol says; F.scaled_dot_product_attention's is_causal is top-left")
 
