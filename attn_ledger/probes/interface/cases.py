@@ -264,11 +264,14 @@ def _full_valid(p: Mapping[str, Any]) -> bool:
     pad = p.get("pad", "nopad")
     if "lengths" in p and pad != "nopad" and int(pad[4:]) >= tk:
         return False
+    if "heads" in p and p["heads"][1] == p["heads"][2] and p.get("mask") not in (None, "sdpa"):
+        return False  # MHA with no num_key_value_groups (GPT-2, BERT, T5): sdpa's mask, as those families use
     if p.get("mask") == "none" and (pad != "nopad" or tq not in (1, tk)):
         return False  # no layer calls without a mask under padding or with 1 < Tq < Tk
     if p.get("mask") == "none" and "features" in p and "window" not in p["features"] and p.get("window"):
         return False  # a window with no mask is the window feature
-    if "window" in p.get("features", ()) and (p.get("window") is None or p.get("mask") not in (None, "none")):
+    if "window" in p.get("features", ()) and (("window" in p and p["window"] is None)
+                                              or p.get("mask") not in (None, "none")):
         return False  # the window feature: the function applies sliding_window itself, with no mask
     if "lengths" in p and "heads" in p and "d" in p:
         b, h, _ = p["heads"]

@@ -89,8 +89,14 @@ def attention_mask(case: ICase, dtype: Any, device: Any = None) -> "Tensor | Non
                   mask_function=fn, attention_mask=padding_mask(case, device), device=device)
     if case.mask == "sdpa":
         return mu.sdpa_mask(local_size=case.window, allow_is_causal_skip=True, **common)
-    if case.mask == "flex":
-        return mu.flex_attention_mask(**common)  # a BlockMask, built by flex's create_block_mask (compiled)
+    if case.mask == "flex":  # a BlockMask, from flex's create_block_mask (compiled)
+        import warnings
+
+        # torch deprecates the _compile=True masking_utils passes, and its compiler's first import deprecates
+        # torch.jit names of its own: warnings of the tool's call into libraries, never of the user's code
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return mu.flex_attention_mask(**common)
     return mu.eager_mask(dtype=dtype, **common)
 
 
