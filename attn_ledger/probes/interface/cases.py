@@ -287,14 +287,8 @@ def _described(c: ICase) -> str:
     lead, tail = c.padding()[0]
     parts.append(f"left padding {lead}" if lead else (f"right padding {tail}" if tail else "no padding"))
     parts += [f"{c.mask}'s mask" if c.mask != "none" else "no mask", c.dtype_name]
-    if c.scaling is not None:
-        parts.append(f"scaling {c.scaling:g}")
-    if c.window is not None:
-        parts.append(f"window {c.window}")
-    if c.softcap is not None:
-        parts.append(f"soft-cap {c.softcap:g}")
-    if c.sinks:
-        parts.append("sinks")
+    given = {"scaling": c.scaling, "window": c.window, "soft-cap": c.softcap}
+    parts += [f"{word} {value:g}" for word, value in given.items() if value is not None] + ["sinks"] * c.sinks
     need = needs(c)
     return "pairwise: " + ", ".join(parts) + (f" (needs --supports {','.join(need)})" if need else "")
 
