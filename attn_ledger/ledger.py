@@ -302,7 +302,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         if sink_t is not None:
             return done()
         return with_tensor_hints(done(), given.get("out"), (qr, k_exp, v_exp), declared_mask=_mask_key(spec),
-                                 declared_text=relation.name, allow=relation.block(0, tq), scale=ref_scale,
+                                 declared_text=relation.name, allow=lambda: relation.block(0, tq), scale=ref_scale,
                                  softcap=softcap, temperature=temperature,
                                  plain_relation=allow_mask is None and key_valid is None and _mask_key(spec) != "")
 

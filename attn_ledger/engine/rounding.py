@@ -40,8 +40,10 @@ QUANTITY = {"scores": "scores", "weights": "weights", "context": "context", "gra
 
 
 def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                     softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
-                     eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0) -> dict[str, "Tensor"]:
+                     softcap: float | None = None,
+                     carried: "tuple[Tensor | None, Tensor | None, Tensor | None] | None" = None,
+                     eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0, *,
+                     known: "tuple[Tensor, Tensor | None] | None" = None) -> dict[str, "Tensor"]:
     """``M`` of the scores, weights and context, in float64.
 
     Args:
@@ -52,7 +54,8 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
             ``[B, Nh, Tk, Dh]``, ``[B, Nh, Tk, Dv]``), where they are not the reference's: the
             error they already carry (a projection's or rotation's rounding, judged at its own
             stage) is carried through, ``(|dq| |k|^T + |q| |dk|^T + |dq| |dk|^T) |scale|`` into
-            the scores and ``P |dv|`` into the context, in units of ``eps``.
+            the scores and ``P |dv|`` into the context, in units of ``eps``. One given as None is the
+            reference's own tensor (it carries no error), and its terms, all zero, are left out.
         tiny: the dtype's smallest normal number: a weight below it is subnormal and keeps an
             absolute error of up to ``tiny * eps`` (float16's 6e-8), so each allowed weight's
             ``M`` gets ``tiny`` and the context ``tiny`` times the allowed values' sum.
@@ -60,6 +63,9 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
             1 for float32 and float64; half precision sums in float32 (torch's CPU kernels do), so a
             sum's ``sqrt(n)`` growth is ``2^-13`` (float16) or ``2^-16`` (bfloat16) of the dtype's
             rounding, while each result still rounds once to the dtype.
+        known: ``(s, weights)`` the float64 reference computed already on these rows, from these q, k and v:
+            its capped scores ``s`` (``q k^T scale``, as here) and, where it has no sinks, its weights
+            (any value on rows with no allowed key); None entries are computed here.
 
     Returns:
         ``{"scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``.
@@ -73,24 +79,35 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     tk = k.shape[-2]
     qd = q.detach().to(f64)
     kk = repeat_kv(k.detach().to(f64), nh)  # [B, Nh, Tk, Dh]
-    va = repeat_kv(v.detach().to(f64), nh).abs()  # [B, Nh, Tk, Dv]
-    s = torch.matmul(qd, kk.transpose(-2, -1)) * scale  # [B, Nh, R, Tk]
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    a = torch.matmul(qd.abs(), kk.abs().transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
+    vv = repeat_kv(v.detach().to(f64), nh)  # [B, Nh, Tk, Dv]
+    va = vv.abs()
+    s, weights = known or (None, None)
+    if s is None:
+        s = torch.matmul(qd, kk.transpose(-2, -1)) * scale  # [B, Nh, R, Tk]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+    qa, ka = qd.abs(), kk.abs()
+    a = torch.matmul(qa, ka.transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
     acc = accumulate
     dot = 1.0 + acc * math.sqrt(dh)  # q . k sums Dh products
     sa = s.abs()
     m_scores = a * dot + sa
-    dv_in = None
-    if carried is not None:
-        cq, ck, cv = (t.detach().to(f64) for t in carried)
-        dq, dk = (cq - qd).abs(), (ck - kk).abs()
-        dv_in = (cv - repeat_kv(v.detach().to(f64), nh)).abs()  # [B, Nh, Tk, Dv]
-        m_scores = m_scores + (torch.matmul(dq, kk.abs().transpose(-2, -1)) + torch.matmul(qd.abs() + dq, dk.transpose(-2, -1))) * (abs(scale) / eps)
+    cq, ck, cv = carried or (None, None, None)
+    dq = None if cq is None else (cq.detach().to(f64) - qd).abs()  # [B, Nh, R, Dh]
+    dk = None if ck is None else (ck.detach().to(f64) - kk).abs()  # [B, Nh, Tk, Dh]
+    dv_in = None if cv is None else (cv.detach().to(f64) - vv).abs()  # [B, Nh, Tk, Dv]
+    if dq is not None or dk is not None:  # (|dq| |k|^T + (|q| + |dq|) |dk|^T) |scale| / eps; a zero term left out
+        carried_scores = None if dq is None else torch.matmul(dq, ka.transpose(-2, -1))
+        if dk is not None:
+            by_k = torch.matmul(qa if dq is None else qa + dq, dk.transpose(-2, -1))
+            carried_scores = by_k if carried_scores is None else carried_scores + by_k
+        m_scores = m_scores + carried_scores * (abs(scale) / eps)
     ok = torch.ones_like(s, dtype=torch.bool) if allow is None else allow.expand_as(s)
     live = ok.any(dim=-1, keepdim=True)  # [B, Nh, R, 1]
-    p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
+    if weights is not None:  # the reference's softmax of the same masked scores; empty rows zero here
+        p = weights.where(live, 0.0)
+    else:
+        p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
     err_s = torch.where(ok, m_scores, 0.0)  # [B, Nh, R, Tk]: each allowed score's bound (eps units)
     row = (p * err_s).sum(dim=-1, keepdim=True) + err_s.amax(dim=-1, keepdim=True) + 1.0 + acc * math.sqrt(max(tk, 1))
     e = torch.where(ok & live, p * (err_s + row) + tiny, 0.0)  # [B, Nh, R, Tk]: the weights' bound (eps units)
@@ -203,31 +220,6 @@ def per_kv(t: "Tensor", n_kv: int) -> "Tensor":
     """``[B, Nh, T, D]`` summed over the query heads each kv head serves: ``[B, Nkv, T, D]``."""
     b, nh = t.shape[0], t.shape[1]
     return t.reshape(b, n_kv, nh // n_kv, *t.shape[2:]).sum(dim=2)
-
-
-def sampled_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                       softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
-                       eps: float = 1.0, chunk_bytes: int = 1 << 22, tiny: float = 0.0,
-                       accumulate: float = 1.0) -> dict[str, "Tensor"]:
-    """:func:`stage_magnitudes` a few kv heads at a time (heads are independent), as the reference runs."""
-    import torch
-
-    nh, nkv = q.shape[1], k.shape[1]
-    group = nh // nkv
-    per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * 8 * (1 + group)
-    step = max(1, chunk_bytes // max(1, per_kv_head))
-    if step >= nkv:
-        whole = stage_magnitudes(q, k, v, allow, scale, softcap, carried, eps, tiny, accumulate)
-        return {key: whole[key] for key in ("scores", "weights", "out")}
-    parts = []
-    for j0 in range(0, nkv, step):
-        j1 = min(j0 + step, nkv)
-        h0, h1 = j0 * group, j1 * group
-        a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
-        c = None if carried is None else (carried[0][:, h0:h1], carried[1][:, h0:h1], carried[2][:, h0:h1])
-        parts.append(stage_magnitudes(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], a, scale, softcap, c, eps, tiny,
-                                      accumulate))
-    return {key: torch.cat([p[key] for p in parts], dim=1) for key in ("scores", "weights", "out")}
 
 
 def accumulation(dtype: str) -> float:
