@@ -232,14 +232,14 @@ def _module_args(module: str, decode: Optional[str], given: dict, seed: int) -> 
 
 def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: dict, seed: int,
                  device: str) -> dict:
-    """What the worker needs to check a kernel, as plain data: the case ids, the options, and the
+    """What the check of a kernel needs: the cases (each id given parsed here, once), the options, and the
     declaration (``[tool.attn-ledger.check]`` of ./pyproject.toml under the options given)."""
     from attn_ledger.probes.kernel.check import select_cases
     from attn_ledger.probes.kernel.spec import from_sources
 
     decl, run = from_sources(declared)
     tier = "full" if full else "default"
-    return {"target": target, "field": "target", "cases": [c.id for c in select_cases(case, tier, decl.supports)],
+    return {"target": target, "field": "target", "cases": list(select_cases(case, tier, decl.supports)),
             "tier": None if case else tier, "empty_rows": run.get("empty_rows", "zeros"), "seed": seed,
             "backward": decl.backward, "strict_precision": run.get("strict_precision", False),
             "strict_coverage": run.get("strict_coverage", False), "device": device,
