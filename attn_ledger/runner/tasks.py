@@ -48,6 +48,7 @@ from attn_ledger.probes.kernel.check import (
     check_case,
     failed_call,
     kernel_report,
+    nothing_left,
     not_reached_case,
     plan_cases,
     with_call_notes,
@@ -114,8 +115,7 @@ def _kernel_setup(args: dict[str, Any], load: Callable[[str, str], Any]) -> tupl
     plan = plan_cases(list(args["cases"]), decl, args["device"])
     fn.ready()  # an import that fails is named before a declaration that leaves nothing to run
     if not plan.cases:
-        why = ", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items()) or "; ".join(plan.notes)
-        raise SetupError(f"declaration: leaves no case to run ({why})")
+        raise SetupError(f"declaration: leaves no case to run ({nothing_left(plan)})")
     try:
         check_capabilities(fn, plan, decl, args["target"], _kernel_options(args))
     except CallStopped as stop:  # the probe call crashed the worker or hung: the target cannot be checked
