@@ -53,9 +53,8 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
         carried: the pipeline's own q, k, v as they enter the scores stage (``[B, Nh, R, Dh]``,
             ``[B, Nh, Tk, Dh]``, ``[B, Nh, Tk, Dv]``), where they are not the reference's: the
             error they already carry (a projection's or rotation's rounding, judged at its own
-            stage) is carried through, ``(|dq| |k|^T + |q| |dk|^T + |dq| |dk|^T) |scale|`` into
-            the scores and ``P |dv|`` into the context, in units of ``eps``. One given as None is the
-            reference's own tensor (it carries no error), and its terms, all zero, are left out.
+            stage) is carried through, ``(|dq| |k|^T + |q| |dk|^T + |dq| |dk|^T) |scale|`` into the scores
+            and ``P |dv|`` into the context, in eps units; None: the reference's own (its zero terms left out).
         tiny: the dtype's smallest normal number: a weight below it is subnormal and keeps an
             absolute error of up to ``tiny * eps`` (float16's 6e-8), so each allowed weight's
             ``M`` gets ``tiny`` and the context ``tiny`` times the allowed values' sum.
@@ -63,9 +62,8 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
             1 for float32 and float64; half precision sums in float32 (torch's CPU kernels do), so a
             sum's ``sqrt(n)`` growth is ``2^-13`` (float16) or ``2^-16`` (bfloat16) of the dtype's
             rounding, while each result still rounds once to the dtype.
-        known: ``(s, weights)`` the float64 reference computed already on these rows, from these q, k and v:
-            its capped scores ``s`` (``q k^T scale``, as here) and, where it has no sinks, its weights
-            (any value on rows with no allowed key); None entries are computed here.
+        known: the float64 reference's capped scores and (where it has no sinks, else None) weights on these
+            rows, from these q, k, v, computed already; without it both are computed here.
 
     Returns:
         ``{"scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``.
@@ -81,33 +79,18 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     kk = repeat_kv(k.detach().to(f64), nh)  # [B, Nh, Tk, Dh]
     vv = repeat_kv(v.detach().to(f64), nh)  # [B, Nh, Tk, Dv]
     va = vv.abs()
-    s, weights = known or (None, None)
-    if s is None:
-        s = torch.matmul(qd, kk.transpose(-2, -1)) * scale  # [B, Nh, R, Tk]
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
+    s, weights = known or (_capped_scores(qd, kk, scale, softcap), None)
     qa, ka = qd.abs(), kk.abs()
     a = torch.matmul(qa, ka.transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
     acc = accumulate
     dot = 1.0 + acc * math.sqrt(dh)  # q . k sums Dh products
-    sa = s.abs()
-    m_scores = a * dot + sa
-    cq, ck, cv = carried or (None, None, None)
-    dq = None if cq is None else (cq.detach().to(f64) - qd).abs()  # [B, Nh, R, Dh]
-    dk = None if ck is None else (ck.detach().to(f64) - kk).abs()  # [B, Nh, Tk, Dh]
-    dv_in = None if cv is None else (cv.detach().to(f64) - vv).abs()  # [B, Nh, Tk, Dv]
-    if dq is not None or dk is not None:  # (|dq| |k|^T + (|q| + |dq|) |dk|^T) |scale| / eps; a zero term left out
-        carried_scores = None if dq is None else torch.matmul(dq, ka.transpose(-2, -1))
-        if dk is not None:
-            by_k = torch.matmul(qa if dq is None else qa + dq, dk.transpose(-2, -1))
-            carried_scores = by_k if carried_scores is None else carried_scores + by_k
-        m_scores = m_scores + carried_scores * (abs(scale) / eps)
-    ok = torch.ones_like(s, dtype=torch.bool) if allow is None else allow.expand_as(s)
-    live = ok.any(dim=-1, keepdim=True)  # [B, Nh, R, 1]
-    if weights is not None:  # the reference's softmax of the same masked scores; empty rows zero here
-        p = weights.where(live, 0.0)
-    else:
-        p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
+    m_scores = a * dot + s.abs()
+    dq, dk, dv_in = (None if c is None else (c.detach().to(f64) - r).abs()  # |pipeline - reference|
+                     for c, r in zip(carried or (None, None, None), (qd, kk, vv)))
+    by_carried = _carried_scores(dq, dk, qa, ka)
+    if by_carried is not None:
+        m_scores = m_scores + by_carried * (abs(scale) / eps)
+    p, ok, live = _weights(s, allow, weights)
     err_s = torch.where(ok, m_scores, 0.0)  # [B, Nh, R, Tk]: each allowed score's bound (eps units)
     row = (p * err_s).sum(dim=-1, keepdim=True) + err_s.amax(dim=-1, keepdim=True) + 1.0 + acc * math.sqrt(max(tk, 1))
     e = torch.where(ok & live, p * (err_s + row) + tiny, 0.0)  # [B, Nh, R, Tk]: the weights' bound (eps units)
@@ -115,6 +98,39 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     if dv_in is not None:
         m_out = m_out + torch.matmul(p + e * eps, dv_in) / eps
     return {"scores": m_scores, "weights": e, "out": m_out, "p": p, "s": s}
+
+
+def _capped_scores(qd: "Tensor", kk: "Tensor", scale: float, softcap: float | None) -> "Tensor":
+    """``q k^T scale`` ``[B, Nh, R, Tk]`` in float64, soft-capped where a cap is given."""
+    import torch
+
+    s = torch.matmul(qd, kk.transpose(-2, -1)) * scale  # [B, Nh, R, Tk]
+    return s if softcap is None else torch.tanh(s / softcap) * softcap
+
+
+def _weights(s: "Tensor", allow: "Tensor | None", weights: "Tensor | None") -> tuple["Tensor", "Tensor", "Tensor"]:
+    """P, the float64 softmax of ``s`` over the allowed keys (``weights``: the reference's, computed already from
+    the same masked scores), zero on rows with no allowed key; the allowed pairs ``[B, Nh, R, Tk]``; and the
+    rows with one ``[B, Nh, R, 1]``."""
+    import torch
+
+    ok = torch.ones_like(s, dtype=torch.bool) if allow is None else allow.expand_as(s)
+    live = ok.any(dim=-1, keepdim=True)  # [B, Nh, R, 1]
+    if weights is None:
+        weights = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1)
+    return weights.where(live, 0.0), ok, live
+
+
+def _carried_scores(dq: "Tensor | None", dk: "Tensor | None", qa: "Tensor", ka: "Tensor") -> "Tensor | None":
+    """``|dq| |k|^T + (|q| + |dq|) |dk|^T`` ``[B, Nh, R, Tk]``: what the errors q and k carry into the scores
+    (``qa``, ``ka``: ``|q|``, ``|k|``); a term whose error is None (zero) is left out, None where both are."""
+    import torch
+
+    found = None if dq is None else torch.matmul(dq, ka.transpose(-2, -1))
+    if dk is not None:
+        by_k = torch.matmul(qa if dq is None else qa + dq, dk.transpose(-2, -1))
+        found = by_k if found is None else found + by_k
+    return found
 
 
 # long: one chain of bounds, stage after stage, as the backward computes them
