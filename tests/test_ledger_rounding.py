@@ -206,3 +206,21 @@ def test_m_carries_a_pipeline_tensor_that_is_not_the_references_own():
                              rule=X.Rule((q + 1e-3, None, None), eps, 0.0, 1.0))[1]
     assert bool((off["scores"] > own["scores"]).all())
     assert bool((off["out"] > own["out"]).all())  # through the weights' bound
+
+
+def test_the_rule_reads_non_finite_values_as_it_always_did():
+    """NaN against NaN and equal infinities agree; a NaN against a number, or any error where the bound is
+    zero, is infinitely past it; finite values within their bounds pass, with the worst element's parts."""
+    import math
+
+    ref = torch.tensor([[[[1.0, 2.0, 3.0]]]], dtype=torch.float64)  # [B, Nh, R, Tk]
+    m = torch.ones_like(ref)
+    c, eps = tolerance.rounding("scores", "float32")
+    within = rounding.agreement("scores", "pipeline", ref + 0.5 * c * eps, ref, m, "float32")
+    assert within.excess == pytest.approx(-0.5) and within.parts["ratio"] == pytest.approx(0.5)
+    both = torch.tensor([[[[math.nan, math.inf, 3.0]]]], dtype=torch.float64)
+    assert rounding.agreement("scores", "pipeline", both, both.clone(), m, "float32").excess == -1.0
+    nan_vs_number = rounding.agreement("scores", "pipeline", both, ref, m, "float32")
+    assert math.isinf(nan_vs_number.excess) and nan_vs_number.where is not None
+    zero_bound = rounding.agreement("scores", "pipeline", ref + 1e-9, ref, torch.zeros_like(ref), "float32")
+    assert math.isinf(zero_bound.excess)

@@ -260,8 +260,10 @@ def agreement(stage: str, of: str, got: "Tensor", ref: "Tensor", m: "Tensor", dt
         return Agreement(stage, of, "float64", 0.0 if got.numel() == 0 else math.nan,
                          -1.0 if got.numel() == 0 else math.nan, parts=base, **kw)
     g, r = got.to(torch.float64), ref.to(torch.float64)
-    same = (torch.isnan(g) & torch.isnan(r)) | (torch.isinf(g) & (g == r))
-    err = torch.nan_to_num((g - r).abs(), nan=math.inf).masked_fill(same, 0.0)  # [B, Nh, R, *]
+    err = (g - r).abs()  # [B, Nh, R, *]
+    if not bool(torch.isfinite(err).all()):  # a NaN or an infinity on either side (every difference finite: none)
+        same = (torch.isnan(g) & torch.isnan(r)) | (torch.isinf(g) & (g == r))
+        err = torch.nan_to_num(err, nan=math.inf).masked_fill(same, 0.0)
     bound = (c * eps) * m
     ratio = torch.where(bound > 0, err / bound.clamp_min(1e-300), torch.where(err > 0, math.inf, 0.0))
     flat = int(torch.argmax(ratio))
