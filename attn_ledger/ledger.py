@@ -38,7 +38,7 @@ from attn_ledger.engine.grid import Grid, run_grid, scale_meta, sinks_meta, soft
 from attn_ledger.engine.positions import rope_row
 from attn_ledger.engine.properties import properties_row
 from attn_ledger.engine.rows import Rows
-from attn_ledger.report import Report
+from attn_ledger.report import Note, Report
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -277,7 +277,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
 
     def done() -> Report:
         assemble.arrays(rows, meta, one_head)
-        aligned = (("allow_mask alignment: " + relations.alignment_of(allow_mask, b, nh, tq, tk),)
+        aligned = ((Note("allow_mask_alignment", {"alignment": relations.alignment_of(allow_mask, b, nh, tq, tk)}),)
                    if allow_mask is not None and tq != tk else ())
         return assemble.finish("run", title, order, rows, keep_going, meta, relation, tq, tk, empty_zero,
                                assemble.TENSOR_AXES, aligned)
@@ -302,7 +302,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
         if sink_t is not None:
             return done()
         return with_tensor_hints(done(), given.get("out"), (qr, k_exp, v_exp), declared_mask=_mask_key(spec),
-                                 declared_text=relation.name, allow=relation.block(0, tq), scale=ref_scale,
+                                 declared_text=relation.name, allow=lambda: relation.block(0, tq), scale=ref_scale,
                                  softcap=softcap, temperature=temperature,
                                  plain_relation=allow_mask is None and key_valid is None and _mask_key(spec) != "")
 

@@ -226,7 +226,7 @@ def diagnosis(report: "Report", max_cases: int = 3) -> str:
     verb = "fails" if d["cases_failed"] == 1 else "fail"
     lines = [f"{target}: {d['cases_failed']} of {_cases(d['cases_total'])} {verb}{skipped}; first level reached: "
              f"L{d['first_level']}; smallest failing case {first.row}: L{first.level} {first.name}"]
-    lines += list(d["skipped"])
+    lines += [note_text(n) for n in d["skipped"]]
     for g in d["failures"]:
         lines.append(f"  L{g['level']} {g['check']} fails first in {_cases(g['cases'])} (smallest {g['smallest_case']})")
     shown = [g["smallest_case"] for g in sorted(d["failures"], key=lambda g: (parse_case(g["smallest_case"]).size,

@@ -94,7 +94,7 @@ def cpu_model() -> str:
 
 def tier_run(tier: str) -> float:
     """One run of a tier through the worker, as ``attn-ledger check GOOD [--full]`` does; its wall time."""
-    args = {"target": f"{GOOD}:attention", "field": "target", "cases": [c.id for c in tier_cases(tier)],
+    args = {"target": f"{GOOD}:attention", "field": "target", "cases": list(tier_cases(tier)),
             "tier": tier, "empty_rows": "zeros", "seed": 0, "backward": True, "strict_precision": False,
             "device": "cpu", "declaration": {}}
     start = time.perf_counter()

@@ -20,6 +20,7 @@ from attn_ledger.cli import app
 from attn_ledger.probes.kernel.cases import case_inputs, parse_case
 from attn_ledger.probes.kernel.check import check_case
 from attn_ledger.probes.kernel.reference import Computed, Magnitudes, attention, judge_rounding, magnitudes
+from attn_ledger.render.notes import notes_text
 from attn_ledger.render.text import describe
 from attn_ledger.tolerance import EPS, rounding, tiny
 from attn_ledger.inputs.userload import load_object
@@ -214,7 +215,7 @@ def test_the_report_names_half_precision_warnings_apart_from_float64_ones():
     from attn_ledger.probes.kernel.check import HALF_PRECISION_WARNING, check_kernel
 
     report = check_kernel(kernel("precision/fp16_accumulator"), [parse_case(F16_BLOCKED), parse_case(F16_REAL)])
-    notes = [n for n in report.notes if "precise" in n]
+    notes = [n for n in notes_text(report) if "precise" in n]
     assert notes == [f"2 cases are {HALF_PRECISION_WARNING.removeprefix('is ')} (warning; smallest {F16_BLOCKED}); "
                      "--strict-precision makes it a failure"]
     assert report.verdict == "pass"

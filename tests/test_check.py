@@ -27,6 +27,7 @@ from attn_ledger.probes.kernel.check import (
 )
 from attn_ledger.render import render
 from attn_ledger.render.jsondoc import report_json, schema
+from attn_ledger.render.notes import call_text
 from attn_ledger.inputs.userload import load_object
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,8 +252,11 @@ def test_first_finding_is_the_smallest_failing_case():
         "python": f"from attn_ledger import case_inputs\nq, k, v, kw = case_inputs({ids[1]!r})\n"
                   "out = attention(q, k, v, **kw)",
     }
-    assert (d["reproduce"]["case"], d["reproduce"]["options"], d["reproduce"]["call"]) == (
+    assert (d["reproduce"]["case"], d["reproduce"]["options"], call_text(d["reproduce"]["call"])) == (
         ids[1], [], "attention(q, k, v, is_causal=True)")
+    assert repro["call"] == "attention(q, k, v, is_causal=True)"  # the JSON writes the call's text, its data beside
+    assert repro["call_data"] == {"function": "attention", "allow_mask": None, "is_causal": True, "scale": None,
+                                  "softcap": None, "window": None, "sinks": False}
     seeded = report_json(check_kernel(fn, [parse_case(ids[1])], target="k.py:attention", seed=3, empty_rows="nan"))
     assert seeded["details"]["reproduce"]["cli"].endswith(f"--case {ids[1]} --seed 3 --empty-rows nan")
     assert f"case_inputs({ids[1]!r}, seed=3)" in seeded["details"]["reproduce"]["python"]

@@ -27,6 +27,7 @@ from attn_ledger.probes.kernel.spec import from_sources
 from attn_ledger.render import render
 from attn_ledger.render.html import render_html
 from attn_ledger.render.jsondoc import report_json, schema
+from attn_ledger.render.notes import notes_text
 from attn_ledger.testing import InconclusiveCases, assert_attention_matches, diagnosis
 from attn_ledger.inputs.userload import load_object
 
@@ -81,8 +82,8 @@ def test_l1_alone_is_not_evidence_and_the_case_is_counted_inconclusive():
     assert (d["cases_total"], d["cases_failed"], d["cases_inconclusive"], d["smallest_inconclusive"]) == (2, 0, 1, T1)
     assert d["strict_coverage"] is False
     assert f"1 case inconclusive: no check past L1 judged it (warning; smallest {T1}); --strict-coverage makes it " \
-           "a failure" in report.notes
-    assert report.notes[-1] == "1 of 2 cases passes; 1 inconclusive"
+           "a failure" in notes_text(report)
+    assert notes_text(report)[-1] == "1 of 2 cases passes; 1 inconclusive"
     jsonschema.validate(report_json(report), schema())
 
 

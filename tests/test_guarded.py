@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
+from attn_ledger.probes.kernel.cases import parse_case
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "fixtures" / "hostile" / "kernels.py"
@@ -344,9 +345,9 @@ def test_in_process_time_limit_gives_back_an_outer_alarm():
     assert 0 < inside <= 5 and 90 < after <= 100
 
 
-# What `check` hands the worker for a kernel: the case ids and the options as plain data.
-KERNEL_ARGS = {"target": f"{KERNELS}:good", "field": "target", "cases": [ONE], "tier": None, "empty_rows": "zeros",
-               "seed": 0, "backward": True, "strict_precision": False, "device": "cpu", "declaration": {}}
+# What `check` hands the task for a kernel: the cases, parsed from their ids, and the options.
+KERNEL_ARGS = {"target": f"{KERNELS}:good", "field": "target", "cases": [parse_case(ONE)], "tier": None,
+               "empty_rows": "zeros", "seed": 0, "backward": True, "strict_precision": False, "device": "cpu", "declaration": {}}
 
 
 def test_worker_relays_bad_input_as_the_same_error():

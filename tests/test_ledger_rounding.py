@@ -162,3 +162,65 @@ def test_a_saved_gradient_is_judged_by_the_rounding_rule(tmp_path):
     bad = run_ledger_tensors(str(path), grad=True)
     check = reference_checks(bad, "user_dq_matches_reference")["grad_q"]
     assert check.status == "fail" and check.data["tolerance"]["ratio"] > 1
+
+
+@pytest.mark.parametrize("case", ["causal", "empty-rows", "softcap", "sinks", "gqa-chunked"])
+def test_m_beside_the_reference_is_m_computed_alone(monkeypatch, case):
+    """The sampled rows' M, computed head chunk by head chunk from the reference's own casts, scores and
+    weights, leaving out the terms of a pipeline tensor that is the reference's own, equals M computed
+    apart from the reference with every term, bit for bit."""
+    from attn_ledger.engine import execute as X
+    from attn_ledger.maths import masks
+
+    g = torch.Generator().manual_seed(7)
+    nh, nkv = (4, 2) if case == "gqa-chunked" else (4, 4)
+    q = torch.randn(2, nh, 6, 8, generator=g)
+    k, v = torch.randn(2, nkv, 9, 8, generator=g), torch.randn(2, nkv, 9, 5, generator=g)
+    allow = masks.causal(6, 9, "bottom-right")[None, None].expand(2, nh, 6, 9).clone()
+    if case == "empty-rows":
+        allow[0, :, 1] = False
+    softcap = 2.0 if case == "softcap" else None
+    sinks = torch.linspace(-1.0, 1.0, nh) if case == "sinks" else None
+    if case == "gqa-chunked":
+        monkeypatch.setattr(X, "REF_CHUNK_BYTES", 1)  # one kv head at a time
+    k_exp, v_exp = HEALTHY.expand(k, nh), HEALTHY.expand(v, nh)
+    eps, tiny = tolerance.EPS["float32"], tolerance.tiny("float32")
+    carried = (None, None if nh == nkv else k_exp, None if nh == nkv else v_exp)
+    ref, mags = X.reference_chunks(q, k, v, allow, 0.3, "zeros", torch.float64, softcap, sinks,
+                                   X.Rule(carried, eps, tiny, 1.0))
+    alone = rounding.stage_magnitudes(q, k, v, allow, 0.3, softcap, (q, k_exp, v_exp), eps, tiny)
+    for key in ("scores", "weights", "out"):
+        assert torch.equal(mags[key], alone[key]), key
+    assert torch.equal(ref["out"], X.reference_block(q, k, v, allow, 0.3, "zeros", torch.float64, softcap, sinks)["out"])
+
+
+def test_m_carries_a_pipeline_tensor_that_is_not_the_references_own():
+    """A pipeline q that differs from the reference's raises M of the scores by its carried terms."""
+    from attn_ledger.engine import execute as X
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = torch.randn(1, 2, 4, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    eps = tolerance.EPS["float32"]
+    own = X.reference_chunks(q, k, v, None, 0.3, "zeros", torch.float64, rule=X.Rule((None, None, None), eps, 0.0, 1.0))[1]
+    off = X.reference_chunks(q, k, v, None, 0.3, "zeros", torch.float64,
+                             rule=X.Rule((q + 1e-3, None, None), eps, 0.0, 1.0))[1]
+    assert bool((off["scores"] > own["scores"]).all())
+    assert bool((off["out"] > own["out"]).all())  # through the weights' bound
+
+
+def test_the_rule_reads_non_finite_values_as_it_always_did():
+    """NaN against NaN and equal infinities agree; a NaN against a number, or any error where the bound is
+    zero, is infinitely past it; finite values within their bounds pass, with the worst element's parts."""
+    import math
+
+    ref = torch.tensor([[[[1.0, 2.0, 3.0]]]], dtype=torch.float64)  # [B, Nh, R, Tk]
+    m = torch.ones_like(ref)
+    c, eps = tolerance.rounding("scores", "float32")
+    within = rounding.agreement("scores", "pipeline", ref + 0.5 * c * eps, ref, m, "float32")
+    assert within.excess == pytest.approx(-0.5) and within.parts["ratio"] == pytest.approx(0.5)
+    both = torch.tensor([[[[math.nan, math.inf, 3.0]]]], dtype=torch.float64)
+    assert rounding.agreement("scores", "pipeline", both, both.clone(), m, "float32").excess == -1.0
+    nan_vs_number = rounding.agreement("scores", "pipeline", both, ref, m, "float32")
+    assert math.isinf(nan_vs_number.excess) and nan_vs_number.where is not None
+    zero_bound = rounding.agreement("scores", "pipeline", ref + 1e-9, ref, torch.zeros_like(ref), "float32")
+    assert math.isinf(zero_bound.excess)

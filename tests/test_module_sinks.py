@@ -14,6 +14,7 @@ from torch import nn
 from attn_ledger.errors import InputError
 from attn_ledger.probes.module.check import check_module
 from attn_ledger.probes.module.core import recognise_sinks
+from attn_ledger.render.notes import notes_text
 
 LOGITS = (-0.5, 0.5, 1.5)
 
@@ -65,14 +66,14 @@ def test_an_undeclared_sink_passes_named():
     d = design(report)
     assert d.passed and d.data["design"] == "sinks"
     assert d.data["sinks"] == pytest.approx(LOGITS, abs=1e-4)
-    assert any("attention sinks with logits -0.5,0.5,1.5: declare them with --sinks" in n for n in report.notes)
+    assert any("attention sinks with logits -0.5,0.5,1.5: declare them with --sinks" in n for n in notes_text(report))
 
 
 def test_declared_sinks_the_core_applies_pass():
     report = check_module(with_sinks, 12, 3, seed=1, sinks="-0.5,0.5,1.5")
     assert report.exit_code == 0
     assert report.details["sinks"] == list(LOGITS)
-    assert not any("declare them with --sinks" in n for n in report.notes)
+    assert not any("declare them with --sinks" in n for n in notes_text(report))
 
 
 def test_declared_sinks_the_core_drops_fail():
@@ -88,7 +89,7 @@ def test_a_plain_core_names_no_sink():
     assert report.first_finding is None
     d = design(report)
     assert d.passed and "sinks" not in d.data["design"] and "sinks" not in d.data
-    assert not any("attention sinks" in n for n in report.notes)
+    assert not any("attention sinks" in n for n in notes_text(report))
 
 
 def test_recognition_needs_one_logit_per_head():

@@ -18,6 +18,7 @@ from attn_ledger.cli import app
 from attn_ledger.probes.module.core import BEND_LOGITS, Declared
 from attn_ledger.errors import InputError
 from attn_ledger.probes.module.check import check_module
+from attn_ledger.render.notes import notes_text
 from attn_ledger.report import Report
 
 E, NH = 32, 4  # Dh = 8
@@ -52,7 +53,7 @@ def test_a_declared_cap_that_the_core_applies_passes():
     assert report.exit_code == 0 and [c.name for _, c in report.checks() if c.status != "pass"] == []
     core = check(report, "attention_core")
     assert core.data["softcap"] == 50.0 and core.data["bent"]["delta"] <= core.data["bent"]["tolerance"]
-    assert not [n for n in report.notes if "declare it" in n] and report.hints == ()
+    assert not [n for n in notes_text(report) if "declare it" in n] and report.hints == ()
     assert report.details["softcap"] == 50.0 and report.title.endswith("causal, soft-cap 50")
 
 

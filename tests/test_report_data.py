@@ -18,7 +18,7 @@ from attn_ledger.probes.kernel.check import check_kernel, parse_case
 from attn_ledger.ledger import run_ledger
 from attn_ledger.render import render
 from attn_ledger.render.jsondoc import schema
-from attn_ledger.render.notes import note_text, notes_text
+from attn_ledger.render.notes import call_text, note_text, notes_text
 from attn_ledger.report import Heatmap, Note, Report, Row
 from attn_ledger.inputs.userload import load_object
 
@@ -113,8 +113,9 @@ def test_check_keeps_its_reproduction_as_data(checked):
     assert words_in_data(checked) == []
     repro = next(n for n in checked.notes if isinstance(n, Note) and n.kind == "reproduce")
     assert repro.data == checked.details["reproduce"]
-    assert (repro.data["case"], repro.data["options"], repro.data["call"]) == (
+    assert (repro.data["case"], repro.data["options"], call_text(repro.data["call"])) == (
         CASE, [], "attention(q, k, v, is_causal=True)")
+    assert repro.data["call"]["is_causal"] is True and repro.data["call"]["allow_mask"] is None
     lines = notes_text(checked)
     at = lines.index("reproduce it:")
     assert lines[at - 1] == "its call: attention(q, k, v, is_causal=True)"
@@ -184,3 +185,113 @@ def test_notes_as_data_cross_the_worker_boundary(checked):
     back = decode(encode(checked))
     assert back == checked and notes_text(back) == notes_text(checked)
     assert any(isinstance(n, Note) for n in back.notes)
+
+
+# --- every command's notes are data ------------------------------------------------------------------
+
+
+def prose_notes(report: Report) -> list[str]:
+    """The notes (the report's and each row's) that are words rather than data."""
+    return [n for n in (*report.notes, *(r.note for r in report.rows)) if isinstance(n, str) and n]
+
+
+def _kernel_outcomes() -> Report:
+    """check on a kernel with every summary line: skips by declaration and by dtype, a warning, an inconclusive
+    case, a case not reached, a failure with its reproduction, and what the calls did besides returning."""
+    from dataclasses import replace
+
+    from attn_ledger.probes.kernel.check import Plan, check_case, kernel_report, not_reached_case, with_call_notes
+
+    good = load_object(f"{ROOT / 'fixtures/kernels/good.py'}:attention")
+    wrong = load_object(f"{ROOT / 'fixtures/kernels/sdpa_is_causal.py'}:attention")
+    ids = ["b1-h2kv1-tq3tk5-dh4dv4-causal-flag-rand-f32", "b2-h4kv2-tq5tk9-dh8dv4-pad-causal-index-f32",
+           "b1-h1kv1-tq2tk2-dh4dv4-none-rand-f32", "b1-h1kv1-tq3tk3-dh4dv4-none-rand-f32"]
+    warned = check_case(good, parse_case(ids[0]), backward=False)
+    warned = replace(warned, checks=tuple(replace(c, status="warn") if c.name == "precision" else c
+                                          for c in warned.checks))
+    failed = check_case(wrong, parse_case(ids[1]), backward=False)
+    blank = check_case(good, parse_case(ids[2]), backward=False)
+    blank = replace(blank, checks=tuple(c if c.level == 1 else replace(c, status="not_applicable") for c in blank.checks))
+    stopped = not_reached_case(parse_case(ids[3]), "not reached: 1 case timed out (--max-timeouts 1)",
+                               {"stopped_by": "max_timeouts", "max_timeouts": 1})
+    results = [warned, failed, blank, stopped]
+    plan = Plan(tuple(r.case for r in results), {"dtypes outside float32": 2},
+                (Note("unsupported_dtype", {"dtype": "bfloat16", "device": "cpu"}),), "cpu")
+    report = kernel_report(results, target="k.py:attention", plan=plan)
+    called = {**failed.check("call").data, "returned_subclass": "Agreeable"}
+    failed = replace(failed, checks=tuple(replace(c, data=called) if c.name == "call" else c for c in failed.checks))
+    return with_call_notes(report, [warned, failed, blank, stopped],
+                           {"flags": {"default dtype": ["float32", "float64"]}, "replaced": ["torch.softmax"]})
+
+
+def _module_check() -> Report:
+    from attn_ledger.probes.module.check import check_module
+
+    return check_module(load_object(f"{ROOT / 'fixtures/modules/attention_modules.py'}:gpt_oss_sinks"), 8, 2)
+
+
+def _ledger_with_rope_and_alignment() -> Report:
+    import torch
+
+    from attn_ledger.ledger import ledger_on_qkv
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
+    allow = torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2)  # bottom-right causal
+    return ledger_on_qkv(q, k, v, allow_mask=allow, rope="half", grad=True)
+
+
+def _experiments() -> list[Report]:
+    from attn_ledger.experiments.intervene import run_intervene, stopped_intervention
+    from attn_ledger.experiments.polarity import fingerprint, run_polarity
+    from attn_ledger.experiments.scale import plotted, sweep_scale
+
+    return [run_intervene(overrides={"mask": "causal"}),
+            stopped_intervention("module m.py:f", (2, 6, 8), 2, "forward(x) timed out after 1 s", {"call": "forward(x)"}),
+            run_polarity(), fingerprint(ROOT / "fixtures/masks/causal_float01.safetensors", "causal"),
+            plotted(sweep_scale(dh=(8, 16), queries=16, keys=16), "scale.png"),
+            sweep_scale(tensors=ROOT / "fixtures/qk/float16_std3.safetensors")]
+
+
+def _catalogue_and_timing() -> list[Report]:
+    from attn_ledger.commands.common import _with_timing
+    from attn_ledger.probes.catalogue import CATALOGUE, run_catalogue
+
+    return [_with_timing(run_catalogue(CATALOGUE[:2]), 1.234567)]
+
+
+BUILDERS = {"kernel": lambda: [_kernel_outcomes()], "module": lambda: [_module_check()],
+            "ledger": lambda: [_ledger_with_rope_and_alignment()], "experiments": _experiments,
+            "catalogue": _catalogue_and_timing}
+
+
+@pytest.mark.parametrize("which", sorted(BUILDERS))
+def test_every_command_keeps_its_notes_as_data_and_the_json_writes_them_again(which):
+    for report in BUILDERS[which]():
+        assert prose_notes(report) == [], report.command
+        doc = json.loads(render(report, "json"))
+        jsonschema.validate(doc, schema())
+        assert doc["notes"] == notes_text(report)
+        for line, data in zip(doc["notes"], doc["note_data"]):
+            if data is not None:
+                assert note_text(Note(data.pop("kind"), data)).splitlines()[0] == line
+        for row in doc["rows"]:
+            if row["note_data"] is not None:
+                assert note_text(Note(row["note_data"].pop("kind"), row["note_data"])) == row["note"]
+
+
+def test_the_kernel_summary_lines_read_as_before():
+    lines = notes_text(_kernel_outcomes())
+    assert lines[:2] == ["1 case returned a tensor subclass (Agreeable); it was judged as a plain tensor",
+                         "your code changed torch's global state: default dtype float32 -> float64; replaced "
+                         "torch.softmax (since before the import)"]
+    assert "bfloat16 cases skipped: this torch build cannot run them on cpu" in lines
+    assert "2 cases skipped: outside the declaration (2 for dtypes outside float32)" in lines
+    assert "1 of 4 cases not reached: 1 case timed out (--max-timeouts 1)" in lines
+    assert any(line.startswith("1 case inconclusive: no check past L1 judged it (warning; smallest ") for line in lines)
+    assert "its call: attention(q, k, v, allow_mask=key_padding(lengths=[8, 6])[B, 1, 1, Tk], is_causal=True)" in lines
+
+
+def test_a_report_with_words_for_notes_is_caught():
+    assert prose_notes(Report("run", "t", (Row("scores", "pass", note="words"),), notes=("more words",))) == [
+        "more words", "words"]

@@ -25,6 +25,17 @@ TimeoutOption = opt.timeout_option(
     "Limit on each call into your code (import, factory, each kernel or forward call). A call past it "
     "is named in the report as an L1 call finding (exit 2 at import or factory time). "
     "Default 60; with --in-process, none unless given.")
+# the kernel's contract and declaration, each switch also read from [tool.attn-ledger.check]
+BackwardOption = opt.switch_option("--backward/--no-backward", "Check dq, dk and dv against float64 autograd. "
+                                   "Default: backward.")
+StrictPrecisionOption = opt.switch_option("--strict-precision/--lenient-precision", "A float64 case at float32 "
+                                          "precision fails. Default: lenient (a warning).")
+StrictCoverageOption = opt.switch_option("--strict-coverage/--lenient-coverage", "A case that no check past L1 judged "
+                                         "(all inconclusive, skipped or not applicable) fails. Default: lenient "
+                                         "(counted inconclusive, a warning).")
+GqaOption = opt.switch_option("--gqa/--no-gqa", "Whether it supports Nkv < Nh. Default: gqa.", DECLARE)
+DistinctDvOption = opt.switch_option("--distinct-dv/--no-distinct-dv", "Whether it supports Dv != Dh. Default: "
+                                     "distinct-dv.", DECLARE)
 
 
 def check(  # long by its 36 options (typer reads them from the signature); the body hands them to the helpers below
@@ -71,20 +82,14 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     empty_rows: Annotated[
         Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked: zeros, nan (kernel protocol only), finite (any finite row; NaN or inf is a finding) or any. Default: zeros (kernel), finite (transformers).")
     ] = None,
-    backward: Annotated[
-        Optional[bool], typer.Option("--backward/--no-backward", help="Check dq, dk and dv against float64 autograd. Default: backward.")
-    ] = None,
-    strict_precision: Annotated[
-        Optional[bool], typer.Option("--strict-precision/--lenient-precision", help="A float64 case at float32 precision fails. Default: lenient (a warning).")
-    ] = None,
-    strict_coverage: Annotated[
-        Optional[bool], typer.Option("--strict-coverage/--lenient-coverage", help="A case that no check past L1 judged (all inconclusive, skipped or not applicable) fails. Default: lenient (counted inconclusive, a warning).")
-    ] = None,
+    backward: BackwardOption = None,
+    strict_precision: StrictPrecisionOption = None,
+    strict_coverage: StrictCoverageOption = None,
     device: DeviceOption = None,
     dtypes: Annotated[Optional[str], typer.Option("--dtypes", help="Dtypes the kernel supports, e.g. float16,bfloat16.", rich_help_panel=DECLARE)] = None,
     masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal; with --protocol transformers the mask functions registered for its name: sdpa, eager, none, flex.", rich_help_panel=DECLARE)] = None,
-    gqa: Annotated[Optional[bool], typer.Option("--gqa/--no-gqa", help="Whether it supports Nkv < Nh. Default: gqa.", rich_help_panel=DECLARE)] = None,
-    distinct_dv: Annotated[Optional[bool], typer.Option("--distinct-dv/--no-distinct-dv", help="Whether it supports Dv != Dh. Default: distinct-dv.", rich_help_panel=DECLARE)] = None,
+    gqa: GqaOption = None,
+    distinct_dv: DistinctDvOption = None,
     max_tq: Annotated[Optional[str], typer.Option("--max-tq", metavar=INT, help="The longest Tq it takes.", rich_help_panel=DECLARE)] = None,
     max_tk: Annotated[Optional[str], typer.Option("--max-tk", metavar=INT, help="The longest Tk it takes.", rich_help_panel=DECLARE)] = None,
     head_dims: Annotated[Optional[str], typer.Option("--head-dims", help="Head widths Dh and Dv may take, e.g. 64,128.", rich_help_panel=DECLARE)] = None,
@@ -233,14 +238,14 @@ def _module_args(module: str, decode: Optional[str], given: dict, seed: int) -> 
 
 def _kernel_args(target: str, case: Optional[list[str]], full: bool, declared: dict, seed: int,
                  device: str) -> dict:
-    """What the worker needs to check a kernel, as plain data: the case ids, the options, and the
+    """What the check of a kernel needs: the cases (each id given parsed here, once), the options, and the
     declaration (``[tool.attn-ledger.check]`` of ./pyproject.toml under the options given)."""
     from attn_ledger.probes.kernel.check import select_cases
     from attn_ledger.probes.kernel.spec import from_sources
 
     decl, run = from_sources(declared)
     tier = "full" if full else "default"
-    return {"target": target, "field": "target", "cases": [c.id for c in select_cases(case, tier, decl.supports)],
+    return {"target": target, "field": "target", "cases": list(select_cases(case, tier, decl.supports)),
             "tier": None if case else tier, "empty_rows": run.get("empty_rows", "zeros"), "seed": seed,
             "backward": decl.backward, "strict_precision": run.get("strict_precision", False),
             "strict_coverage": run.get("strict_coverage", False), "device": device,

@@ -376,8 +376,10 @@ def append_step_summary(path: Path, report: Any) -> None:
 def _with_timing(report: Any, seconds: float) -> Any:
     from dataclasses import replace
 
+    from attn_ledger.report import Note
+
     return replace(report, details={**report.details, "elapsed_s": round(seconds, 3)},
-                   notes=(*report.notes, f"elapsed {seconds:.2f} s"))
+                   notes=(*report.notes, Note("elapsed", {"seconds": seconds})))
 
 
 class Progress:

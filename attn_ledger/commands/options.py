@@ -172,6 +172,12 @@ def device_option(help: str, any_name: bool = False) -> Any:
     return Annotated[Optional[str] if any_name else Optional[Device], typer.Option("--device", help=help)]
 
 
+def switch_option(flags: str, help: str, panel: str | None = None) -> Any:
+    """An on/off option, ``--name/--no-name``, left None when not given (so that a declaration read from
+    ``pyproject.toml`` can fill it in)."""
+    return Annotated[Optional[bool], typer.Option(flags, help=help, rich_help_panel=panel)]
+
+
 def timeout_option(help: str) -> Any:
     """``--timeout SECONDS``: the limit on each call into the user's code."""
     return Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS", help=help)]

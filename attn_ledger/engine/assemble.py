@@ -30,7 +30,7 @@ ARRAY_STAGES = ("scores", "masked_scores", "weights", "context", "output", "grad
 
 def finish(command: str, title: str, order: tuple[str, ...], rows: Rows, keep_going: bool, meta: dict[str, Any],
            relation: Relation, tq: int, tk: int, empty_zero: bool, axes: dict[str, str] | None = None,
-           tail: tuple[str, ...] = ()) -> Report:
+           tail: tuple[Note, ...] = ()) -> Report:
     """Turn per-stage checks into rows with statuses; the first failing stage is the finding (``tail``: last notes).
 
     Rows after it are downstream evidence: with ``keep_going`` their failing checks read

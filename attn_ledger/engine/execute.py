@@ -144,12 +144,12 @@ class Execution:
         plan, (q_ref, k_ref, v_ref) = self.plan, self.ref
         ref_dtype = reference_dtype(self.q.device)
         empty = "zeros" if self.empty_zero else "nan"
-        self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype,
-                                               self.softcap, self.sinks), plan.reference_spans)
-        if ref_dtype == torch.float64:  # the rounding rule, half precision included
-            self.sample.mags = sampled_rounding(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, self.softcap,
-                                                (self.q, self.k_exp, self.v_exp))
-            self.sample.dtype = self.dtype_name
+        rule = ref_dtype == torch.float64  # the rounding rule, half precision included
+        ref, mags = sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype,
+                                      self.softcap, self.sinks, (self.q, self.k_exp, self.v_exp) if rule else None)
+        self.sample = Sample(ref, plan.reference_spans)
+        if mags is not None:
+            self.sample.mags, self.sample.dtype = mags, self.dtype_name
         if self.sdpa_whole_causal:
             # the intended relation is exactly causal: SDPA gets it as is_causal on the whole input, once
             self.sdpa_context = F.scaled_dot_product_attention(self.q, self.k_exp, self.v_exp, dropout_p=0.0,
@@ -538,42 +538,45 @@ class Sample:
 
 
 def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation", plan: P.Plan, scale: float,
-                      empty: str, dtype: "torch.dtype", softcap: float | None = None,
-                      sinks: "Tensor | None" = None) -> dict[str, "Tensor"]:
-    """The reference's stages for every sampled row, over every key, in one call.
+                      empty: str, dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None,
+                      pipeline: "tuple[Tensor, Tensor, Tensor] | None" = None
+                      ) -> tuple[dict[str, "Tensor"], dict[str, "Tensor"] | None]:
+    """The reference's stages for every sampled row, over every key, in one call, and with ``pipeline``
+    the rounding rule's ``M`` of each stage on the same rows.
 
-    Returns ``{"scores", "masked_scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``
-    for the R rows the plan samples, block after block. One call on all of them at once
-    keeps the per-call cost of the reference (casts, kernel launches) from recurring per block.
+    One call on all the sampled rows at once keeps the per-call cost of the reference (casts,
+    kernel launches) from recurring per block. ``M`` (:func:`rounding.stage_magnitudes`) is computed
+    head chunk by head chunk beside the reference, from the reference's own float64 K and V, scores
+    and weights, so none of them is computed twice.
+
+    Args:
+        pipeline: the pipeline's q, k, v as they enter the scores (kv heads expanded), whose own
+            error against the reference's is carried into ``M``; one that is the reference's own
+            tensor carries none.
+
+    Returns:
+        ``{"scores", "masked_scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}`` for the R rows
+        the plan samples, block after block; and ``{"scores", "weights", "out"}`` of ``M`` shaped alike,
+        or None without ``pipeline``.
     """
-    import torch
-
-    tk = k.shape[-2]
     spans = plan.reference_spans  # absolute query rows
-    contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
-    qs = q[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([q[:, :, r0:r1] for r0, r1 in spans], dim=2)
-    ref = reference_block(qs, k, v, sample_allow(relation, spans, tk), scale, empty, dtype, softcap, sinks)
-    return {key: t for key, t in ref.items() if key != "allow"}
+    allow = sample_allow(relation, spans, k.shape[-2])
+    rule = None
+    if pipeline is not None:
+        pq, pk, pv = pipeline
+        dn = tolerance.dtype_name(pq.dtype)
+        rule = Rule((None if pq is q else span_rows(pq, spans), None if pk is k else pk, None if pv is v else pv),
+                    tolerance.EPS.get(dn, 1.0), tolerance.tiny(dn), rounding.accumulation(dn))
+    ref, mags = reference_chunks(span_rows(q, spans), k, v, allow, scale, empty, dtype, softcap, sinks, rule)
+    return {key: t for key, t in ref.items() if key != "allow"}, mags
 
 
-def sampled_rounding(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation", plan: P.Plan, scale: float,
-                     softcap: float | None, pipeline: tuple["Tensor", "Tensor", "Tensor"]) -> dict[str, "Tensor"]:
-    """The rounding rule's ``M`` of each stage on the sampled rows (:func:`rounding.sampled_magnitudes`),
-    shaped as :func:`sampled_reference`'s tensors; ``pipeline``: the pipeline's q, k, v (kv heads
-    expanded), whose own error against the reference's is carried through."""
+def span_rows(x: "Tensor", spans: tuple[tuple[int, int], ...]) -> "Tensor":
+    """``x`` ``[B, Nh, T, D]`` on the query rows of ``spans``, one span after another: ``[B, Nh, R, D]``."""
     import torch
 
-    spans = plan.reference_spans
     contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
-
-    def rows(x: "Tensor") -> "Tensor":
-        return x[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([x[:, :, r0:r1] for r0, r1 in spans], dim=2)
-
-    pq, pk, pv = pipeline
-    dn = tolerance.dtype_name(pq.dtype)
-    return rounding.sampled_magnitudes(rows(q), k, v, sample_allow(relation, spans, k.shape[-2]), scale, softcap,
-                                       (rows(pq), pk, pv), tolerance.EPS.get(dn, 1.0), tiny=tolerance.tiny(dn),
-                                       accumulate=rounding.accumulation(dn))
+    return x[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([x[:, :, r0:r1] for r0, r1 in spans], dim=2)
 
 
 def sample_allow(relation: "Relation", spans: tuple[tuple[int, int], ...], tk: int) -> "Tensor | None":
@@ -596,13 +599,35 @@ def sample_rows(spans: tuple[tuple[int, int], ...], device: Any = None) -> "Tens
     return torch.cat([torch.arange(r0, r1, device=device) for r0, r1 in spans]) if spans else torch.zeros(0, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What the rounding rule's ``M`` needs beside the reference's inputs: the pipeline's q, k, v as they enter
+    the scores (kv heads expanded; None where it is the reference's own tensor), and the run dtype's eps,
+    smallest normal number and accumulation (:func:`rounding.stage_magnitudes`)."""
+
+    carried: "tuple[Tensor | None, Tensor | None, Tensor | None]"
+    eps: float
+    tiny: float
+    accumulate: float
+
+
 def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
                     dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None) -> dict[str, "Tensor"]:
-    """The reference's stages for the sampled rows, a few query heads at a time when K and V are long.
+    """The reference's stages for the sampled rows, a few query heads at a time when K and V are long
+    (:func:`reference_chunks` without the rounding rule)."""
+    return reference_chunks(q, k, v, allow, scale, empty, dtype, softcap, sinks)[0]
+
+
+def reference_chunks(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
+                     dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None,
+                     rule: Rule | None = None) -> tuple[dict[str, "Tensor"], dict[str, "Tensor"] | None]:
+    """The reference's stages for the sampled rows, and with ``rule`` the rounding rule's ``M`` of each stage,
+    a few query heads at a time when K and V are long.
 
     Heads are independent, so chunking over them changes nothing but the size of the
     reference-dtype copies of K and V that exist at once (at most about REF_CHUNK_BYTES, or
-    one kv head's): each chunk is cast and used while it is still in cache.
+    one kv head's): each chunk is cast once and used, by the reference and then by ``M``, while it
+    is still in cache.
     """
     import torch
 
@@ -612,16 +637,27 @@ def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None
     group = nh // nkv  # query heads per kv head
     per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * torch.finfo(dtype).bits // 8
     kv_step = max(1, REF_CHUNK_BYTES // max(1, per_kv_head))
-    if kv_step >= nkv:
-        return reference_stages(q, k, v, allow_mask=allow, scale=scale, empty_rows=empty, dtype=dtype, softcap=softcap,
-                                sinks=sinks)
     parts: list[dict[str, Tensor]] = []
+    mags: list[dict[str, Tensor]] = []
     for j0 in range(0, nkv, kv_step):
         j1 = min(j0 + kv_step, nkv)
         h0, h1 = j0 * group, j1 * group
-        a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
-        parts.append(reference_stages(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], allow_mask=a, scale=scale,
-                                      empty_rows=empty, dtype=dtype, softcap=softcap,
-                                      sinks=None if sinks is None else sinks[h0:h1]))
+        whole = j0 == 0 and j1 == nkv
+        qc, kc, vc = (q, k, v) if whole else (q[:, h0:h1], k[:, j0:j1], v[:, j0:j1])
+        kc, vc = kc.to(dtype), vc.to(dtype)  # cast once, for the reference and M alike
+        a = allow if allow is None or allow.shape[1] == 1 or whole else allow[:, h0:h1]
+        sc = sinks if sinks is None or whole else sinks[h0:h1]
+        ref = reference_stages(qc, kc, vc, allow_mask=a, scale=scale, empty_rows=empty, dtype=dtype, softcap=softcap,
+                               sinks=sc)
+        parts.append(ref)
+        if rule is not None:
+            carried = rule.carried if whole else tuple(None if c is None else c[:, h0:h1] for c in rule.carried)
+            known = (ref["scores"], ref["weights"] if sinks is None else None)  # with sinks, M's weights have none
+            m = rounding.stage_magnitudes(qc, kc, vc, a, scale, softcap, carried, rule.eps, rule.tiny, rule.accumulate,
+                                          known=known)
+            mags.append({key: m[key] for key in ("scores", "weights", "out")})
+    if len(parts) == 1:
+        return parts[0], mags[0] if mags else None
     keys = ("scores", "masked_scores", "weights", "out") + (() if sinks is None else ("sink_share",))
-    return {key: torch.cat([p[key] for p in parts], dim=1) for key in keys}
+    ref = {key: torch.cat([p[key] for p in parts], dim=1) for key in keys}
+    return ref, {key: torch.cat([m[key] for m in mags], dim=1) for key in mags[0]} if mags else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from attn_ledger.report import Check, Hint, Report
 
@@ -60,7 +60,7 @@ def _relations(tq: int, tk: int, device: Any) -> Iterator[tuple[str, str, str, "
 
 
 def tensor_hints(c: Check, out: "Tensor", entered: tuple["Tensor", "Tensor", "Tensor"], *, declared_mask: str,
-                 declared_text: str, allow: "Tensor | None", scale: float, softcap: float | None,
+                 declared_text: str, allow: "Callable[[], Tensor | None]", scale: float, softcap: float | None,
                  temperature: float | None, plain_relation: bool) -> tuple[Hint, ...]:
     """The hints for a failing ``user_out_matches_reference`` check ``c``.
 
@@ -69,7 +69,8 @@ def tensor_hints(c: Check, out: "Tensor", entered: tuple["Tensor", "Tensor", "Te
         entered: q, k, v as they entered the scores, ``[B, Nh, T, D]``.
         declared_mask: the mask as declared (``none``, ``causal``, ``sliding-window:4``); the relation tried
             under that name is left out.
-        allow: the declared relation ``[B|1, Nh|1, Tq, Tk]`` (None: none), for the scale alternatives.
+        allow: gives the declared relation ``[B|1, Nh|1, Tq, Tk]`` (None: none), for the scale alternatives; called
+            only where one is tried, so a report that needs no hint never builds it.
         scale: the score scale declared (``S / tau``).
         plain_relation: the declared relation is one named relation and nothing was saved beside it, so another
             relation may stand in for it.
@@ -98,11 +99,13 @@ def tensor_hints(c: Check, out: "Tensor", entered: tuple["Tensor", "Tensor", "Te
                                                "declared_text": declared_text, "found": name, "found_text": text,
                                                "option": option, "value": worst}))
                 break
+    declared_allow: list["Tensor | None"] = []
     for name, of in SCALES:
         s = of(dh)
         if math.isclose(s, scale, rel_tol=1e-9):
             continue
-        ok, worst = agrees(allow, s)
+        declared_allow = declared_allow or [allow()]
+        ok, worst = agrees(declared_allow[0], s)
         if ok:
             option = ("leaving --scale out (the default is 1/sqrt(Dh))" if name == "1/sqrt(Dh)" and temperature is None
                       else f"--scale {s * (temperature or 1.0):.6g}")

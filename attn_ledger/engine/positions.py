@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from attn_ledger.engine import checks as C
 from attn_ledger import tolerance
-from attn_ledger.report import Check, bounded, unjudged
+from attn_ledger.report import Check, Note, bounded, unjudged
 
 if TYPE_CHECKING:
     from attn_ledger.engine.rows import Rows
@@ -49,7 +49,7 @@ class Rotated:
     q_ref: "Tensor"
     k_ref: "Tensor"
     checks: list[Check]
-    note: str
+    note: Note
 
 
 def rope_stage(ops: Any, spec: "RotarySpec", q: "Tensor", k: "Tensor", v: "Tensor", refs: tuple["Tensor", "Tensor", "Tensor"],
@@ -72,10 +72,8 @@ def rope_stage(ops: Any, spec: "RotarySpec", q: "Tensor", k: "Tensor", v: "Tenso
     if checks[0].passed:
         checks += [_positions(q, k, v, qr, kr, vr, start), _relative(ops, spec, q, k, start),
                    _norms(q, k, qr, kr), _reference(qr, kr, vr, q_ref, k_ref, refs[2])]
-    who = "the saved q and k" if saved else "q and k"
-    note = (f"rope {spec_text(spec)}: {who} rotated before the scores ({spec.width(dh)} of Dh={dh} features, "
-            f"{spec.pairing} pairs, base {spec.base:g}); query i at position i{start:+d} (i + Tk - Tq), key j at j; "
-            "v not rotated; the reference rotates its q and k the same way")
+    note = Note("rope", {"spec": spec_text(spec), "saved": saved, "rotated": spec.width(dh), "Dh": dh,
+                         "pairing": spec.pairing, "base": spec.base, "start": start})
     return Rotated(qr, kr, vr, q_ref, k_ref, checks, note)
 
 

@@ -40,8 +40,10 @@ QUANTITY = {"scores": "scores", "weights": "weights", "context": "context", "gra
 
 
 def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                     softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
-                     eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0) -> dict[str, "Tensor"]:
+                     softcap: float | None = None,
+                     carried: "tuple[Tensor | None, Tensor | None, Tensor | None] | None" = None,
+                     eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0, *,
+                     known: "tuple[Tensor, Tensor | None] | None" = None) -> dict[str, "Tensor"]:
     """``M`` of the scores, weights and context, in float64.
 
     Args:
@@ -51,8 +53,8 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
         carried: the pipeline's own q, k, v as they enter the scores stage (``[B, Nh, R, Dh]``,
             ``[B, Nh, Tk, Dh]``, ``[B, Nh, Tk, Dv]``), where they are not the reference's: the
             error they already carry (a projection's or rotation's rounding, judged at its own
-            stage) is carried through, ``(|dq| |k|^T + |q| |dk|^T + |dq| |dk|^T) |scale|`` into
-            the scores and ``P |dv|`` into the context, in units of ``eps``.
+            stage) is carried through, ``(|dq| |k|^T + |q| |dk|^T + |dq| |dk|^T) |scale|`` into the scores
+            and ``P |dv|`` into the context, in eps units; None: the reference's own (its zero terms left out).
         tiny: the dtype's smallest normal number: a weight below it is subnormal and keeps an
             absolute error of up to ``tiny * eps`` (float16's 6e-8), so each allowed weight's
             ``M`` gets ``tiny`` and the context ``tiny`` times the allowed values' sum.
@@ -60,6 +62,8 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
             1 for float32 and float64; half precision sums in float32 (torch's CPU kernels do), so a
             sum's ``sqrt(n)`` growth is ``2^-13`` (float16) or ``2^-16`` (bfloat16) of the dtype's
             rounding, while each result still rounds once to the dtype.
+        known: the float64 reference's capped scores and (where it has no sinks, else None) weights on these
+            rows, from these q, k, v, computed already; without it both are computed here.
 
     Returns:
         ``{"scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``.
@@ -73,24 +77,20 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     tk = k.shape[-2]
     qd = q.detach().to(f64)
     kk = repeat_kv(k.detach().to(f64), nh)  # [B, Nh, Tk, Dh]
-    va = repeat_kv(v.detach().to(f64), nh).abs()  # [B, Nh, Tk, Dv]
-    s = torch.matmul(qd, kk.transpose(-2, -1)) * scale  # [B, Nh, R, Tk]
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    a = torch.matmul(qd.abs(), kk.abs().transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
+    vv = repeat_kv(v.detach().to(f64), nh)  # [B, Nh, Tk, Dv]
+    va = vv.abs()
+    s, weights = known or (_capped_scores(qd, kk, scale, softcap), None)
+    qa, ka = qd.abs(), kk.abs()
+    a = torch.matmul(qa, ka.transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
     acc = accumulate
     dot = 1.0 + acc * math.sqrt(dh)  # q . k sums Dh products
-    sa = s.abs()
-    m_scores = a * dot + sa
-    dv_in = None
-    if carried is not None:
-        cq, ck, cv = (t.detach().to(f64) for t in carried)
-        dq, dk = (cq - qd).abs(), (ck - kk).abs()
-        dv_in = (cv - repeat_kv(v.detach().to(f64), nh)).abs()  # [B, Nh, Tk, Dv]
-        m_scores = m_scores + (torch.matmul(dq, kk.abs().transpose(-2, -1)) + torch.matmul(qd.abs() + dq, dk.transpose(-2, -1))) * (abs(scale) / eps)
-    ok = torch.ones_like(s, dtype=torch.bool) if allow is None else allow.expand_as(s)
-    live = ok.any(dim=-1, keepdim=True)  # [B, Nh, R, 1]
-    p = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1).where(live, 0.0)
+    m_scores = a * dot + s.abs()
+    dq, dk, dv_in = (None if c is None else (c.detach().to(f64) - r).abs()  # |pipeline - reference|
+                     for c, r in zip(carried or (None, None, None), (qd, kk, vv)))
+    by_carried = _carried_scores(dq, dk, qa, ka)
+    if by_carried is not None:
+        m_scores = m_scores + by_carried * (abs(scale) / eps)
+    p, ok, live = _weights(s, allow, weights)
     err_s = torch.where(ok, m_scores, 0.0)  # [B, Nh, R, Tk]: each allowed score's bound (eps units)
     row = (p * err_s).sum(dim=-1, keepdim=True) + err_s.amax(dim=-1, keepdim=True) + 1.0 + acc * math.sqrt(max(tk, 1))
     e = torch.where(ok & live, p * (err_s + row) + tiny, 0.0)  # [B, Nh, R, Tk]: the weights' bound (eps units)
@@ -98,6 +98,39 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     if dv_in is not None:
         m_out = m_out + torch.matmul(p + e * eps, dv_in) / eps
     return {"scores": m_scores, "weights": e, "out": m_out, "p": p, "s": s, "row": row}
+
+
+def _capped_scores(qd: "Tensor", kk: "Tensor", scale: float, softcap: float | None) -> "Tensor":
+    """``q k^T scale`` ``[B, Nh, R, Tk]`` in float64, soft-capped where a cap is given."""
+    import torch
+
+    s = torch.matmul(qd, kk.transpose(-2, -1)) * scale  # [B, Nh, R, Tk]
+    return s if softcap is None else torch.tanh(s / softcap) * softcap
+
+
+def _weights(s: "Tensor", allow: "Tensor | None", weights: "Tensor | None") -> tuple["Tensor", "Tensor", "Tensor"]:
+    """P, the float64 softmax of ``s`` over the allowed keys (``weights``: the reference's, computed already from
+    the same masked scores), zero on rows with no allowed key; the allowed pairs ``[B, Nh, R, Tk]``; and the
+    rows with one ``[B, Nh, R, 1]``."""
+    import torch
+
+    ok = torch.ones_like(s, dtype=torch.bool) if allow is None else allow.expand_as(s)
+    live = ok.any(dim=-1, keepdim=True)  # [B, Nh, R, 1]
+    if weights is None:
+        weights = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1)
+    return weights.where(live, 0.0), ok, live
+
+
+def _carried_scores(dq: "Tensor | None", dk: "Tensor | None", qa: "Tensor", ka: "Tensor") -> "Tensor | None":
+    """``|dq| |k|^T + (|q| + |dq|) |dk|^T`` ``[B, Nh, R, Tk]``: what the errors q and k carry into the scores
+    (``qa``, ``ka``: ``|q|``, ``|k|``); a term whose error is None (zero) is left out, None where both are."""
+    import torch
+
+    found = None if dq is None else torch.matmul(dq, ka.transpose(-2, -1))
+    if dk is not None:
+        by_k = torch.matmul(qa if dq is None else qa + dq, dk.transpose(-2, -1))
+        found = by_k if found is None else found + by_k
+    return found
 
 
 # long: one chain of bounds, stage after stage, as the backward computes them
@@ -241,31 +274,6 @@ def per_kv(t: "Tensor", n_kv: int) -> "Tensor":
     return t.reshape(b, n_kv, nh // n_kv, *t.shape[2:]).sum(dim=2)
 
 
-def sampled_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                       softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
-                       eps: float = 1.0, chunk_bytes: int = 1 << 22, tiny: float = 0.0,
-                       accumulate: float = 1.0) -> dict[str, "Tensor"]:
-    """:func:`stage_magnitudes` a few kv heads at a time (heads are independent), as the reference runs."""
-    import torch
-
-    nh, nkv = q.shape[1], k.shape[1]
-    group = nh // nkv
-    per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * 8 * (1 + group)
-    step = max(1, chunk_bytes // max(1, per_kv_head))
-    if step >= nkv:
-        whole = stage_magnitudes(q, k, v, allow, scale, softcap, carried, eps, tiny, accumulate)
-        return {key: whole[key] for key in ("scores", "weights", "out")}
-    parts = []
-    for j0 in range(0, nkv, step):
-        j1 = min(j0 + step, nkv)
-        h0, h1 = j0 * group, j1 * group
-        a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
-        c = None if carried is None else (carried[0][:, h0:h1], carried[1][:, h0:h1], carried[2][:, h0:h1])
-        parts.append(stage_magnitudes(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], a, scale, softcap, c, eps, tiny,
-                                      accumulate))
-    return {key: torch.cat([p[key] for p in parts], dim=1) for key in ("scores", "weights", "out")}
-
-
 def accumulation(dtype: str) -> float:
     """``accumulate`` of :func:`stage_magnitudes` for a run in ``dtype``: float32's eps over the dtype's in
     half precision (sums accumulate in float32), 1 otherwise."""
@@ -288,8 +296,10 @@ def agreement(stage: str, of: str, got: "Tensor", ref: "Tensor", m: "Tensor", dt
         return Agreement(stage, of, "float64", 0.0 if got.numel() == 0 else math.nan,
                          -1.0 if got.numel() == 0 else math.nan, parts=base, **kw)
     g, r = got.to(torch.float64), ref.to(torch.float64)
-    same = (torch.isnan(g) & torch.isnan(r)) | (torch.isinf(g) & (g == r))
-    err = torch.nan_to_num((g - r).abs(), nan=math.inf).masked_fill(same, 0.0)  # [B, Nh, R, *]
+    err = (g - r).abs()  # [B, Nh, R, *]
+    if not bool(torch.isfinite(err).all()):  # a NaN or an infinity on either side (every difference finite: none)
+        same = (torch.isnan(g) & torch.isnan(r)) | (torch.isinf(g) & (g == r))
+        err = torch.nan_to_num(err, nan=math.inf).masked_fill(same, 0.0)
     bound = (c * eps) * m
     ratio = torch.where(bound > 0, err / bound.clamp_min(1e-300), torch.where(err > 0, math.inf, 0.0))
     flat = int(torch.argmax(ratio))

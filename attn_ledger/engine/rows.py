@@ -15,9 +15,9 @@ class Rows:
     checks: dict[str, list[Check]] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
     raised: dict[str, BaseException] = field(default_factory=dict)
-    row_notes: dict[str, "str | Note"] = field(default_factory=dict)
+    row_notes: dict[str, Note] = field(default_factory=dict)
     fields: dict[str, dict[str, Any]] = field(default_factory=dict)
-    notes: "list[str | Note]" = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
     tensors: dict[str, Any] = field(default_factory=dict)
 
     def failed(self) -> bool:
@@ -31,7 +31,7 @@ class Rows:
             self.raised[stage] = exc
             return None
 
-    def stage(self, name: str, shape: tuple[int, ...] | None, checks: list[Check], note: str = "") -> None:
+    def stage(self, name: str, shape: tuple[int, ...] | None, checks: list[Check], note: Note | None = None) -> None:
         self.shapes[name], self.checks[name] = shape, list(checks)
-        if note:
+        if note is not None:
             self.row_notes[name] = note

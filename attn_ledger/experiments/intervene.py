@@ -42,7 +42,7 @@ from attn_ledger.probes.common.forward import (
     module_forward,
 )
 from attn_ledger.guard import UserCodeError
-from attn_ledger.report import Check, Coverage, Report, Row, row_status
+from attn_ledger.report import Check, Coverage, Note, Report, Row, row_status
 from attn_ledger.seeding import manual_seed
 
 if TYPE_CHECKING:
@@ -51,9 +51,8 @@ if TYPE_CHECKING:
 
 _CAUSAL_MASKS = ("causal", "causal-top-left")
 
-BUILTIN_CONTROLS_NOTE = "controls: two leaking versions of the same pipeline; each must be reported as a leak"
-MODULE_CONTROLS_NOTE = ("controls: the built-in pipeline at the same sizes, which shows the probe can fail here; "
-                        "no fault can be injected into your module, so its own result stands alone")
+BUILTIN_CONTROLS_NOTE = Note("controls", {"of": "builtin"})  # two leaking versions of the same pipeline
+MODULE_CONTROLS_NOTE = Note("controls", {"of": "module"})  # the built-in pipeline beside a user's module
 
 
 def _path_rows(result: InterventionResult) -> list[Row]:
@@ -117,22 +116,20 @@ def _run_all(module: "nn.Module", x: "torch.Tensor", cuts: tuple[int, ...],
     return _Runs(tuple(paths), determinism, tuple(results))
 
 
-def _notes(runs: _Runs, controls_note: str, training: bool) -> list[str]:
+def _notes(runs: _Runs, controls_note: Note | None, training: bool) -> list[Note]:
     ok = next((p for p in runs.paths if p.error is None), None)
     notes = []
     if ok is not None:
-        notes.append(f"prefix: max |y1-y2| over positions 0..i, must stay within {ok.rel_tolerance:.3g} x max|y| "
-                     f"(torch.testing's {ok.dtype} defaults); suffix: over i+1.., must move by more than "
-                     f"{ok.suffix_fraction:.3g} x max|y|; max|y| = {ok.scale:.3g}")
+        notes.append(Note("intervention_bounds", {"rel_tolerance": ok.rel_tolerance, "dtype": ok.dtype,
+                                                  "suffix_fraction": ok.suffix_fraction, "scale": ok.scale}))
     if runs.controls:
-        notes.append("control rows: the largest prefix and the smallest suffix over the cuts")
+        notes.append(Note("control_rows"))
     if runs.determinism is not None and not runs.determinism.identical:
-        notes.append("eval-mode calls differ, so the deltas of the cut rows include that randomness: "
-                     "make eval calls agree first, then rerun")
-    if controls_note:
+        notes.append(Note("eval_differs"))
+    if controls_note is not None:
         notes.append(controls_note)
     if training:
-        notes.append("the module came back in training mode; the intervention ran it in eval mode")
+        notes.append(Note("training_on_entry", {"ran": "intervene"}))
     return notes
 
 
@@ -158,7 +155,7 @@ def intervene_report(
     num_heads: int,
     cuts: Sequence[int] | None = None,
     controls: Sequence[tuple[str, str, "nn.Module"]] = (),
-    controls_note: str = "",
+    controls_note: Note | None = None,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> Report:
@@ -172,7 +169,8 @@ def intervene_report(
         cuts: cut positions; None means 0..T-2.
         controls: ``(name, description, module)`` triples that must leak. With none, the
             report's coverage says nothing shows the probe can fail.
-        controls_note: a line saying what the controls show.
+        controls_note: the note saying what the controls show (:data:`BUILTIN_CONTROLS_NOTE`,
+            :data:`MODULE_CONTROLS_NOTE`), or None.
         seed: seeds the replacement values.
         progress: ``callback(done, total)``.
 
@@ -212,7 +210,7 @@ def stopped_intervention(subject: str, shape: tuple[int, ...], num_heads: int, r
     b, t, e = shape
     called = Check(1, "call", "fail", reason=reason, data=data)
     runs = _Runs((), None, ())
-    notes = ["the intervention stopped at that call; no grad path, cut or control was judged"]
+    notes = [Note("intervention_stopped")]
     coverage = Coverage("stopped", ("prefix_unchanged", "suffix_moved", "eval_determinism", "control_leaks"),
                         "a call into the module did not come back, so nothing else ran")
     return Report("intervene", f"CAUSAL INTERVENTION {subject} B={b} T={t} E={e} Nh={num_heads}",
@@ -288,7 +286,7 @@ def intervene_module(module: "nn.Module", args: dict[str, Any], progress: Callab
         manual_seed(args["seed"])
         return intervene_report(module, x, subject=f"module {args['spec']}", num_heads=args["num_heads"],
                                 cuts=args["cuts"], controls=control_list,
-                                controls_note=MODULE_CONTROLS_NOTE if with_controls else "", seed=args["seed"],
+                                controls_note=MODULE_CONTROLS_NOTE if with_controls else None, seed=args["seed"],
                                 progress=progress)
 
 
@@ -350,7 +348,7 @@ def run_intervene(
                                 controls=control_list, controls_note=note, seed=cfg.seed, progress=progress)
 
 
-def _builtin_subject(cfg: Any, dtype: "torch.dtype", with_controls: bool) -> tuple["nn.Module", str, str]:
+def _builtin_subject(cfg: Any, dtype: "torch.dtype", with_controls: bool) -> tuple["nn.Module", str, Note | None]:
     """The built-in pipeline a config describes, its name, and what its controls show."""
     from attn_ledger.errors import InputError
     from attn_ledger.maths.layer import BuiltinAttention
@@ -361,4 +359,4 @@ def _builtin_subject(cfg: Any, dtype: "torch.dtype", with_controls: bool) -> tup
     causal = relations[0] in _CAUSAL_MASKS
     module = BuiltinAttention(cfg.embed_dim, cfg.num_heads, causal=causal, fault=cfg.fault, seed=cfg.seed, dtype=dtype)
     subject = "built-in pipeline" + (f", fault {cfg.fault}" if cfg.fault else "") + ("" if causal else ", mask none")
-    return module, subject, BUILTIN_CONTROLS_NOTE if with_controls else ""
+    return module, subject, BUILTIN_CONTROLS_NOTE if with_controls else None

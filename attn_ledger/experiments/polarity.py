@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from attn_ledger.errors import TensorFileError, field_error, first_line
-from attn_ledger.report import Check, Report, Row, bounded, row_status
+from attn_ledger.render.notes import POLARITY_MEANING
+from attn_ledger.report import Check, Note, Report, Row, bounded, row_status
 from attn_ledger.seeding import generator
 from attn_ledger.tolerance import PROBE_ATOL
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 COMMAND = "polarity"
 ALLOW, BLOCK = "allow", "block"
-MEANING = {ALLOW: "True = takes part", BLOCK: "True = blocked"}
+MEANING = POLARITY_MEANING  # what True means in each polarity (the renderer's words)
 TOLERANCE = PROBE_ATOL  # float32 outputs against the float64 reference
 LARGE_NEGATIVE = -1e4  # additive-mask values at or below this count as "blocked"
 
@@ -494,8 +495,8 @@ def polarity_check(call: PolarityCall) -> Check:
                  TOLERANCE, ">=", reason="" if call.finite else "the output is not finite", data=data)
 
 
-def _doc_note(c: Convention) -> str:
-    return f'documented: "{c.doc_line}"' if c.doc_line else f"documented: no sentence found in {c.source}"
+def _doc_note(c: Convention) -> Note:
+    return Note("documented", {"doc_line": c.doc_line, "source": c.source})
 
 
 def polarity_report(torch_version: str, convs: tuple[Convention, ...], calls: tuple[PolarityCall, ...],
@@ -513,14 +514,11 @@ def polarity_report(torch_version: str, convs: tuple[Convention, ...], calls: tu
     rows.append(Row(KPM_ROW, row_status(kpm_checks), kpm_checks, fields={"convention": kpm.probed},
                     note=_doc_note(kpm)))
     disagreements = audit_disagreements(audit)
-    notes = [f"{ALLOW}: {MEANING[ALLOW]}; {BLOCK}: {MEANING[BLOCK]}; each convention probed on two keys with equal "
-             "scores, and quoted from the installed docstring"]
-    notes.append(f"fully blocked row: query {BLOCKED_Q} of 3 sees no key, sent through each path below")
-    notes += [f"fully blocked row via {r.api}, {r.path}: {r.returns}" + (f" ({r.detail})" if r.detail else "")
-              for r in audit]
+    notes = [Note("polarity_conventions"), Note("blocked_row", {"query": BLOCKED_Q, "queries": 3})]
+    notes += [Note("blocked_row_path", r.as_dict()) for r in audit]
     split = [api for api in dict.fromkeys(r.api for r in audit) if len({r.returns for r in audit if r.api == api}) > 1]
-    notes += [f"the paths of {api} disagree on the fully blocked row: rely on none of them" for api in split] or [
-        "all paths of each API agree on the fully blocked row"]
+    notes += [Note("blocked_row_agreement", {"api": api}) for api in split] or [
+        Note("blocked_row_agreement", {"api": None})]
     details = {
         "mode": "apis", "torch_version": torch_version,
         "case": {"B": B, "Nh": NH, "Tq": T, "Tk": T, "E": E, "Dh": E // NH, "relation": "causal", "tolerance": TOLERANCE},
@@ -630,8 +628,7 @@ def mask_report(fp: MaskFingerprint) -> Report:
         fields["alignment"] = fp.alignment
     axes = "..., Tq, Tk" if fp.expect == "causal" else ("B, 1, 1, Tk" if len(fp.shape) == 4 else "B, Tk")
     row = Row(fp.name, row_status(checks), checks, shape=fp.shape, axes=axes, fields=fields)
-    notes = [f"{a.api} {'takes it unchanged' if a.unchanged else 'needs a conversion'}: {a.how}" if a.api != "any"
-             else f"every API: {a.how}" for a in fp.advice]
+    notes = [Note("mask_advice", a.as_dict()) for a in fp.advice]
     details = {
         "mode": "mask", "path": fp.path, "tensor": fp.name, "shape": list(fp.shape), "dtype": fp.dtype,
         "expect": fp.expect, "padding_side": fp.padding_side if fp.expect == "padding" else None,

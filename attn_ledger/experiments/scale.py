@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from attn_ledger.errors import TensorFileError, field_error, shown
-from attn_ledger.report import Check, Report, Row, bounded, counted, row_status, unjudged
+from attn_ledger.report import Check, Note, Report, Row, bounded, counted, row_status, unjudged
 from attn_ledger.seeding import generator
 
 if TYPE_CHECKING:
@@ -46,8 +46,7 @@ HEADROOM_FACTOR = 16.0  # flag half-precision scores within this factor of the d
 ASSUMPTION = "q and k components independent, mean 0, variance 1"
 QK_AXES = {3: "B, Tq, Dh", 4: "B, Nh, Tq, Dh"}  # the saved q's axes, by rank
 ACROSS = "across Dh"  # the sweep's last row: checks that compare head widths
-FIELD_NOTE = ("maxp: mean largest softmax probability per query row; entropy: mean softmax entropy "
-              "per query row, in nats; ln_tk: entropy of the uniform distribution over Tk keys")
+FIELD_NOTE = Note("scale_fields")  # what maxp, entropy and ln_tk are
 
 
 @dataclass(frozen=True)
@@ -334,8 +333,7 @@ def tensor_stats(path: str | Path, *, max_memory: int | None = None) -> Report:
         "max_abs_raw_score": largest, "dtype_max": headroom.data.get("dtype_max"),
         "headroom_factor": headroom.value, "plot": None,
     }
-    notes = (FIELD_NOTE, f"saturated: a query row whose scaled softmax puts more than {SATURATED_P} of its weight "
-                         "on one key")
+    notes = (FIELD_NOTE, Note("saturated", {"threshold": SATURATED_P}))
     return Report(COMMAND, f"sweep-scale --tensors {p}: q and k in {details['dtype']}",
                   (row,), notes=notes, details=details, unit="row", row_label="row")
 
@@ -376,7 +374,7 @@ def sweep_scale(
 
 def plotted(report: Report, path: str | Path) -> Report:
     """The report saying that its plot is (or is about to be) written to ``path``."""
-    return replace(report, details={**report.details, "plot": str(path)}, notes=(*report.notes, f"plot written to {path}"))
+    return replace(report, details={**report.details, "plot": str(path)}, notes=(*report.notes, Note("plot_written", {"path": str(path)})))
 
 
 # --- plot -------------------------------------------------------------------------------
@@ -519,8 +517,7 @@ def temperature_lab(temperatures: Sequence[float], scores: Sequence[float] = DEF
     rows.append(Row(ACROSS_TAU, row_status(across), across))
     details = {"mode": "temperature", "scores": list(scores), "temperatures": list(temperatures),
                "dtype": TEMPERATURE_DTYPE, "ln_tk": math.log(len(scores)), "plot": None}
-    note = ("softmax(scores / tau) from the pipeline's softmax in float32; entropy in nats (ln Tk = "
-            f"{math.log(len(scores)):.4f} is uniform)")
+    note = Note("temperature_fields", {"ln_tk": math.log(len(scores))})
     title = f"sweep-scale --temperatures: scores {list(scores)} at tau {', '.join(f'{t:g}' for t in temperatures)}"
     return Report(COMMAND, title, tuple(rows), notes=(note,), details=details, unit="row", row_label="row")
 

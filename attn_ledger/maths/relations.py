@@ -345,14 +345,14 @@ def view(relation: Relation, tq: int, example: int = 0, head: int = 0) -> tuple[
 
 
 def alignment_of(allow_mask: "Tensor", b: int, nh: int, tq: int, tk: int) -> str:
-    """Say whether a saved mask is the causal relation aligned top-left, bottom-right, or neither."""
+    """Whether a saved mask is the causal relation aligned ``bottom-right``, ``top-left``, or ``neither``."""
     from attn_ledger.maths import masks
 
     grid = masks.expand_to_grid(allow_mask, b, nh, tq, tk)
     br = masks.causal(tq, tk, "bottom-right", device=allow_mask.device)
     tl = masks.causal(tq, tk, "top-left", device=allow_mask.device)
     if bool((grid == br).all()):
-        return "causal, bottom-right (query i may use key j iff j <= i + Tk - Tq)"
+        return "bottom-right"
     if bool((grid == tl).all()):
-        return "causal, top-left (query i may use key j iff j <= i), which a KV-cache decode does not want"
-    return "not a pure causal relation in either alignment"
+        return "top-left"
+    return "neither"

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from attn_ledger.report import LEVEL_NAMES, Check, Report, Row
+from attn_ledger.report import LEVEL_NAMES, Check, Note, Report, Row
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -527,13 +527,11 @@ def run_catalogue(
         if progress is not None:
             progress(i + 1, len(todo))
     undetected = [r.name for r in rows if r.status == "fail"]
-    notes = [f"{len(rows) - len(undetected)} of {len(rows)} faults detected"]
+    notes = [Note("faults_detected", {"detected": len(rows) - len(undetected), "faults": len(rows)})]
     if undetected:
-        notes.append("undetected: " + ", ".join(undetected))
-    notes += [f"{f.name}: {f.summary}" for f in todo]
-    notes.append("level, check: where check (black box) first sees the fault; ledger level, stage: where "
-                 "run --fault (the white-box ledger) first sees it, for the faults the built-in pipeline has; "
-                 + ", ".join(f"L{k} {v}" for k, v in LEVEL_NAMES.items()))
+        notes.append(Note("undetected", {"faults": undetected}))
+    notes += [Note("fault", {"name": f.name, "summary": f.summary}) for f in todo]
+    notes.append(Note("catalogue_columns", {"levels": dict(LEVEL_NAMES)}))
     details = {
         "faults_total": len(rows),
         "undetected": undetected,

@@ -16,21 +16,19 @@ from typing import Any, Mapping
 
 from attn_ledger._version import __version__
 from attn_ledger.render.hints import hint_text
-from attn_ledger.render.notes import cli_line, note_lines, note_text, notes_text, python_lines
-from attn_ledger.render.text import describe
+from attn_ledger.render.notes import call_text, cli_line, note_lines, note_text, notes_text, python_lines
+from attn_ledger.render.text import describe, nonfinite_text
 from attn_ledger.report import SCHEMA_VERSION, Check, Coverage, Finding, Hint, Note, Report, Row
 
 
 def json_value(value: Any) -> Any:
-    """Plain JSON: NaN and infinities become strings, tuples lists, mappings dicts."""
+    """Plain JSON: NaN and infinities become strings, tuples lists, mappings dicts, notes their text."""
     if value is None or isinstance(value, (bool, str, int)):
         return value
     if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
+        return value if math.isfinite(value) else nonfinite_text(value)
+    if isinstance(value, Note):  # a note held in the details (check's ``skipped``) is written as its line
+        return note_text(value)
     if isinstance(value, Mapping):
         return {str(k): json_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -138,12 +136,16 @@ def hint_json(h: Hint) -> dict[str, Any]:
 
 def details_json(details: Mapping[str, Any]) -> Any:
     """The details as plain JSON, with ``reproduce`` (``check``'s smallest failing case, as data) also
-    written out as its ``cli`` line and ``python`` lines."""
+    written out as its ``cli`` line and ``python`` lines, and its ``call`` as the text a reader writes (the
+    call's data beside it, as ``call_data``)."""
     doc = json_value(details)
     repro = doc.get("reproduce") if isinstance(doc, dict) else None
     if isinstance(repro, dict) and "target" in repro:
+        call = repro.get("call")
         doc["reproduce"] = {"case": repro["case"], "cli": cli_line(repro), "python": "\n".join(python_lines(repro)),
                             **{k: v for k, v in repro.items() if k != "case"}}
+        if isinstance(call, dict):  # the kernel protocol's call, kept as data
+            doc["reproduce"].update(call=call_text(call), call_data=call)
     return doc
 
 

@@ -151,8 +151,8 @@ def reproduce_lines(d: Mapping[str, Any]) -> list[str]:
     """The notes that reproduce a check's smallest failing case: its call, then the CLI line (split in two
     by a shell continuation, so that a table wrapping a long note leaves it pasteable) and the Python lines."""
     rest = cli_line(d)[len(_check_command(d["target"])) + len(" --case "):]  # the target may hold " --case "
-    return [f"its call: {d['call']}", "reproduce it:", f"{_check_command(d['target'])} \\", f"    --case {rest}",
-            *python_lines(d)]
+    return [f"its call: {call_text(d['call'])}", "reproduce it:", f"{_check_command(d['target'])} \\",
+            f"    --case {rest}", *python_lines(d)]
 
 
 def interface_reproduce_lines(d: Mapping[str, Any]) -> list[str]:
@@ -167,6 +167,239 @@ def interface_reproduce_lines(d: Mapping[str, Any]) -> list[str]:
             f"attn_output, attn_weights = {d['function']}(module, *args, **kwargs)"]
 
 
+ALIGNMENT_WORDS = {
+    "bottom-right": "causal, bottom-right (query i may use key j iff j <= i + Tk - Tq)",
+    "top-left": "causal, top-left (query i may use key j iff j <= i), which a KV-cache decode does not want",
+    "neither": "not a pure causal relation in either alignment",
+}
+
+
+def _allow_mask_alignment(d: Mapping[str, Any]) -> str:
+    return "allow_mask alignment: " + ALIGNMENT_WORDS[d["alignment"]]
+
+
+def _rope(d: Mapping[str, Any]) -> str:
+    who = "the saved q and k" if d["saved"] else "q and k"
+    return (f"rope {d['spec']}: {who} rotated before the scores ({d['rotated']} of Dh={d['Dh']} features, "
+            f"{d['pairing']} pairs, base {d['base']:g}); query i at position i{d['start']:+d} (i + Tk - Tq), key j at "
+            "j; v not rotated; the reference rotates its q and k the same way")
+
+
+# --- check on a kernel: the lines under the table ---------------------------------------------
+
+PRECISION_WARNING = "computes at float32 precision in float64"
+HALF_PRECISION_WARNING = "is less precise than a float32-accumulating computation in its dtype"
+
+
+def call_text(c: Mapping[str, Any]) -> str:
+    """One call of the kernel protocol as a reader would write it: ``attention(q, k, v, is_causal=True)``.
+
+    ``c``: ``function``; ``allow_mask`` (None, or ``{"kind": "causal" | "key_padding" | "left_padding" |
+    "keys_blocked", ...}``); ``is_causal``; ``scale``, ``softcap``, ``window`` (None where not passed); ``sinks``.
+    """
+    args = []
+    m = c.get("allow_mask")
+    if m is not None:
+        args.append("allow_mask=" + _ALLOW_MASK[m["kind"]](m))
+    if c.get("is_causal"):
+        args.append("is_causal=True")
+    if c.get("scale") is not None:
+        args.append(f"scale={c['scale']:g}")
+    if c.get("softcap") is not None:
+        args.append(f"softcap={c['softcap']:g}")
+    if c.get("window") is not None:
+        args.append(f"window={c['window']}")
+    if c.get("sinks"):
+        args.append("sinks=sinks[Nh]")
+    return f"{c['function']}(q, k, v{''.join(', ' + a for a in args)})"
+
+
+def _ints(xs: Any) -> str:
+    return "[" + ", ".join(str(int(x)) for x in xs) + "]"
+
+
+_ALLOW_MASK: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "causal": lambda m: "causal[Tq, Tk]",
+    "key_padding": lambda m: f"key_padding(lengths={_ints(m['lengths'])})[B, 1, 1, Tk]",
+    "left_padding": lambda m: f"left_padding({_ints(m['blocked'])})[B, 1, 1, Tk]",
+    "keys_blocked": lambda m: f"keys_blocked({m['first']}..{m['last']})[1, 1, 1, Tk]",
+}
+
+
+def stop_text(d: Mapping[str, Any]) -> str:
+    """Why the rest of a run was not reached, from its stop's data (``stopped_by`` and its bound)."""
+    if d["stopped_by"] == "max_timeouts":
+        n = d["max_timeouts"]
+        return f"{'1 case' if n == 1 else f'{n} cases in a row'} timed out (--max-timeouts {n})"
+    return f"the check ran out of time (--max-time {d['max_time_s']:g} s)"
+
+
+def _stopped(d: Mapping[str, Any]) -> str:
+    return "not reached: " + stop_text(d)
+
+
+def _skipped_by_declaration(d: Mapping[str, Any]) -> str:
+    why = ", ".join(f"{n} for {reason}" for reason, n in d["skipped"].items())
+    return f"{_cases(sum(d['skipped'].values()))} skipped: outside the declaration ({why})"
+
+
+def _precision_warned(d: Mapping[str, Any]) -> str:
+    what = PRECISION_WARNING if d["of"] == "float64" else HALF_PRECISION_WARNING
+    if d["cases"] > 1:
+        what = what.replace("computes", "compute", 1).removeprefix("is ")
+        what = what if what.startswith("compute") else f"are {what}"
+    return f"{_cases(d['cases'])} {what} (warning; smallest {d['smallest_case']}); --strict-precision makes it a failure"
+
+
+def _warned(d: Mapping[str, Any]) -> str:
+    what = f"warn{'s' if d['cases'] == 1 else ''} at L{d['level']} {d['check']}"
+    return f"{_cases(d['cases'])} {what} (warning; smallest {d['smallest_case']})"
+
+
+def _not_reached(d: Mapping[str, Any]) -> str:
+    return f"{d['not_reached']} of {_cases(d['cases'])} not reached: {stop_text(d)}"
+
+
+def _inconclusive(d: Mapping[str, Any]) -> str:
+    it = "it" if d["cases"] == 1 else "them"
+    return (f"{_cases(d['cases'])} inconclusive: no check past L1 judged {it} (warning; smallest "
+            f"{d['smallest_case']}); --strict-coverage makes {it} a failure")
+
+
+def _cases_passed(d: Mapping[str, Any]) -> str:
+    n, open_ = d["cases"], d["inconclusive"]
+    if not open_:
+        return "the case passes" if n == 1 else f"all {n} cases pass"
+    passed = n - open_
+    return f"{passed} of {_cases(n)} pass{'es' if passed == 1 else ''}; {open_} inconclusive"
+
+
+def _returned_subclass(d: Mapping[str, Any]) -> str:
+    return f"{_cases(d['cases'])} returned a tensor subclass ({', '.join(d['types'])}); it was judged as a plain tensor"
+
+
+def _global_state(d: Mapping[str, Any]) -> str:
+    parts = [f"{flag} {before} -> {after}" for flag, (before, after) in d.get("flags", {}).items()]
+    replaced = list(d.get("replaced", ()))
+    if replaced:
+        more = f" and {len(replaced) - 6} more" if len(replaced) > 6 else ""
+        parts.append(f"replaced {', '.join(replaced[:6])}{more} (since before the import)")
+    return "your code changed torch's global state: " + "; ".join(parts)
+
+
+def _index_decode(d: Mapping[str, Any]) -> str:
+    may = d["may_mix"]
+    keys = f"keys {may['keys'][0]}..{may['keys'][1]}" if may["keys"] else "no key"
+    allowed = f"example {may['example']}, kv head {may['kv_head']}, {keys}"
+    src = d["source"]
+    if src is None:
+        return f"index decode: the row lies outside every value row's range; it may mix only {allowed}"
+    return (f"index decode: the row reads as a mix from example {src['example']}, kv head {src['kv_head']}, "
+            f"near key {src['key']:.1f}; it may mix only {allowed}")
+
+
+# --- check on a module, and its core -----------------------------------------------------------
+
+def _observed_core(d: Mapping[str, Any]) -> str:
+    return f"observed core: {d['core']}; layout: {d.get('layout') or 'not traced'}"
+
+
+def _found(d: Mapping[str, Any]) -> str:
+    rotary = d.get("rotary")
+    rot = (f"rotary {rotary['pairing']}, base {rotary['base']:g}, {rotary['rotated_dim']} of {rotary['head_dim']} "
+           "features" if rotary else "no rotary")
+    scale = d.get("scale")
+    scale_text = f"softmax scale {scale:.4g}" if isinstance(scale, float) else "softmax scale not fitted"
+    return f"found: {d.get('relation')} relation; {scale_text}; {rot}; scores {d.get('design') or 'not read'}"
+
+
+def _training_on_entry(d: Mapping[str, Any]) -> str:
+    if d["ran"] == "intervene":
+        return "the module came back in training mode; the intervention ran it in eval mode"
+    return "the module came back in training mode: output comparisons ran in eval mode, gradients in training mode"
+
+
+def _undeclared_sinks(d: Mapping[str, Any]) -> str:
+    shown = ",".join(f"{round(x, 3) + 0.0:g}" for x in d["sinks"])
+    return (f"the weights sum to less than one by a per-head amount: attention sinks with logits {shown}: "
+            f"declare them with --sinks {shown}")
+
+
+# --- the fault catalogue -------------------------------------------------------------------------
+
+def _undetected(d: Mapping[str, Any]) -> str:
+    return "undetected: " + ", ".join(d["faults"])
+
+
+def _catalogue_columns(d: Mapping[str, Any]) -> str:
+    return ("level, check: where check (black box) first sees the fault; ledger level, stage: where "
+            "run --fault (the white-box ledger) first sees it, for the faults the built-in pipeline has; "
+            + ", ".join(f"L{k} {v}" for k, v in d["levels"].items()))
+
+
+# --- the experiments -------------------------------------------------------------------------------
+
+def _intervention_bounds(d: Mapping[str, Any]) -> str:
+    return (f"prefix: max |y1-y2| over positions 0..i, must stay within {d['rel_tolerance']:.3g} x max|y| "
+            f"(torch.testing's {d['dtype']} defaults); suffix: over i+1.., must move by more than "
+            f"{d['suffix_fraction']:.3g} x max|y|; max|y| = {d['scale']:.3g}")
+
+
+def _controls(d: Mapping[str, Any]) -> str:
+    if d["of"] == "builtin":
+        return "controls: two leaking versions of the same pipeline; each must be reported as a leak"
+    return ("controls: the built-in pipeline at the same sizes, which shows the probe can fail here; "
+            "no fault can be injected into your module, so its own result stands alone")
+
+
+POLARITY_MEANING = {"allow": "True = takes part", "block": "True = blocked"}
+
+
+def _blocked_row_path(d: Mapping[str, Any]) -> str:
+    return f"fully blocked row via {d['api']}, {d['path']}: {d['returns']}" + (f" ({d['detail']})" if d["detail"] else "")
+
+
+def _blocked_row_agreement(d: Mapping[str, Any]) -> str:
+    if d.get("api") is None:
+        return "all paths of each API agree on the fully blocked row"
+    return f"the paths of {d['api']} disagree on the fully blocked row: rely on none of them"
+
+
+def _documented(d: Mapping[str, Any]) -> str:
+    return f'documented: "{d["doc_line"]}"' if d["doc_line"] else f"documented: no sentence found in {d['source']}"
+
+
+def _mask_advice(d: Mapping[str, Any]) -> str:
+    if d["api"] == "any":
+        return f"every API: {d['how']}"
+    return f"{d['api']} {'takes it unchanged' if d['unchanged'] else 'needs a conversion'}: {d['how']}"
+
+
+# --- every command ------------------------------------------------------------------------------------
+
+# Notes whose sentence is a template filled in from their data (``str.format_map``).
+SENTENCES: dict[str, str] = {
+    "unsupported_dtype": "{dtype} cases skipped: this torch build cannot run them on {device}",
+    "cores_seen": "{cores} attention cores were seen; the first was judged",
+    "mha_slow_path": ("nn.MultiheadAttention was observed on its slow path (its fast path is one fused call); "
+                      "the black-box checks ran the path it normally takes"),
+    "faults_detected": "{detected} of {faults} faults detected",
+    "fault": "{name}: {summary}",
+    "scale_fields": ("maxp: mean largest softmax probability per query row; entropy: mean softmax entropy "
+                     "per query row, in nats; ln_tk: entropy of the uniform distribution over Tk keys"),
+    "saturated": "saturated: a query row whose scaled softmax puts more than {threshold} of its weight on one key",
+    "plot_written": "plot written to {path}",
+    "temperature_fields": ("softmax(scores / tau) from the pipeline's softmax in float32; entropy in nats "
+                           "(ln Tk = {ln_tk:.4f} is uniform)"),
+    "control_rows": "control rows: the largest prefix and the smallest suffix over the cuts",
+    "eval_differs": ("eval-mode calls differ, so the deltas of the cut rows include that randomness: "
+                     "make eval calls agree first, then rerun"),
+    "intervention_stopped": "the intervention stopped at that call; no grad path, cut or control was judged",
+    "polarity_conventions": (f"allow: {POLARITY_MEANING['allow']}; block: {POLARITY_MEANING['block']}; each "
+                             "convention probed on two keys with equal scores, and quoted from the installed docstring"),
+    "blocked_row": "fully blocked row: query {query} of {queries} sees no key, sent through each path below",
+    "elapsed": "elapsed {seconds:.2f} s",
+}
 TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "given_input": _given_input,
     "config_input": _config_input,
@@ -185,6 +418,30 @@ TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "reference_sample": _reference_sample,
     "loose_range": _loose_range,
     "scores_std_rows": _scores_std_rows,
+    "allow_mask_alignment": _allow_mask_alignment,
+    "rope": _rope,
+    "skipped_by_declaration": _skipped_by_declaration,
+    "precision_warned": _precision_warned,
+    "warned": _warned,
+    "not_reached": _not_reached,
+    "stopped": _stopped,
+    "inconclusive": _inconclusive,
+    "cases_passed": _cases_passed,
+    "returned_subclass": _returned_subclass,
+    "global_state": _global_state,
+    "index_decode": _index_decode,
+    "observed_core": _observed_core,
+    "found": _found,
+    "training_on_entry": _training_on_entry,
+    "undeclared_sinks": _undeclared_sinks,
+    "undetected": _undetected,
+    "catalogue_columns": _catalogue_columns,
+    "intervention_bounds": _intervention_bounds,
+    "controls": _controls,
+    "blocked_row_path": _blocked_row_path,
+    "blocked_row_agreement": _blocked_row_agreement,
+    "documented": _documented,
+    "mask_advice": _mask_advice,
 }
 LINES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "reproduce": reproduce_lines,  # one note that reads as several lines
@@ -198,6 +455,8 @@ def note_lines(note: "str | Note") -> list[str]:
         return [note]
     if note.kind in LINES:
         return LINES[note.kind](note.data)
+    if note.kind in SENTENCES:
+        return [SENTENCES[note.kind].format_map(note.data)]
     return [TEXT[note.kind](note.data)]
 
 

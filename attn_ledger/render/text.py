@@ -46,6 +46,15 @@ def _escape(c: str) -> str:
     return _NAMED_ESCAPES.get(c, f"\\u{ord(c):04x}")
 
 
+def nonfinite_text(value: float) -> str | None:
+    """How every view writes a float that is not a finite number (``nan``, ``inf``, ``-inf``); None for one that is."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return None
+
+
 def fmt_value(value: Any) -> str:
     """A number as a reader wants it: integers whole, others to three significant digits."""
     if value is None:
@@ -55,10 +64,8 @@ def fmt_value(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
+        if not math.isfinite(value):
+            return nonfinite_text(value)  # type: ignore[return-value]
         if value.is_integer() and abs(value) < 1e9:
             return str(int(value))
         return f"{value:.3g}"

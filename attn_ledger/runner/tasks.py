@@ -22,9 +22,11 @@ A :class:`Task` is four plain functions:
   stopped early (:class:`attn_ledger.runner.worker.Limits`), and ``timed_out(result)`` says whether a
   unit's result is a timed-out call (what the in-process path counts towards ``--max-timeouts``).
 
-``args`` and units are plain data (str, int, float, bool, None, lists, dicts), so they cross a
-process boundary as they are; results cross as the dataclasses listed in :data:`RESULT_TYPES`
-(a case's result, or a whole :class:`~attn_ledger.report.Report`).
+A :class:`Task`'s ``args`` and units are plain data (str, int, float, bool, None, lists, dicts), so they
+cross a process boundary as they are; results cross as the dataclasses listed in :data:`RESULT_TYPES`
+(a case's result, or a whole :class:`~attn_ledger.report.Report`). A :class:`ParentTask`'s never leave
+this process, so they hold what was parsed already: a kernel check's cases are
+:class:`~attn_ledger.probes.kernel.cases.Case` values, parsed once from their ids by the command.
 The same four functions run in the tool's own process for ``--in-process``, so both ways give
 the same report.
 """
@@ -46,8 +48,8 @@ from attn_ledger.probes.kernel.check import (
     check_case,
     failed_call,
     kernel_report,
+    nothing_left,
     not_reached_case,
-    parse_case,
     plan_cases,
     with_call_notes,
 )
@@ -110,29 +112,28 @@ def _kernel_setup(args: dict[str, Any], load: Callable[[str, str], Any]) -> tupl
 
     fn = load(args["target"], args["field"])
     decl = declaration(args["declaration"])
-    plan = plan_cases([parse_case(i) for i in args["cases"]], decl, args["device"])
+    plan = plan_cases(list(args["cases"]), decl, args["device"])
     fn.ready()  # an import that fails is named before a declaration that leaves nothing to run
     if not plan.cases:
-        why = ", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items()) or "; ".join(plan.notes)
-        raise SetupError(f"declaration: leaves no case to run ({why})")
+        raise SetupError(f"declaration: leaves no case to run ({nothing_left(plan)})")
     try:
         check_capabilities(fn, plan, decl, args["target"], _kernel_options(args))
     except CallStopped as stop:  # the probe call crashed the worker or hung: the target cannot be checked
         raise SetupError(f"target: {args['target']}: {stop.detail}") from None
-    return fn, {"units": [c.id for c in plan.cases], "skipped": plan.skipped, "notes": list(plan.notes),
+    return fn, {"units": list(plan.cases), "skipped": plan.skipped, "notes": list(plan.notes),
                 "device": plan.device, "reference_dtype": plan.reference_dtype}
 
 
-def _kernel_run(fn: Any, args: dict[str, Any], unit: str, progress: Progress) -> CaseResult:
-    return check_case(fn, parse_case(unit), options=_kernel_options(args), declaration=declaration(args["declaration"]))
+def _kernel_run(fn: Any, args: dict[str, Any], unit: Case, progress: Progress) -> CaseResult:
+    return check_case(fn, unit, options=_kernel_options(args), declaration=declaration(args["declaration"]))
 
 
-def _kernel_stopped(args: dict[str, Any], unit: str, reason: str, data: dict[str, Any]) -> CaseResult:
-    return failed_call(parse_case(unit), reason, data)
+def _kernel_stopped(args: dict[str, Any], unit: Case, reason: str, data: dict[str, Any]) -> CaseResult:
+    return failed_call(unit, reason, data)
 
 
-def _kernel_not_reached(args: dict[str, Any], unit: str, reason: str, data: dict[str, Any]) -> CaseResult:
-    return not_reached_case(parse_case(unit), reason, data)
+def _kernel_not_reached(args: dict[str, Any], unit: Case, reason: str, data: dict[str, Any]) -> CaseResult:
+    return not_reached_case(unit, reason, data)
 
 
 def _kernel_timed_out(result: CaseResult) -> bool:
@@ -140,7 +141,7 @@ def _kernel_timed_out(result: CaseResult) -> bool:
 
 
 def _kernel_finish(fn: Any, args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Report:
-    cases = tuple(parse_case(u) for u in plan["units"])
+    cases = tuple(plan["units"])
     report = kernel_report(results, target=args["target"], options=_kernel_options(args),
                            declaration=declaration(args["declaration"]), tier=args["tier"],
                            plan=Plan(cases, dict(plan["skipped"]), tuple(plan["notes"]), plan["device"],
@@ -152,7 +153,7 @@ def _kernel_finish(fn: Any, args: dict[str, Any], plan: dict[str, Any], results:
 
 def _attention_setup(args: dict[str, Any], load: Callable[[str, str], Any]) -> tuple[Any, dict[str, Any]]:
     """Import the target, detect its protocol from its signature (unless given), and set up that protocol's
-    cases. Units are ``PROTOCOL:CASE`` so that a stopped unit knows its protocol."""
+    cases. Units are ``(PROTOCOL, CASE)`` so that a stopped unit knows its protocol."""
     from attn_ledger.errors import SetupError
     from attn_ledger.probes.interface.check import PROTOCOL, is_interface
 
@@ -165,7 +166,7 @@ def _attention_setup(args: dict[str, Any], load: Callable[[str, str], Any]) -> t
         if kargs is None:
             raise SetupError(args.get("kernel_error") or "target: the kernel protocol's options could not be read")
         state, plan = _kernel_setup({**kargs, "target": args["target"], "field": args["field"]}, lambda *_: fn)
-        return ("kernel", state, kargs), {**plan, "units": [f"kernel:{u}" for u in plan["units"]]}
+        return ("kernel", state, kargs), {**plan, "units": [("kernel", u) for u in plan["units"]]}
     return _interface_setup(fn, args, detected=given is None)
 
 
@@ -190,34 +191,34 @@ def _interface_setup(fn: Any, args: dict[str, Any], detected: bool) -> tuple[Any
     if isinstance(fn, LocalKernel):
         fn.fn = InterfaceAdapter(fn.fn)  # in this process; a worker wraps it for each call it is sent
     state = ("transformers", fn, {**iargs, "declaration": decl.to_json(), "detected": detected, "skipped": skipped})
-    return state, {"units": [f"transformers:{c.id}" for c in cases]}
+    return state, {"units": [("transformers", c) for c in cases]}
 
 
-def _attention_run(state: Any, args: dict[str, Any], unit: str, progress: Progress) -> Any:
+def _attention_run(state: Any, args: dict[str, Any], unit: tuple[str, Any], progress: Progress) -> Any:
     protocol, fn, pargs = state
-    case = unit.split(":", 1)[1]
+    case = unit[1]
     if protocol == "kernel":
         return _kernel_run(fn, {**pargs, "target": args["target"]}, case, progress)
-    from attn_ledger.probes.interface.check import check_icase, declaration as interface_declaration, parse_icase
+    from attn_ledger.probes.interface.check import check_icase, declaration as interface_declaration
 
-    return check_icase(fn, parse_icase(case), interface_declaration(pargs["declaration"]),
+    return check_icase(fn, case, interface_declaration(pargs["declaration"]),
                        name=args["target"].rsplit(":", 1)[-1], seed=pargs["seed"], empty_rows=pargs["empty_rows"])
 
 
-def _interface_failed(unit: str, reason: str, data: dict[str, Any], status: str = "fail") -> Any:
-    from attn_ledger.probes.interface.check import CHECK_ORDER, ICaseResult, parse_icase
+def _interface_failed(case: Any, reason: str, data: dict[str, Any], status: str = "fail") -> Any:
+    from attn_ledger.probes.interface.check import CHECK_ORDER, ICaseResult
 
     rest = [unjudged(level, name, "not_reached", reason) for level, name in CHECK_ORDER[1:]]
-    return ICaseResult(parse_icase(unit), (Check(1, "call", status, reason=reason, data=data), *rest))  # type: ignore[arg-type]
+    return ICaseResult(case, (Check(1, "call", status, reason=reason, data=data), *rest))  # type: ignore[arg-type]
 
 
-def _attention_stopped(args: dict[str, Any], unit: str, reason: str, data: dict[str, Any]) -> Any:
-    protocol, case = unit.split(":", 1)
+def _attention_stopped(args: dict[str, Any], unit: tuple[str, Any], reason: str, data: dict[str, Any]) -> Any:
+    protocol, case = unit
     return _kernel_stopped(args, case, reason, data) if protocol == "kernel" else _interface_failed(case, reason, data)
 
 
-def _attention_not_reached(args: dict[str, Any], unit: str, reason: str, data: dict[str, Any]) -> Any:
-    protocol, case = unit.split(":", 1)
+def _attention_not_reached(args: dict[str, Any], unit: tuple[str, Any], reason: str, data: dict[str, Any]) -> Any:
+    protocol, case = unit
     if protocol == "kernel":
         return _kernel_not_reached(args, case, reason, data)
     return _interface_failed(case, reason, data, "not_reached")
@@ -230,7 +231,7 @@ def _attention_timed_out(result: Any) -> bool:
 def _attention_finish(state: Any, args: dict[str, Any], plan: dict[str, Any], results: list[Any]) -> Report:
     protocol, fn, pargs = state
     if protocol == "kernel":
-        units = [u.split(":", 1)[1] for u in plan["units"]]
+        units = [case for _, case in plan["units"]]
         return _kernel_finish(fn, {**pargs, "target": args["target"]}, {**plan, "units": units}, results)
     from attn_ledger.probes.interface.check import Run, declaration as interface_declaration, interface_report
 

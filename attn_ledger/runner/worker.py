@@ -133,15 +133,17 @@ class Limits:
             self.timeouts = 0
 
     def stop(self) -> tuple[str, dict[str, Any]] | None:
-        """Why the remaining units are not reached, as words and as values; None while they run."""
+        """Why the remaining units are not reached, as words and as values; None while they run. The run
+        stops as soon as ``max_timeouts`` units in a row timed out, so the values count them."""
+        from attn_ledger.render.notes import stop_text
+
         if self.max_timeouts is not None and self.timeouts >= self.max_timeouts:
-            cases = "1 case" if self.timeouts == 1 else f"{self.timeouts} cases in a row"
-            return (f"not reached: {cases} timed out (--max-timeouts {self.max_timeouts})",
-                    {"stopped_by": "max_timeouts", "max_timeouts": self.max_timeouts})
-        if time.monotonic() >= self.end:
-            return (f"not reached: the check ran out of time (--max-time {self.max_time:g} s)",
-                    {"stopped_by": "max_time", "max_time_s": self.max_time})
-        return None
+            data: dict[str, Any] = {"stopped_by": "max_timeouts", "max_timeouts": self.max_timeouts}
+        elif time.monotonic() >= self.end:
+            data = {"stopped_by": "max_time", "max_time_s": self.max_time}
+        else:
+            return None
+        return "not reached: " + stop_text(data), data
 
 
 def run_user_task(name: str, args: dict[str, Any], *, in_process: bool = False, timeout: float | None = None,
@@ -206,28 +208,39 @@ def _past_the_stop(task: Any, args: dict[str, Any], unit: Any, limits: Limits, s
     return task.not_reached(args, unit, *stop)
 
 
-def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], None] | None, limits: Limits) -> Any:
-    from attn_ledger.probes.common.driver import load_local
-    from attn_ledger.runner.tasks import ParentTask
-
-    from attn_ledger.runner.tasks import load_module_here
-
-    judged_here = isinstance(task, ParentTask)
-    if judged_here:
-        state, plan = task.setup(args, load_local if task.loads == "kernel" else load_module_here)
-    else:
-        state, plan = task.setup(args)
-    units = plan["units"]
+def _run_units(task: Any, args: dict[str, Any], units: list[Any], limits: Limits,
+               progress: Callable[[int, int], None] | None, run_one: Callable[..., Any]) -> list[Any]:
+    """Each unit through ``run_one(index, unit, progress)`` until ``limits`` stop the run; the units after the
+    stop are not reached (:func:`_past_the_stop`). A lone unit gets the progress callback; several report
+    their own count."""
     results = []
     for i, unit in enumerate(units):
         stop = limits.stop()
         if stop is not None:
             results.append(_past_the_stop(task, args, unit, limits, stop))
         else:
-            results.append(task.run(state, args, unit, progress if len(units) == 1 else None))
-            limits.record(task.timed_out(results[-1]), completed=not task.timed_out(results[-1]))
+            results.append(run_one(i, unit, progress if len(units) == 1 else None))
         if progress is not None and len(units) > 1:
             progress(i + 1, len(units))
+    return results
+
+
+def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], None] | None, limits: Limits) -> Any:
+    from attn_ledger.probes.common.driver import load_local
+    from attn_ledger.runner.tasks import ParentTask, load_module_here
+
+    judged_here = isinstance(task, ParentTask)
+    if judged_here:
+        state, plan = task.setup(args, load_local if task.loads == "kernel" else load_module_here)
+    else:
+        state, plan = task.setup(args)
+
+    def run_one(i: int, unit: Any, one: Callable[[int, int], None] | None) -> Any:
+        result = task.run(state, args, unit, one)
+        limits.record(task.timed_out(result), completed=True)
+        return result
+
+    results = _run_units(task, args, plan["units"], limits, progress, run_one)
     return task.finish(state, args, plan, results) if judged_here else task.finish(args, plan, results)
 
 
@@ -248,28 +261,23 @@ def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, An
         raise field_error("--max-time", limits.max_time, f"a bound that leaves time for the cases: it ran out while "
                           f"{stop.data['call'] or 'the worker started'}", SetupError) from None
     units = plan["units"]
-    results = []
-    for i, unit in enumerate(units):
-        stop = limits.stop()
-        if stop is not None:
-            results.append(_past_the_stop(task, args, unit, limits, stop))
-        else:
-            try:
-                if not sup.alive and not judged_here:
-                    sup.setup(name, args)  # a fresh worker imports (and builds) the user's object again
-                if judged_here:  # a call that finds the worker gone starts a fresh one first
-                    results.append(task.run(state, args, unit, progress if len(units) == 1 else None))
-                else:
-                    results.append(sup.run(unit, progress if len(units) == 1 else None))
-                limits.record(task.timed_out(results[-1]), completed=True)
-            except _Stopped as stop_:
-                limits.record("timeout_s" in stop_.data, completed=False)
-                limits.cut = limits.cut or "max_time_s" in stop_.data
-                more = "; the worker was restarted for the remaining cases" if i + 1 < len(units) else ""
-                more = "" if limits.stop() is not None else more
-                results.append(task.stopped(args, unit, stop_.detail + more, stop_.data))
-        if progress is not None and len(units) > 1:
-            progress(i + 1, len(units))
+
+    def run_one(i: int, unit: Any, one: Callable[[int, int], None] | None) -> Any:
+        try:
+            if not sup.alive and not judged_here:
+                sup.setup(name, args)  # a fresh worker imports (and builds) the user's object again
+            # judged here, a call that finds the worker gone starts a fresh one first
+            result = task.run(state, args, unit, one) if judged_here else sup.run(unit, one)
+            limits.record(task.timed_out(result), completed=True)
+            return result
+        except _Stopped as stop_:
+            limits.record("timeout_s" in stop_.data, completed=False)
+            limits.cut = limits.cut or "max_time_s" in stop_.data
+            more = "; the worker was restarted for the remaining cases" if i + 1 < len(units) else ""
+            more = "" if limits.stop() is not None else more
+            return task.stopped(args, unit, stop_.detail + more, stop_.data)
+
+    results = _run_units(task, args, units, limits, progress, run_one)
     return task.finish(state, args, plan, results) if judged_here else task.finish(args, plan, results)
 
 
@@ -355,12 +363,17 @@ class _Supervisor:
 
     def setup_done(self, args: dict[str, Any]) -> dict[str, Any]:
         """The plan of the setup started; a death here is a SetupError."""
+        return self._await_setup("plan", args["field"])
+
+    def _await_setup(self, kind: str, field: str) -> Any:
+        """The answer ``kind`` to a request that sets the worker up (a plan, a loaded function): a worker
+        that dies or hangs meanwhile is bad setup of ``field`` (a SetupError), unless ``--max-time`` ran out."""
         try:
-            return self._await("plan", None)
+            return self._await(kind, None)
         except _Stopped as stop:
             if "max_time_s" in stop.data:
                 raise
-            raise SetupError(f"{args['field']}: {stop.detail}") from None
+            raise SetupError(f"{field}: {stop.detail}") from None
 
     def run(self, unit: Any, progress: Callable[[int, int], None] | None) -> Any:
         self.conn.send(("run", unit))
@@ -376,12 +389,7 @@ class _Supervisor:
         """Import the user's function in a fresh worker (the driver's side); a death is a SetupError."""
         if not started:
             self.start_load(target, field)
-        try:
-            return self._await("loaded", None)
-        except _Stopped as stop:
-            if "max_time_s" in stop.data:
-                raise
-            raise SetupError(f"{field}: {stop.detail}") from None
+        return self._await_setup("loaded", field)
 
     def call_kernel(self, kind: str, meta: dict[str, Any], data: bytes, request: str = "call") -> tuple[dict[str, Any], bytes]:
         """One call of the user's function through the driver: the facts, and the raw tensors as safetensors bytes."""

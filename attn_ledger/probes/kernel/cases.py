@@ -203,32 +203,29 @@ class Case:
         elements = self.b * (self.nh * self.tq * (self.dh + 2 * self.dv) + self.nkv * self.tk * (self.dh + self.dv))
         return 8 * 14 * elements + 9 * self.b * self.tq * self.tk + (1 << 27)
 
-    def call_text(self, name: str = "attention") -> str:
-        """The keyword arguments of the call, as a reader would write them."""
-        args = []
+    def call(self, name: str = "attention") -> dict[str, Any]:
+        """The call this case makes, as data (:func:`attn_ledger.render.notes.call_text` writes it): the
+        function's name, what ``allow_mask`` holds (None where it is not passed) and the other keywords."""
         gap = self.gap()
+        mask: dict[str, Any] | None = None
         if not self.uses_mask:
             pass
         elif self.right_padded:
-            args.append(f"allow_mask=key_padding(lengths={self.lengths()})[B, 1, 1, Tk]")
+            mask = {"kind": "key_padding", "lengths": self.lengths()}
         elif self.relation.padding_side == "left":
-            args.append(f"allow_mask=left_padding({self.left_padding()})[B, 1, 1, Tk]")
+            mask = {"kind": "left_padding", "blocked": self.left_padding()}
         elif gap is not None:
-            s, n = gap
-            args.append(f"allow_mask=keys_blocked({s}..{s + n - 1})[1, 1, 1, Tk]")
+            mask = {"kind": "keys_blocked", "first": gap[0], "last": gap[0] + gap[1] - 1}
         else:
-            args.append("allow_mask=causal[Tq, Tk]")
-        if self.causal_flag:
-            args.append("is_causal=True")
-        if self.scale is not None:
-            args.append(f"scale={self.scale:g}")
-        if self.softcap is not None:
-            args.append(f"softcap={self.softcap:g}")
-        if self.window is not None:
-            args.append(f"window={self.window}")
-        if self.sinks:
-            args.append("sinks=sinks[Nh]")
-        return f"{name}(q, k, v{''.join(', ' + a for a in args)})"
+            mask = {"kind": "causal"}
+        return {"function": name, "allow_mask": mask, "is_causal": self.causal_flag, "scale": self.scale,
+                "softcap": self.softcap, "window": self.window, "sinks": self.sinks}
+
+    def call_text(self, name: str = "attention") -> str:
+        """The call as a reader would write it (:meth:`call`, written by the renderer)."""
+        from attn_ledger.render.notes import call_text
+
+        return call_text(self.call(name))
 
     def to_json(self) -> dict[str, Any]:
         return {

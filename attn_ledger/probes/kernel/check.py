@@ -92,6 +92,7 @@ from attn_ledger.probes.kernel.reference import (  # noqa: F401  (FACTOR re-expo
     tolerance,
 )
 from attn_ledger.probes.kernel.spec import ADAPTERS, Declaration, check_signature, missing_from_error
+from attn_ledger.render.notes import HALF_PRECISION_WARNING, PRECISION_WARNING, note_text  # noqa: F401  (re-exported)
 from attn_ledger.report import Check, Finding, Hint, Note, Report, Row, Status, bounded, counted, find_check, row_status, unjudged
 from attn_ledger.seeding import generator
 from attn_ledger.tolerance import EPS, HALF_PRECISION_RATIO, is_half, tiny
@@ -105,8 +106,6 @@ DEFAULT_GRID: tuple[Case, ...] = DEFAULT_TIER
 
 EMPTY_ROWS = ("zeros", "nan", "finite", "any")
 DEVICES = ("cpu", "cuda", "mps", "auto")
-PRECISION_WARNING = "computes at float32 precision in float64"
-HALF_PRECISION_WARNING = "is less precise than a float32-accumulating computation in its dtype"
 
 CHECK_ORDER = (
     (1, "call"), (1, "shape"), (1, "dtype"), (1, "inputs_unchanged"), (1, "grad_call"),
@@ -282,7 +281,7 @@ def reproduction_data(case: Case, target: str, *, options: Options | None = None
     name = target.rsplit(":", 1)[-1] if ":" in target else "attention"
     return {"case": case.id, "target": target, "options": opts, "seed": o.seed, "device": o.device,
             "dropped": [k for k in ("allow_mask", "is_causal") if k not in d.protocol_keywords()],
-            "function": name, "call": case.call_text(name)}
+            "function": name, "call": case.call(name)}
 
 
 def reproduction(case: Case, target: str, *, options: Options | None = None,
@@ -299,31 +298,15 @@ def reproduction(case: Case, target: str, *, options: Options | None = None,
     return cli_line(data), tuple(python_lines(data))
 
 
-def _decode_text(decode: dict[str, Any]) -> str:
-    """The index-decode facts of a check's ``data`` as the line a reader needs."""
-    may = decode["may_mix"]
-    keys = f"keys {may['keys'][0]}..{may['keys'][1]}" if may["keys"] else "no key"
-    allowed = f"example {may['example']}, kv head {may['kv_head']}, {keys}"
-    src = decode["source"]
-    if src is None:
-        return f"index decode: the row lies outside every value row's range; it may mix only {allowed}"
-    return (f"index decode: the row reads as a mix from example {src['example']}, kv head {src['kv_head']}, "
-            f"near key {src['key']:.1f}; it may mix only {allowed}")
-
-
 def _case_row(result: CaseResult) -> Row:
     """One case as a report row: its checks, its size, and where index inputs tell it, the source of a wrong row."""
     stopped = _stopped_by(result)
     if stopped is not None:
         return Row(result.case.id, "not_reached", result.checks, fields={"elements": result.case.size},
-                   note=stopped.reason)
+                   note=Note("stopped", stopped.data))
     first = result.first_failure
-    note = _decode_text(first.data["index_decode"]) if first is not None and "index_decode" in first.data else ""
+    note = Note("index_decode", first.data["index_decode"]) if first is not None and "index_decode" in first.data else ""
     return Row(result.case.id, result.status, result.checks, fields={"elements": result.case.size}, note=note)
-
-
-def _cases(n: int) -> str:
-    return f"{n} case" if n == 1 else f"{n} cases"
 
 
 def _groups(results: Sequence[CaseResult], status: str) -> list[dict[str, Any]]:
@@ -347,7 +330,7 @@ class Plan:
 
     cases: tuple[Case, ...]
     skipped: dict[str, int]  # reason -> count
-    notes: tuple[str, ...] = ()
+    notes: tuple[Note, ...] = ()  # dtypes this torch build cannot run (``unsupported_dtype``)
     device: str = ""  # where the cases run, resolved (``auto`` made definite)
     reference_dtype: str = "float64"
 
@@ -358,34 +341,25 @@ class Plan:
 
 def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], small: CaseResult | None,
                   failures: list[dict[str, Any]], warnings: list[dict[str, Any]], inconclusive: Sequence[CaseResult],
-                  plan: Plan, target: str, o: Options, d: Declaration) -> tuple[list[str | Note], dict[str, Any] | None]:
-    """The lines under the table (skips, warnings, each distinct failure, the reproduction), and the
-    reproduction of the smallest failing case as data."""
-    notes: list[str | Note] = list(plan.notes)
+                  plan: Plan, target: str, o: Options, d: Declaration) -> tuple[list[Note], dict[str, Any] | None]:
+    """The lines under the table (skips, warnings, each distinct failure, the reproduction) as data, and the
+    reproduction of the smallest failing case."""
+    notes: list[Note] = list(plan.notes)
     if plan.skipped:
-        why = ", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items())
-        notes.append(f"{_cases(plan.skipped_total)} skipped: outside the declaration ({why})")
+        notes.append(Note("skipped_by_declaration", {"skipped": dict(plan.skipped)}))
     for g in warnings:
         if g["check"] == "precision":
             notes += _precision_notes(results)
             continue
-        what = f"warn{'s' if g['cases'] == 1 else ''} at L{g['level']} {g['check']}"
-        notes.append(f"{_cases(g['cases'])} {what} (warning; smallest {g['smallest_case']})")
+        notes.append(Note("warned", g))
     unreached = [r for r in results if _stopped_by(r) is not None]
     if unreached:
-        notes.append(f"{len(unreached)} of {_cases(len(results))} not reached: "
-                     f"{_stopped_by(unreached[0]).reason.removeprefix('not reached: ')}")  # type: ignore[union-attr]
+        stop = _stopped_by(unreached[0]).data  # type: ignore[union-attr]
+        notes.append(Note("not_reached", {"not_reached": len(unreached), "cases": len(results), **stop}))
     if inconclusive:  # smallest first
-        it = "it" if len(inconclusive) == 1 else "them"
-        notes.append(f"{_cases(len(inconclusive))} inconclusive: no check past L1 judged {it} (warning; smallest "
-                     f"{inconclusive[0].case.id}); --strict-coverage makes {it} a failure")
+        notes.append(Note("inconclusive", {"cases": len(inconclusive), "smallest_case": inconclusive[0].case.id}))
     if small is None:
-        passed = len(results) - len(inconclusive)
-        if not inconclusive:
-            notes.append("the case passes" if len(results) == 1 else f"all {len(results)} cases pass")
-        else:
-            notes.append(f"{passed} of {_cases(len(results))} pass{'es' if passed == 1 else ''}; "
-                         f"{len(inconclusive)} inconclusive")
+        notes.append(Note("cases_passed", {"cases": len(results), "inconclusive": len(inconclusive)}))
         return notes, None
     repro = reproduction_data(small.case, target, options=o, declaration=d)
     notes.append(Note("cases_failed", {"failed": len(failing), "cases": len(results)}))
@@ -394,20 +368,15 @@ def _report_notes(results: Sequence[CaseResult], failing: Sequence[CaseResult], 
     return notes, repro
 
 
-def _precision_notes(results: Sequence[CaseResult]) -> list[str]:
+def _precision_notes(results: Sequence[CaseResult]) -> list[Note]:
     """One line for the float64 cases at float32 precision, one for the half-precision cases past the bar."""
     notes = []
-    for kind, what in (("f64", PRECISION_WARNING), ("half", HALF_PRECISION_WARNING)):
-        warned = [r for r in results if (r.case.dtype == "f64") == (kind == "f64")
+    for of in ("float64", "half"):
+        warned = [r for r in results if (r.case.dtype == "f64") == (of == "float64")
                   and any(c.name == "precision" and c.status == "warn" for c in r.checks)]
-        if not warned:
-            continue
-        small = min(warned, key=lambda r: r.case.size)
-        if len(warned) > 1:
-            what = what.replace("computes", "compute", 1).removeprefix("is ")
-            what = what if what.startswith("compute") else f"are {what}"
-        notes.append(f"{_cases(len(warned))} {what} (warning; smallest {small.case.id}); "
-                     "--strict-precision makes it a failure")
+        if warned:
+            small = min(warned, key=lambda r: r.case.size)
+            notes.append(Note("precision_warned", {"of": of, "cases": len(warned), "smallest_case": small.case.id}))
     return notes
 
 
@@ -489,22 +458,15 @@ def with_call_notes(report: Report, results: Sequence[CaseResult], state: dict[s
     """The report, saying first what the calls did besides returning: a tensor subclass returned (and
     judged as a plain tensor), and torch's global state changed by the import or a call (flags, and
     callables replaced since before the import; see :func:`attn_ledger.probes.common.driver.state_changes`)."""
-    notes: list[str] = []
+    notes: list[Note] = []
     details: dict[str, Any] = {}
     types = [r.check("call").data.get("returned_subclass") for r in results]
     named = sorted({t for t in types if t})
     if named:
-        n = sum(1 for t in types if t)
-        notes.append(f"{_cases(n)} returned a tensor subclass ({', '.join(named)}); "
-                     "it was judged as a plain tensor")
-        details["returned_subclass"] = {"cases": n, "types": named}
+        details["returned_subclass"] = {"cases": sum(1 for t in types if t), "types": named}
+        notes.append(Note("returned_subclass", details["returned_subclass"]))
     if state:
-        parts = [f"{flag} {before} -> {after}" for flag, (before, after) in state.get("flags", {}).items()]
-        replaced = list(state.get("replaced", ()))
-        if replaced:
-            more = f" and {len(replaced) - 6} more" if len(replaced) > 6 else ""
-            parts.append(f"replaced {', '.join(replaced[:6])}{more} (since before the import)")
-        notes.append("your code changed torch's global state: " + "; ".join(parts))
+        notes.append(Note("global_state", state))
         details["global_state"] = state
     if not notes:
         return report
@@ -1382,13 +1344,19 @@ def _index_decode(s: _Setup, rows: "Tensor") -> dict[str, Any]:
 # --- the grid ----------------------------------------------------------------------------------
 
 
+def nothing_left(plan: Plan) -> str:
+    """Why a plan holds no case: the declaration's skips by reason, else the dtypes this torch build lacks."""
+    return (", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items())
+            or "; ".join(note_text(n) for n in plan.notes))
+
+
 def plan_cases(cases: Iterable[Case], declaration: Declaration | None = None, device: str = "cpu") -> Plan:
     """The cases to run: those inside the declaration that this torch build can run on ``device``."""
     d = declaration or Declaration()
     dev = resolve_device(device)
     todo: list[Case] = []
     skipped: dict[str, int] = {}
-    notes: list[str] = []
+    lacking: list[str] = []
     unsupported = {name for name in DTYPES.values() if not dtype_supported(name, dev)}
     if dev.type == "mps":  # no float64 there
         unsupported.add("float64")
@@ -1397,12 +1365,11 @@ def plan_cases(cases: Iterable[Case], declaration: Declaration | None = None, de
         if why is not None:
             skipped[why] = skipped.get(why, 0) + 1
         elif case.dtype_name in unsupported:
-            notes.append(case.dtype_name)
+            lacking.append(case.dtype_name)
         else:
             todo.append(case)
-    lacking = sorted(set(notes))
-    texts = tuple(f"{name} cases skipped: this torch build cannot run them on {dev.type}" for name in lacking)
-    return Plan(tuple(todo), skipped, texts, str(dev), str(reference_dtype(dev)).removeprefix("torch."))
+    notes = tuple(Note("unsupported_dtype", {"dtype": name, "device": dev.type}) for name in sorted(set(lacking)))
+    return Plan(tuple(todo), skipped, notes, str(dev), str(reference_dtype(dev)).removeprefix("torch."))
 
 
 def check_capabilities(fn: Callable[..., Any], plan: Plan, declaration: Declaration, target: str,
@@ -1486,8 +1453,7 @@ def check_kernel(
 
     plan = plan_cases(tier_cases(tier) + feature_cases(d.supports) if cases is None else cases, d, o.device)
     if not plan.cases:
-        why = ", ".join(f"{n} for {reason}" for reason, n in plan.skipped.items()) or "; ".join(plan.notes)
-        raise SetupError(f"declaration: leaves no case to run ({why})")
+        raise SetupError(f"declaration: leaves no case to run ({nothing_left(plan)})")
     from attn_ledger.probes.common.driver import KernelTarget, LocalKernel, snapshot
 
     kernel = fn if isinstance(fn, KernelTarget) else LocalKernel(fn, snapshot())

@@ -62,7 +62,7 @@ from attn_ledger.probes.common.forward import (
     path_check,
 )
 from attn_ledger.probes.module.grads import gradcheck_check, gradient_checks
-from attn_ledger.report import (Check, Coverage, Finding, Report, Row, Status, bounded, counted, first_finding_of,
+from attn_ledger.report import (Check, Coverage, Finding, Note, Report, Row, Status, bounded, counted, first_finding_of,
                                 row_status, unjudged)
 from attn_ledger.seeding import generator, manual_seed
 from attn_ledger.tolerance import relative as relative_tolerance
@@ -569,16 +569,6 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _found_note(found: dict[str, Any]) -> str:
-    """One line naming what the observed core applies: relation, scale, rotary, score design."""
-    rotary = found.get("rotary")
-    rot = (f"rotary {rotary['pairing']}, base {rotary['base']:g}, {rotary['rotated_dim']} of {rotary['head_dim']} "
-           "features" if rotary else "no rotary")
-    scale = found.get("scale")
-    scale_text = f"softmax scale {scale:.4g}" if isinstance(scale, float) else "softmax scale not fitted"
-    return f"found: {found.get('relation')} relation; {scale_text}; {rot}; scores {found.get('design') or 'not read'}"
-
-
 def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], declared: Declared, audit: Audit | None,
                    dtype: str | None, training_on_entry: bool, stopped: bool = False) -> Report:
     """The checks in rows by aspect; coverage where the core could not be observed in full, or the check stopped."""
@@ -588,13 +578,13 @@ def _module_report(checks: list[Check], subject: str, sizes: dict[str, int], dec
     if "call" in by_name:  # the check stopped at a call into the module that did not return
         rows.insert(0, Row("call", by_name["call"].status, (by_name["call"],)))
     found = dict(audit.details) if audit else {}
-    notes = []
+    notes: list[Note] = []
     if found.get("core"):
-        notes.append(f"observed core: {found['core']}; layout: {found.get('layout') or 'not traced'}")
-        notes.append(_found_note(found))
+        notes.append(Note("observed_core", {"core": found["core"], "layout": found.get("layout")}))
+        notes.append(Note("found", {key: found.get(key) for key in ("relation", "scale", "rotary", "design")}))
     notes += list(audit.notes) if audit else []
     if training_on_entry:
-        notes.append("the module came back in training mode: output comparisons ran in eval mode, gradients in training mode")
+        notes.append(Note("training_on_entry", {"ran": "check"}))
     details = {"subject": subject, "protocol": "module", "sizes": sizes, "causal": declared.causal,
                "window": declared.window, "scale": declared.scale, "softcap": declared.softcap,
                "sinks": None if declared.sinks is None else list(declared.sinks),

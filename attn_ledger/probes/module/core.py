@@ -48,7 +48,7 @@ from attn_ledger.errors import field_error, first_line
 from attn_ledger.guard import UserCodeError, user_call
 from attn_ledger.probes.module.heads import Located, kv_heads_from_widths, layout_of, locate, pairing, trace_vectors
 from attn_ledger.probes.common.forward import closeness
-from attn_ledger.report import Check, Coverage, Hint, bounded, counted, unjudged
+from attn_ledger.report import Check, Coverage, Hint, Note, bounded, counted, unjudged
 
 if TYPE_CHECKING:
     import torch
@@ -153,7 +153,7 @@ class Audit:
         positional: what makes the module's output depend on positions (rotary, a bias),
             for the permutation probe.
         coverage: set when some checks could not run.
-        notes: lines a reader needs.
+        notes: lines a reader needs, as data (:mod:`attn_ledger.render.notes` writes them).
         hints: what to try next, each tested (an undeclared soft-cap or window that explains the core).
     """
 
@@ -161,7 +161,7 @@ class Audit:
     details: dict[str, Any] = field(default_factory=dict)
     positional: tuple[str, ...] = ()
     coverage: Coverage | None = None
-    notes: tuple[str, ...] = ()
+    notes: tuple[Note, ...] = ()
     hints: tuple[Hint, ...] = ()
 
 
@@ -263,20 +263,18 @@ def _judge(obs: "Observation", core: "Core", probes: tuple, declared: Declared, 
     details = {"core": core.description, "layout": traced.layout, "relation": relation.data.get("applied_text"),
                "scale": scale.value, "rotary": rotary.data.get("spec"), "design": design.data.get("design"),
                "sinks": None if found is None else list(found)}
-    coverage, notes = None, []
+    coverage = None
+    notes: list[Note] = []
     if traced.relative_to != "projection outputs":
         coverage = Coverage("partial", ("head_split", "kv_pairing", "rotary_positions"),
                             "q, k or v could not be traced to a projection of the input")
     hints = _hints(core, declared, fit, design, relation, attention, (bias_fit, bias), factor, dtype)
     if found is not None and declared.sinks is None and design.status == "pass":
-        shown = ",".join(f"{round(x, 3) + 0.0:g}" for x in found)
-        notes.append(f"the weights sum to less than one by a per-head amount: attention sinks with logits {shown}: "
-                     f"declare them with --sinks {shown}")
+        notes.append(Note("undeclared_sinks", {"sinks": list(found)}))
     if obs.cores > 1:
-        notes.append(f"{obs.cores} attention cores were seen; the first was judged")
+        notes.append(Note("cores_seen", {"cores": obs.cores}))
     if obs.mha:
-        notes.append("nn.MultiheadAttention was observed on its slow path (its fast path is one fused call); "
-                     "the black-box checks ran the path it normally takes")
+        notes.append(Note("mha_slow_path"))
     return Audit(checks, details, tuple(positional), coverage, tuple(notes), hints)
 
 
