@@ -24,6 +24,7 @@ leaves empty have ``M = 0``: there the pipeline must give what the reference giv
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -200,9 +201,8 @@ def chain_magnitudes(grads: "dict[str, Tensor]", carried: "dict[str, Tensor]", x
         grads: the float64 reference's ``q`` ``[B, Nh, R, Dh]`` (the sampled rows ``picked``), ``k``
             ``[B, Nkv, Tk, Dh]``, ``v`` ``[B, Nkv, Tk, Dv]`` (what those rows give) and ``merged``, its
             context with the heads merged, ``[B, R, Nh*Dv]``.
-        carried: the error each may carry, shaped alike, in eps units: the bound of its own row
-            (``c * M`` of ``grad_q``, ``grad_k``, ``grad_values``) and, for ``merged``, the pipeline's
-            own error against the reference (a forward stage, judged where it is computed).
+        carried: the error each carries, shaped alike, in eps units (what the pipeline's own tensors
+            carry: :func:`attn_ledger.engine.backward_rows.chain_rounding`).
         x: ``[B, Tq, E]``; x_kv: ``[B, Tk, E]`` for cross-attention, None for self-attention.
         weights: ``wq [Nh*Dh, E]``, ``wk [Nkv*Dh, E]``, ``wv [Nkv*Dv, E]``; go: ``O-bar`` of the output on the
             sampled rows ``[B, R, E]``; picked: ``[R]`` the sampled rows.
@@ -217,14 +217,7 @@ def chain_magnitudes(grads: "dict[str, Tensor]", carried: "dict[str, Tensor]", x
     from attn_ledger.maths.reference import join_heads
 
     f64 = torch.float64
-
-    def product(a: "Tensor", e_a: "Tensor", b: "Tensor", n: int) -> "tuple[Tensor, Tensor]":
-        """The bound of ``a @ b`` and the magnitude of the result itself (for an addition after it)."""
-        bb = b.to(f64).abs()
-        grow = 1.0 + accumulate * math.sqrt(max(n, 1))
-        size = torch.matmul(a.abs(), bb)
-        spread = torch.matmul(e_a, bb)
-        return size * grow + spread * (1.0 + eps * grow), size + eps * spread
+    product = functools.partial(_product, eps=eps, accumulate=accumulate)
 
     def flat(t: "Tensor") -> "Tensor":
         return t.reshape(-1, t.shape[-1])  # [B*T, D]
@@ -250,9 +243,20 @@ def chain_magnitudes(grads: "dict[str, Tensor]", carried: "dict[str, Tensor]", x
     else:
         found["x"] = m_q + tiny
         found["x_kv"] = m_k + m_v + (size_k + size_v) + tiny
-    for name in ("wq", "wk", "wv", "wo"):
-        found[name] = found[name] + tiny
-    return found
+    return {name: m + tiny if name.startswith("w") else m for name, m in found.items()}
+
+
+def _product(a: "Tensor", e_a: "Tensor", b: "Tensor", n: int, eps: float,
+             accumulate: float) -> "tuple[Tensor, Tensor]":
+    """The bound of ``a @ b`` summing ``n`` terms (``a`` carrying ``e_a``, eps units; ``b`` exact), and the
+    magnitude of the result itself, for an addition after it: both in float64, in units of ``eps``."""
+    import torch
+
+    bb = b.to(torch.float64).abs()
+    grow = 1.0 + accumulate * math.sqrt(max(n, 1))
+    size = torch.matmul(a.abs(), bb)
+    spread = torch.matmul(e_a, bb)
+    return size * grow + spread * (1.0 + eps * grow), size + eps * spread
 
 
 def unrotated(m: "Tensor", mag: "Tensor", spec: Any) -> "Tensor":
