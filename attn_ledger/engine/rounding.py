@@ -239,11 +239,11 @@ def chain_magnitudes(grads: "dict[str, Tensor]", carried: "dict[str, Tensor]", x
     m_k, size_k = product(g["k"], e["k"], wk, wk.shape[0])  # [B, Tk, E]
     m_v, size_v = product(g["v"], e["v"], wv, wv.shape[0])
     if x_kv is None:  # x-bar = Q-bar W_q + (K-bar W_k + V-bar W_v): two additions
-        found["x"] = m_q + m_k + m_v + (size_k + size_v) + (size_q + size_k + size_v) + tiny
+        found["x"] = m_q + m_k + m_v + (size_k + size_v) + (size_q + size_k + size_v)
     else:
-        found["x"] = m_q + tiny
-        found["x_kv"] = m_k + m_v + (size_k + size_v) + tiny
-    return {name: m + tiny if name.startswith("w") else m for name, m in found.items()}
+        found["x"] = m_q
+        found["x_kv"] = m_k + m_v + (size_k + size_v)
+    return {name: m + tiny for name, m in found.items()}  # every result may underflow by tiny * eps
 
 
 def _product(a: "Tensor", e_a: "Tensor", b: "Tensor", n: int, eps: float,
