@@ -177,7 +177,7 @@ def _after_context(rows: Rows, ops: Any, cfg: "RunConfig", inp: builtin.Inputs, 
         fwd = backward_rows.Forward(*entered, *qkv, (inp.q64, inp.k64, inp.v64), relation, grid.plan, run_scale, scale,
                                     cfg.empty_rows == "zeros", None if spec is None else Rotation(spec, cfg.tk - tq),
                                     cfg.softcap, ops.sinks)
-        backward_rows.config_backward(rows, ops, cfg, inp, fwd, merged[0], relation, keep_going)
+        backward_rows.config_backward(rows, ops, cfg, inp, fwd, merged[0], relation, keep_going, grid.ref_context)
 
 
 # --- given or saved tensors -------------------------------------------------------------

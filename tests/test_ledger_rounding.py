@@ -224,3 +224,128 @@ def test_the_rule_reads_non_finite_values_as_it_always_did():
     assert math.isinf(nan_vs_number.excess) and nan_vs_number.where is not None
     zero_bound = rounding.agreement("scores", "pipeline", ref + 1e-9, ref, torch.zeros_like(ref), "float32")
     assert math.isinf(zero_bound.excess)
+
+
+# --- the built-in pipeline's last backward rows: the projection weights' and the input's gradients ----------
+
+CHAIN_STAGES = ("grad_projections", "grad_input")
+CHAIN_CONFIGS = [
+    {},
+    {"dtype": "float64"},
+    {"query_len": 3, "key_len": 7},  # cross-attention: x-bar and x_kv-bar
+    {"embed_dim": 64, "num_heads": 4, "num_kv_heads": 2, "seq_len": 33, "mask": "sliding-window", "window": 4},
+    {"rope": "half", "softcap": 1.0, "scale": 2.0},
+    {"seq_len": 512, "embed_dim": 32, "num_heads": 4},  # over the float64 budget: the rows are sampled
+    {"dtype": "float16", "mask": "padding", "valid_lengths": [5, 0], "empty_rows": "zeros"},
+    {"dtype": "bfloat16", "mask": "causal"},
+]
+CHAIN_IDS = ["default", "float64", "cross", "gqa-window", "rotary-softcap", "sampled", "float16-empty-rows",
+             "bfloat16-causal"]
+
+
+def chain_ratios(report) -> dict[str, dict[str, float]]:
+    """Each chain row's float64 comparison: every tensor's worst error / bound, checked to carry the rule's parts."""
+    found = {}
+    for stage in CHAIN_STAGES:
+        check = report.check(stage, "matches_reference")
+        parts = check.data["tolerance"]
+        assert parts["rule"] == "c * eps * M" and parts["stage"] == stage
+        assert parts["c"] == tolerance.rounding_c(stage, parts["dtype"])
+        assert parts["bound"] == pytest.approx(parts["c"] * parts["eps"] * parts["M"])
+        assert parts["tensor"] in check.data["ratios"] and parts["ratio"] == max(check.data["ratios"].values())
+        found[stage] = check.data["ratios"]
+    return found
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("overrides", CHAIN_CONFIGS, ids=CHAIN_IDS)
+def test_the_projection_and_input_gradients_sit_within_half_their_rounding_bound(overrides, seed):
+    report = run_ledger(load_config(overrides={**overrides, "grad": True, "seed": seed}))
+    assert report.exit_code == 0, report.first_finding
+    ratios = chain_ratios(report)
+    assert set(ratios["grad_projections"]) == {"wq", "wk", "wv", "wo"}
+    assert set(ratios["grad_input"]) == ({"x", "x_kv"} if "query_len" in overrides else {"x"})
+    assert all(r <= 0.5 for per in ratios.values() for r in per.values()), ratios
+
+
+_CHAIN_SCRIPT = """
+import json, sys, torch
+from attn_ledger.inputs.config import load_config
+from attn_ledger.ledger import run_ledger
+out = {"capability": torch.backends.cpu.get_cpu_capability(), "runs": []}
+for overrides in json.loads(sys.argv[1]):
+    for seed in (0, 1):
+        r = run_ledger(load_config(overrides={**overrides, "grad": True, "seed": seed}))
+        out["runs"].append({"exit": r.exit_code, "ratios": {s: r.check(s, "matches_reference").data["ratios"]
+                                                             for s in ("grad_projections", "grad_input")}})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("cap", ["unset", "avx2", "default"])
+def test_the_chain_rows_keep_their_margin_at_each_cpu_capability(cap):
+    """In a process of its own per capability (torch reads ATEN_CPU_CAPABILITY once)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if cap != "unset":
+        env["ATEN_CPU_CAPABILITY"] = cap
+    configs = [CHAIN_CONFIGS[i] for i in (0, 2, 3, 6, 7)]
+    done = subprocess.run([sys.executable, "-c", _CHAIN_SCRIPT, json.dumps(configs)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    if cap != "unset" and out["capability"].lower() != cap:
+        pytest.skip(f"this machine lacks {cap}: torch runs at {out['capability']}")
+    assert len(out["runs"]) == 2 * len(configs) and all(r["exit"] == 0 for r in out["runs"]), out
+    worst = max(v for r in out["runs"] for per in r["ratios"].values() for v in per.values())
+    assert worst <= 0.5, (out["capability"], worst)
+
+
+def _chain_scaled(monkeypatch, stage: str, factor: float):
+    """The stage's whole computation (every tensor it returns) scaled by ``factor``."""
+    from attn_ledger.engine import builtin
+
+    name = {"grad_projections": "grad_projections", "grad_input": "grad_input"}[stage]
+    real = getattr(builtin, name)
+    monkeypatch.setattr(builtin, name, lambda *a, **kw: {n: t * factor for n, t in real(*a, **kw).items()})
+
+
+@pytest.mark.parametrize("overrides, units", [({}, 256), ({"dtype": "float16"}, 32), ({"query_len": 3, "key_len": 7}, 256)],
+                         ids=["float32", "float16", "cross"])
+@pytest.mark.parametrize("stage", CHAIN_STAGES)
+def test_a_projection_or_input_gradient_off_by_rounding_errors_fails_at_its_row(monkeypatch, stage, overrides, units):
+    """``units`` rounding units of the gradient's own size (0.003% in float32, 3% in float16): past the bound
+    at that row, the first finding, its parts named."""
+    dtype = overrides.get("dtype", "float32")
+    _chain_scaled(monkeypatch, stage, 1 + units * tolerance.EPS[dtype])
+    report = run_ledger(load_config(overrides={**overrides, "grad": True}))
+    assert report.exit_code == 1
+    finding = report.first_finding
+    assert (finding.row, finding.check.name) == (stage, "matches_reference")
+    parts = finding.check.data["tolerance"]
+    assert parts["stage"] == stage and parts["ratio"] > 1 and parts["error"] > parts["bound"]
+    text = describe(finding.check)
+    assert f"in {parts['tensor']}" in text and f"bound c {parts['c']:g} x eps" in text and "x M" in text
+
+
+@pytest.mark.parametrize("stage", CHAIN_STAGES)
+def test_the_same_projection_or_input_gradient_off_by_a_fraction_of_a_rounding_error_passes(monkeypatch, stage):
+    _chain_scaled(monkeypatch, stage, 1 + tolerance.EPS["float32"] / 4)
+    report = run_ledger(load_config(overrides={"grad": True}))
+    assert report.exit_code == 0, report.first_finding
+
+
+def test_a_gradient_past_its_own_bound_carries_only_its_bound_to_the_projections():
+    """K-bar without the score scale fails at grad_k; the projections' and the input's gradients, computed from
+    it, fail after it (downstream) instead of taking its error as rounding they inherit."""
+    from attn_ledger.maths import pipeline as P
+
+    report = run_ledger(load_config(overrides={"grad": True}), keep_going=True, ops=P.ops_for("grad-k-no-scale"))
+    assert report.first_finding.row == "grad_k"
+    for stage in CHAIN_STAGES:
+        check = report.check(stage, "matches_reference")
+        assert check.status == "downstream" and check.data["tolerance"]["ratio"] > 1

@@ -10,6 +10,7 @@ gradcheck of the hand backward against central differences.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -276,8 +277,10 @@ def _context_rounded(got: "Tensor", go_out: "Tensor", wo: "Tensor", nh: int, wan
 
 
 def config_rows(rows: Rows, ops: Any, run: Backward, inp: Any, go_out: "Tensor", merged: "Tensor",
-                ref: "dict[str, Tensor]", sdpa: "dict[str, Tensor] | None", plan: "Plan") -> None:
-    """``grad_projections`` and ``grad_input``: from the attention's gradients, against float64 and SDPA autograd."""
+                ref: "dict[str, Tensor]", sdpa: "dict[str, Tensor] | None", plan: "Plan",
+                ref_context: "dict[tuple[int, int], Tensor] | None" = None) -> None:
+    """``grad_projections`` and ``grad_input``: from the attention's gradients, against float64 (by the
+    rounding rule where the reference is float64: :func:`chain_rounding`) and SDPA autograd."""
     import torch
 
     from attn_ledger.engine.builtin import grad_checks, grad_input, grad_projections
@@ -296,11 +299,13 @@ def config_rows(rows: Rows, ops: Any, run: Backward, inp: Any, go_out: "Tensor",
         go_s = go_out * picked[None, :, None]
         partial_dq, partial_dk, partial_dv = run.dq * picked[None, None, :, None], run.dk_sample, run.dv_sample
     partial = grad_projections(ops, partial_dq, partial_dk, partial_dv, go_s, inp.x, inp.x_kv, merged)
+    mags = chain_rounding(run, (partial_dq, partial_dk, partial_dv), ref, inp, go_out, merged, ref_context, plan)
     shapes = {"wq": tuple(w.wq.shape), "wk": tuple(w.wk.shape), "wv": tuple(w.wv.shape), "wo": tuple(w.wo.shape)}
     words = sampled_words(plan)
     ref_w = {n: ref[f"grad_{n}"] for n in shapes}
     rows.stage("grad_projections", None, grad_checks(full, shapes, AXES["grad_projections"], partial, ref_w,
-                                                     None if sdpa is None else {n: sdpa[n] for n in shapes}, words))
+                                                     None if sdpa is None else {n: sdpa[n] for n in shapes}, words,
+                                                     "grad_projections", mags and {n: mags[n] for n in shapes}))
     rows.tensors.update({f"grad_{n}": t for n, t in full.items()})
     gin = rows.run("grad_input", lambda: grad_input(ops, run.dq, run.dk, run.dv, w, cross))
     if gin is None:
@@ -309,8 +314,51 @@ def config_rows(rows: Rows, ops: Any, run: Backward, inp: Any, go_out: "Tensor",
     part_x = grad_input(ops, partial_dq, partial_dk, partial_dv, w, cross)
     ref_x = {"x": ref["grad_x"], **({"x_kv": ref["grad_x_kv"]} if cross else {})}
     sd_x = None if sdpa is None else {n: sdpa[n] for n in shapes_x}
-    rows.stage("grad_input", tuple(gin["x"].shape), grad_checks(gin, shapes_x, AXES["grad_input"], part_x, ref_x, sd_x, words))
+    rows.stage("grad_input", tuple(gin["x"].shape), grad_checks(gin, shapes_x, AXES["grad_input"], part_x, ref_x, sd_x,
+                                                                words, "grad_input", mags and {n: mags[n] for n in shapes_x}))
     rows.tensors.update({f"grad_{n}": t for n, t in gin.items()})
+
+
+def chain_rounding(run: Backward, partial: "tuple[Tensor, Tensor, Tensor]", ref: "dict[str, Tensor]", inp: Any,
+                   go_out: "Tensor", merged: "Tensor", ref_context: "dict[tuple[int, int], Tensor] | None",
+                   plan: "Plan") -> "dict[str, Tensor] | None":
+    """The rounding rule's ``M`` of the projection weights' and the input's gradients
+    (:func:`attn_ledger.engine.rounding.chain_magnitudes`) on what the sampled rows give (``partial``: Q-bar,
+    K-bar and V-bar from those rows alone).
+
+    Each of Q-bar, K-bar and V-bar carries its own error against float64, as far as its row's bound
+    (``c * M``) allows: a gradient within its bound passes its error on and the stages after it are
+    judged on their own rounding; one past its bound passes on only the bound, so the error it adds
+    shows at every stage after it too. The merged context (a forward stage, judged by its own rule)
+    carries its own error. None where the reference is not float64 or a part is missing."""
+    import torch
+
+    from attn_ledger.engine import rounding
+    from attn_ledger.engine.execute import sample_rows
+    from attn_ledger.maths.reference import join_heads
+
+    f64 = torch.float64
+    if run.mags is None or not ref_context or ref.get("grad_wq") is None or ref["grad_wq"].dtype != f64:
+        return None
+    picked = sample_rows(plan.reference_spans, go_out.device)
+    spans = sorted(ref_context)  # per block of the forward: the same rows, maybe in more spans
+    if not torch.equal(sample_rows(tuple(spans), go_out.device), picked):
+        return None
+    name = tolerance.dtype_name(run.q.dtype)
+    eps = tolerance.EPS.get(name, tolerance.EPS["float32"])
+    merged_ref = join_heads(torch.cat([ref_context[s].to(f64) for s in spans], dim=2))  # [B, R, Nh*Dv]
+    grads = {"q": ref["grad_q"], "k": ref["grad_k"], "v": ref["grad_values"], "merged": merged_ref}
+    mine = {"q": partial[0][:, :, picked], "k": partial[1], "v": partial[2]}  # [B, Nh, R, Dh], [B, Nkv, Tk, *]
+    carried = {}
+    for n, stage in (("q", "grad_q"), ("k", "grad_k"), ("v", "grad_values")):
+        own = torch.nan_to_num((mine[n].to(f64) - grads[n]).abs() / eps, nan=math.inf)
+        carried[n] = torch.minimum(own, run.mags[stage] * tolerance.rounding_c(rounding.QUANTITY[stage], name))
+    carried["merged"] = (merged[:, picked].to(f64) - merged_ref).abs() / eps
+    w = inp.weights
+    with torch.inference_mode():
+        return rounding.chain_magnitudes(grads, carried, inp.x, None if inp.x_kv is inp.x else inp.x_kv,
+                                         (w.wq, w.wk, w.wv), go_out[:, picked], picked, eps,
+                                         tolerance.tiny(run.q.dtype), rounding.accumulation(name))
 
 
 # --- the two orchestrations: the built-in pipeline, and given q, k, v ----------------------------------------
@@ -325,7 +373,7 @@ def seed_data(value: Any) -> dict[str, Any]:
 
 
 def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merged: "Tensor", relation: "Relation",
-                    keep_going: bool) -> None:
+                    keep_going: bool, ref_context: "dict[tuple[int, int], Tensor] | None" = None) -> None:
     """The backward rows of the built-in pipeline: O-bar on the output, back to the projections and the input."""
     from attn_ledger.engine import given as inputs
     from attn_ledger.engine.builtin import sdpa_chain_gradients
@@ -356,7 +404,7 @@ def config_backward(rows: Rows, ops: Any, cfg: Any, inp: Any, fwd: Forward, merg
         allow = None if whole else relation.block(0, tq)
         sdpa = sdpa_chain_gradients(inp, cfg.num_heads, cfg.nkv, allow, whole, fwd.sdpa_scale, fwd.rotation, go_out,
                                     fwd.softcap, fwd.sinks)
-    config_rows(rows, ops, run, inp, go_out, merged, ref, sdpa, plan)
+    config_rows(rows, ops, run, inp, go_out, merged, ref, sdpa, plan, ref_context)
 
 
 def tensor_backward(rows: Rows, fwd: Forward, grad_output: Any, grads: "dict[str, Tensor]", one_head: bool,

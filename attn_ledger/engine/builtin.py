@@ -245,8 +245,14 @@ def sdpa_chain_gradients(inp: Inputs, nh: int, nkv: int, allow: "Tensor | None",
 
 
 def grad_checks(full: dict[str, "Tensor"], shapes: dict[str, tuple[int, ...]], axes: str, partial: dict[str, "Tensor"],
-                ref: "dict[str, Tensor] | None", sdpa: "dict[str, Tensor] | None", sampled: str) -> list[Check]:
-    """A whole-tensor backward row: shapes, finite values, float64 autograd (on the sample) and SDPA autograd (every row)."""
+                ref: "dict[str, Tensor] | None", sdpa: "dict[str, Tensor] | None", sampled: str,
+                stage: str = "", mags: "dict[str, Tensor] | None" = None) -> list[Check]:
+    """A whole-tensor backward row: shapes, finite values, float64 autograd (on the sample) and SDPA autograd (every row).
+
+    With ``mags`` (the rounding rule's ``M`` of each tensor, :func:`attn_ledger.engine.rounding.chain_magnitudes`)
+    the float64 comparison holds every element within ``c * eps * M`` (``c`` of ``stage``) and names the
+    tensor nearest its bound; without, and against SDPA, the reference tolerance applies.
+    """
     got = {n: list(t.shape) for n, t in full.items()}
     want = {n: list(s) for n, s in shapes.items()}
     found = [Check(1, "shape", "pass" if got == want else "fail", reason=f"{axes} derived {want}, got {got}",
@@ -258,6 +264,9 @@ def grad_checks(full: dict[str, "Tensor"], shapes: dict[str, tuple[int, ...]], a
                                         ("matches_sdpa", "autograd of the SDPA-based forward", full, sdpa)):
         if theirs is None:
             continue
+        if name == "matches_reference" and mags is not None:
+            found.append(_rounded_grads(stage, mine, theirs, mags, against))
+            continue
         dtype = next(iter(full.values())).dtype
         rtol, atol = tolerance.reference(dtype)
         worst, excess, each = 0.0, -atol, {}
@@ -267,6 +276,33 @@ def grad_checks(full: dict[str, "Tensor"], shapes: dict[str, tuple[int, ...]], a
         check = C.compare_check(name, worst, excess, rtol, atol, against)
         found.append(Check(**{**check.__dict__, "data": {**check.data, "each": each}}))
     return found
+
+
+def _rounded_grads(stage: str, mine: dict[str, "Tensor"], theirs: dict[str, "Tensor"], mags: dict[str, "Tensor"],
+                   against: str) -> Check:
+    """Each tensor against float64 within ``c * eps * M``; the check is the one nearest its bound (the
+    others' largest |difference| and error / bound as data, ``each`` and ``ratios``)."""
+    from dataclasses import replace
+
+    from attn_ledger.engine import rounding
+    from attn_ledger.engine.judge import rounded_check
+
+    def grid(t: "Tensor") -> "Tensor":  # [1, .., *]: the agreement's four axes; its position is not used
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+
+    def ratio(a: Any) -> float:  # NaN (a NaN element, or a shape apart) is the worst
+        r = (a.parts or {}).get("ratio", math.nan)
+        return math.inf if math.isnan(r) else r
+
+    found = {}
+    for n, t in mine.items():
+        a = rounding.agreement(stage, "pipeline", grid(t), grid(theirs[n]), grid(mags[n]), tolerance.dtype_name(t.dtype))
+        found[n] = replace(a, where=None, parts={**(a.parts or {}), "tensor": n})  # a weight's entry is no grid position
+    worst = max(found, key=lambda n: ratio(found[n]))
+    check = rounded_check(stage, "matches_reference", found[worst], f"{against}, worst of {', '.join(found)} in {worst}")
+    each = {n: a.diff for n, a in found.items()}
+    ratios = {n: (a.parts or {}).get("ratio", math.nan) for n, a in found.items()}
+    return replace(check, data={**check.data, "each": each, "ratios": ratios})
 
 
 def _worst(a: float, b: float) -> float:

@@ -24,6 +24,7 @@ leaves empty have ``M = 0``: there the pipeline must give what the reference giv
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 
 QUANTITY = {"scores": "scores", "weights": "weights", "context": "context", "grad_context": "grad_context",
             "grad_weights": "grad_weights", "grad_scores": "grad_scores", "grad_q": "grad_q", "grad_k": "grad_k",
-            "grad_values": "grad_values", "grad_sinks": "grad_sinks"}  # the stage's c in ROUNDING_C
+            "grad_values": "grad_values", "grad_sinks": "grad_sinks", "grad_projections": "grad_projections",
+            "grad_input": "grad_input"}  # the stage's c in ROUNDING_C
 
 
 def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
@@ -251,6 +253,79 @@ def sinks_magnitude(sinks: "Tensor", s: "Tensor", allow: "Tensor | None", md: "T
     e_term = e_share * md + share * e_d + eps * e_share * e_d + term
     n = s.shape[0] * s.shape[2]  # terms per head
     return (e_term + term * (1.0 + accumulate * math.sqrt(max(1, n)))).sum(dim=(0, 2, 3)) + tiny  # [Nh]
+
+
+def chain_magnitudes(grads: "dict[str, Tensor]", carried: "dict[str, Tensor]", x: "Tensor", x_kv: "Tensor | None",
+                     weights: "tuple[Tensor, Tensor, Tensor]", go: "Tensor", picked: "Tensor", eps: float,
+                     tiny: float = 0.0, accumulate: float = 1.0) -> dict[str, "Tensor"]:
+    """``M`` of the built-in pipeline's last backward stages, in float64 and in units of ``eps``: the
+    projection weights' gradients ``W-bar = y-bar^T x`` (summed over B and the rows) and the input's
+    ``x-bar = Q-bar W_q + K-bar W_k + V-bar W_v`` (per cross-attention side), on what the sampled rows give.
+
+    Each product ``a b`` summing ``n`` terms, ``a`` carrying ``e_a`` (eps units) and ``b`` exact (an
+    input or a weight), errs by at most ``|a| |b| (1 + sqrt(n)) + e_a |b| (1 + eps (1 + sqrt(n)))``;
+    each addition of two such products rounds once more, by at most the sum of their magnitudes.
+
+    Args:
+        grads: the float64 reference's ``q`` ``[B, Nh, R, Dh]`` (the sampled rows ``picked``), ``k``
+            ``[B, Nkv, Tk, Dh]``, ``v`` ``[B, Nkv, Tk, Dv]`` (what those rows give) and ``merged``, its
+            context with the heads merged, ``[B, R, Nh*Dv]``.
+        carried: the error each carries, shaped alike, in eps units (what the pipeline's own tensors
+            carry: :func:`attn_ledger.engine.backward_rows.chain_rounding`).
+        x: ``[B, Tq, E]``; x_kv: ``[B, Tk, E]`` for cross-attention, None for self-attention.
+        weights: ``wq [Nh*Dh, E]``, ``wk [Nkv*Dh, E]``, ``wv [Nkv*Dv, E]``; go: ``O-bar`` of the output on the
+            sampled rows ``[B, R, E]``; picked: ``[R]`` the sampled rows.
+        tiny, accumulate: as :func:`stage_magnitudes` takes them.
+
+    Returns:
+        ``wq``, ``wk``, ``wv`` ``[out, in]``, ``wo`` ``[E, Nh*Dv]``, ``x`` ``[B, Tq, E]`` and, for
+        cross-attention, ``x_kv`` ``[B, Tk, E]``.
+    """
+    import torch
+
+    from attn_ledger.maths.reference import join_heads
+
+    f64 = torch.float64
+    product = functools.partial(_product, eps=eps, accumulate=accumulate)
+
+    def flat(t: "Tensor") -> "Tensor":
+        return t.reshape(-1, t.shape[-1])  # [B*T, D]
+
+    g = {n: (join_heads(t.to(f64)) if t.dim() == 4 else t.to(f64)) for n, t in grads.items()}  # [B, T, N*D]
+    e = {n: (join_heads(t.to(f64)) if t.dim() == 4 else t.to(f64)) for n, t in carried.items()}
+    xs = x.to(f64)
+    kv = xs if x_kv is None else x_kv.to(f64)
+    wq, wk, wv = weights
+    b, r = go.shape[0], picked.numel()
+    n_rows, n_keys = b * r, b * kv.shape[1]
+    found = {"wq": product(flat(g["q"]).T, flat(e["q"]).T, flat(xs[:, picked]), n_rows)[0],  # [Nh*Dh, E]
+             "wk": product(flat(g["k"]).T, flat(e["k"]).T, flat(kv), n_keys)[0],  # [Nkv*Dh, E]
+             "wv": product(flat(g["v"]).T, flat(e["v"]).T, flat(kv), n_keys)[0],  # [Nkv*Dv, E]
+             "wo": product(flat(g["merged"]).T, flat(e["merged"]).T, flat(go), n_rows)[0].T}  # [E, Nh*Dv]
+    gq, eq = (torch.zeros(b, xs.shape[1], t.shape[-1], dtype=f64, device=t.device) for t in (g["q"], e["q"]))
+    gq[:, picked], eq[:, picked] = g["q"], e["q"]  # [B, Tq, Nh*Dh]: rows outside the sample give nothing
+    m_q, size_q = product(gq, eq, wq, wq.shape[0])  # [B, Tq, E]
+    m_k, size_k = product(g["k"], e["k"], wk, wk.shape[0])  # [B, Tk, E]
+    m_v, size_v = product(g["v"], e["v"], wv, wv.shape[0])
+    if x_kv is None:  # x-bar = Q-bar W_q + (K-bar W_k + V-bar W_v): two additions
+        found["x"] = m_q + m_k + m_v + (size_k + size_v) + (size_q + size_k + size_v)
+    else:
+        found["x"] = m_q
+        found["x_kv"] = m_k + m_v + (size_k + size_v)
+    return {name: m + tiny for name, m in found.items()}  # every result may underflow by tiny * eps
+
+
+def _product(a: "Tensor", e_a: "Tensor", b: "Tensor", n: int, eps: float,
+             accumulate: float) -> "tuple[Tensor, Tensor]":
+    """The bound of ``a @ b`` summing ``n`` terms (``a`` carrying ``e_a``, eps units; ``b`` exact), and the
+    magnitude of the result itself, for an addition after it: both in float64, in units of ``eps``."""
+    import torch
+
+    bb = b.to(torch.float64).abs()
+    grow = 1.0 + accumulate * math.sqrt(max(n, 1))
+    size = torch.matmul(a.abs(), bb)
+    spread = torch.matmul(e_a, bb)
+    return size * grow + spread * (1.0 + eps * grow), size + eps * spread
 
 
 def unrotated(m: "Tensor", mag: "Tensor", spec: Any) -> "Tensor":
