@@ -291,6 +291,8 @@ class Report:
         heatmaps: what the heatmaps draw, as plain data (:class:`Heatmap` by kind, ``weights`` and
             ``mask``), taken from the kept grids when the report is built.
         tensors: small intermediates kept for inspection by library users (never rendered).
+        ledger: another report this one opens onto: ``scan``'s stage ledger of its first wrong call,
+            which every view shows after the report's own rows.
     """
 
     command: str
@@ -307,6 +309,7 @@ class Report:
     heatmaps: Mapping[str, Heatmap] = field(default_factory=dict, repr=False, compare=False)
     tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     hints: tuple[Hint, ...] = ()
+    ledger: "Report | None" = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.first_finding is _DEFAULT:

@@ -167,7 +167,32 @@ def interface_reproduce_lines(d: Mapping[str, Any]) -> list[str]:
             f"attn_output, attn_weights = {d['function']}(module, *args, **kwargs)"]
 
 
+def _scan_inputs(d: Mapping[str, Any]) -> str:
+    if "given" in d:
+        return f"inputs: the factory's own ({d['given']})"
+    pads = d.get("pads") or []
+    padding = "no padding" if d["padding"] == "none" else f"{d['padding']} padding of {pads} positions per example"
+    positions = "; position ids as generate() makes them" if d.get("position_ids") else ""
+    decoder = f"; decoder {d['decoder_len']} tokens" if d.get("decoder_len") is not None else ""
+    return f"inputs: B={d['batch']} T={d['seq_len']} token ids, seed {d['seed']}, {padding}{positions}{decoder}"
+
+
+def _scan_reference(d: Mapping[str, Any]) -> str:
+    if not d["sampled"]:
+        return "float64 reference: every query row of every call, in query blocks"
+    sampled = ", ".join(f"{r} of {n}" for r, n in d["sampled"])
+    return (f"float64 reference: evenly spaced query rows ({sampled}) where a call's B*Nh*Tq*Tk exceeds "
+            f"{d['budget']}; every other check reads every row")
+
+
+def _scan_stopped(d: Mapping[str, Any]) -> str:
+    return f"the forward stopped after {d['calls']} attention calls: {d['text']}"
+
+
 TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "scan_inputs": _scan_inputs,
+    "scan_reference": _scan_reference,
+    "scan_stopped": _scan_stopped,
     "given_input": _given_input,
     "config_input": _config_input,
     "probe": _probe,

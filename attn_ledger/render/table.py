@@ -402,6 +402,8 @@ def summary(row: Row, report: Report) -> str:
     on an expanded row, what did not pass (``2 fail of 4 checks:``), its checks listed under it."""
     if row.status == "not_reached":
         return ""
+    if row.checks and all(c.status == "downstream" for c in row.checks) and len({c.reason for c in row.checks}) == 1:
+        return row.checks[0].reason  # a row left unjudged behind the finding says why once
     if row.checks and expanded(row, report):
         counts: dict[str, int] = {}
         for c in row.checks:

@@ -1,0 +1,98 @@
+"""``attn-ledger scan`` on real transformers models built from small configs with random weights (the ``real``
+extra; skipped without transformers).
+
+Most scans run in this process (the same code the worker runs, a second or so each once transformers is
+imported); the command line is run through its worker for the two cases the command promises: a correct
+model exits 0 with one line per call, and a registered function with a bug exits 1 naming layer 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("transformers")
+
+from attn_ledger.cli import app  # noqa: E402
+from attn_ledger.probes.model.driver import LocalModel, setup  # noqa: E402
+from attn_ledger.probes.model.inputs import InputPlan  # noqa: E402
+from attn_ledger.probes.model.scan import ScanOptions, scan  # noqa: E402
+from attn_ledger.probes.model.targets import target  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CUSTOM = ROOT / "fixtures" / "interface" / "custom.py"
+BROKEN = ROOT / "fixtures" / "models" / "broken.py"
+runner = CliRunner()
+_NAMES = iter(range(1 << 30))
+
+
+def _scan(model_type: str | None = None, implementation: str | None = None, padding: str = "left", *,
+          register: str | None = None, mask_format: str | None = None, factory: str | None = None,
+          keep_going: bool = False, seq_len: int = 24, overrides: list[str] | None = None):
+    if register is not None:
+        implementation = f"custom{next(_NAMES)}"  # a fresh name: registrations are global to the process
+    t = target("factory" if factory else "transformers", factory or model_type, implementation=implementation,
+               register=register, mask_format=mask_format, overrides=overrides)
+    loaded, _ = setup({"target": t.to_json()})
+    return scan(LocalModel(loaded), InputPlan(2, seq_len, padding, 0), ScanOptions(keep_going=keep_going))
+
+
+def _finding(report) -> tuple[str, str, str]:
+    f = report.first_finding
+    return f.row, f.check.name, f.check.reason
+
+
+# --- the command line, through its worker -----------------------------------------------------------------
+
+
+def test_a_correct_llama_exits_0_with_one_line_per_call():
+    result = runner.invoke(app, ["scan", "--transformers", "llama"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("PASS: 2 calls")
+    assert [ln.split()[0] for ln in lines if ln.startswith("layers.")] == ["layers.0.self_attn", "layers.1.self_attn"]
+
+
+def test_a_registered_function_with_a_bug_exits_1_naming_layer_0():
+    result = runner.invoke(app, ["scan", "--transformers", "llama", "--attn-implementation", "mine", "--register",
+                                 f"{CUSTOM}:kv_tiled", "--padding", "left", "--format", "json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["command"] == "scan" and doc["first_finding"]["row"] == "layers.0.self_attn"
+    assert "kv heads tiled" in doc["first_finding"]["message"]
+    assert [r["status"] for r in doc["rows"]] == ["fail", "downstream"]
+
+
+# --- broken cases, each named at the first layer where it acts --------------------------------------------
+
+
+@pytest.mark.parametrize("family, fn, check, words", [
+    ("llama", "kv_tiled", "reference", "kv heads tiled"),
+    ("gemma2", "scaling_ignored", "reference", "scaling ignored"),
+    ("gemma2", "softcap_ignored", "reference", "softcap ignored"),
+    ("gpt_oss", "sinks_dropped", "reference", "sinks dropped"),
+    ("llama", "mask_flipped", "weights_sum", "wrong polarity"),
+    ("llama", "heads_first", "layout", "transposed back"),
+])
+def test_each_bug_of_a_registered_function_is_named_at_layer_0(family, fn, check, words):
+    report = _scan(family, register=f"{CUSTOM}:{fn}")
+    row, name, reason = _finding(report)
+    assert (row, name) == ("layers.0.self_attn", check) and words in reason, reason
+
+
+def test_a_function_registered_without_a_mask_function_never_sees_the_padding():
+    report = _scan("llama", register=f"{CUSTOM}:my_attention", mask_format="none")
+    row, name, reason = _finding(report)
+    assert row == "layers.0.self_attn" and "padding ignored" in reason
+    relation = report.rows[0].check("relation")
+    assert relation.failed and "no mask reached the call" in relation.reason
+
+
+def test_gpt2_eager_that_bypasses_the_interface_is_watched_by_the_observer():
+    report = _scan("gpt2", "eager", "right", overrides=["reorder_and_upcast_attn=true"])
+    assert report.exit_code == 0 and report.details["passes"] == 2
+    assert [r.fields["via"] for r in report.rows] == ["observer", "observer"]
