@@ -65,6 +65,25 @@ def test_a_registered_function_with_a_bug_exits_1_naming_layer_0():
     assert doc["command"] == "scan" and doc["first_finding"]["row"] == "layers.0.self_attn"
     assert "kv heads tiled" in doc["first_finding"]["message"]
     assert [r["status"] for r in doc["rows"]] == ["fail", "downstream"]
+    ledger = doc["ledger"]  # the stage ledger of that call, run on its captured tensors
+    assert ledger["command"] == "run" and ledger["verdict"] == "fail" and "layers.0.self_attn" in ledger["title"]
+    assert ledger["first_finding"]["row"] in ("weights", "context")
+
+
+def test_saved_calls_replay_through_run_tensors_t5_with_its_position_bias(tmp_path):
+    from safetensors.torch import load_file
+
+    from attn_ledger.ledger import run_ledger_tensors
+
+    t = target("transformers", "t5")
+    loaded, _ = setup({"target": t.to_json()})
+    report = scan(LocalModel(loaded), InputPlan(2, 12, "right", 0), ScanOptions(save=str(tmp_path / "calls")))
+    assert report.exit_code == 0
+    files = sorted((tmp_path / "calls").iterdir())
+    assert len(files) == 8  # the encoder's two calls per example (padded query rows left out), the decoder's four
+    assert all("bias" in load_file(str(f)) for f in files)
+    for f in files:
+        assert run_ledger_tensors(f, out_layout="bthd", scale=1.0).verdict == "pass", f.name
 
 
 # --- broken cases, each named at the first layer where it acts --------------------------------------------
