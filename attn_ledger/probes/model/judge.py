@@ -41,7 +41,7 @@ CHECK_ORDER = ((1, "observed"), (1, "layout"), (3, "finite"), (3, "weights_sum")
                (4, "rotary"), (4, "scale"), (4, "relation"), (4, "softcap"), (4, "sinks"), (4, "reference"))
 _POSITION = {name: i for i, (_, name) in enumerate(CHECK_ORDER)}
 
-REFERENCE_BUDGET = 1 << 22
+REFERENCE_BUDGET = 1 << 20
 """A call's float64 reference covers every query row while ``B * Nh * Tq * Tk`` is at most this; above it,
 evenly spaced rows (first and last included) up to this many grid elements."""
 
