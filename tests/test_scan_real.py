@@ -222,6 +222,7 @@ def test_a_config_json_keeps_its_sizes_unless_tiny(tmp_path):
     (["--transformers", "llama", "--set", "hiden_size=8"], "--set: got 'hiden_size'"),
     (["--transformers", "gemma2", "--attn-implementation", "sdpa"], "--attn-implementation"),
     (["--transformers", "llama", "--set", "num_attention_heads=3"], "--set: the llama config refuses"),
+    (["--transformers", "gpt2", "--seq-len", "2048"], "--seq-len: got 2048, expected at most 1024"),
 ])
 def test_a_model_that_cannot_be_built_is_one_line_and_exit_2(args, words):
     result = runner.invoke(app, ["scan", *args, "--in-process"])
