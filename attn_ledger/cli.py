@@ -216,6 +216,10 @@ from attn_ledger.commands import faults as _faults  # noqa: E402
 app.command("check", cls=_Command)(_check.check)
 app.command("faults", cls=_Command)(_faults.faults)
 
+from attn_ledger.commands import scan as _scan  # noqa: E402
+
+app.command("scan", cls=_Command)(_scan.scan)
+
 
 def main() -> None:
     """The ``attn-ledger`` process: SIGTERM unwinds like Ctrl-C, and nothing it started outlives it."""

@@ -291,6 +291,10 @@ class Report:
         heatmaps: what the heatmaps draw, as plain data (:class:`Heatmap` by kind, ``weights`` and
             ``mask``), taken from the kept grids when the report is built.
         tensors: small intermediates kept for inspection by library users (never rendered).
+        ledger: another report this one opens onto: ``scan``'s stage ledger of its first wrong call,
+            which every view shows after the report's own rows.
+        ledgers: a report per row that each row opens onto (``scan --html``: every call's stage ledger),
+            by row name; the HTML page shows them, under each row.
     """
 
     command: str
@@ -307,6 +311,8 @@ class Report:
     heatmaps: Mapping[str, Heatmap] = field(default_factory=dict, repr=False, compare=False)
     tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     hints: tuple[Hint, ...] = ()
+    ledger: "Report | None" = field(default=None, repr=False, compare=False)
+    ledgers: "Mapping[str, Report]" = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.first_finding is _DEFAULT:

@@ -100,10 +100,11 @@ class Execution:
                  ref: tuple["Tensor", "Tensor", "Tensor"], *, scale: float, ref_scale: float, empty_zero: bool,
                  given: "dict[str, Tensor] | None" = None, backends: tuple[tuple[str, "torch.dtype"], ...] = (),
                  progress: ProgressFn | None = None, softcap: float | None = None,
-                 sinks: "Tensor | None" = None) -> None:
+                 sinks: "Tensor | None" = None, bias: "Tensor | None" = None) -> None:
         import torch
 
         self.plan, self.relation, self.ops, self.softcap, self.sinks = plan, relation, ops, softcap, sinks
+        self.bias = bias  # [B|1, Nh|1, Tq, Tk] added to the scores stage, or None
         self.q, self.k_exp, self.v_exp, self.ref = q, k_exp, v_exp, ref
         self.scale, self.ref_scale, self.empty_zero = scale, ref_scale, empty_zero
         self.given, self.backends, self.progress = given or {}, backends, progress
@@ -146,7 +147,8 @@ class Execution:
         empty = "zeros" if self.empty_zero else "nan"
         rule = ref_dtype == torch.float64  # the rounding rule, half precision included
         ref, mags = sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype,
-                                      self.softcap, self.sinks, (self.q, self.k_exp, self.v_exp) if rule else None)
+                                      self.softcap, self.sinks, (self.q, self.k_exp, self.v_exp) if rule else None,
+                                      self.bias)
         self.sample = Sample(ref, plan.reference_spans)
         if mags is not None:
             self.sample.mags, self.sample.dtype = mags, self.dtype_name
@@ -161,7 +163,14 @@ class Execution:
     @property
     def sdpa_whole_causal(self) -> bool:
         """SDPA runs once on the whole input with is_causal (not with a cap: it is then given the capped scores)."""
-        return self.plan.sdpa_whole_causal and self.softcap is None and self.sinks is None
+        return self.plan.sdpa_whole_causal and self.softcap is None and self.sinks is None and self.bias is None
+
+    def _bias_of(self, q0: int, q1: int, lo: int, hi: int) -> "Tensor | None":
+        """The bias on query rows ``q0:q1`` and keys ``lo:hi``, in the run's dtype (None without one)."""
+        if self.bias is None:
+            return None
+        b = self.bias if self.bias.shape[-2] == 1 else self.bias[..., q0:q1, :]
+        return b[..., lo:hi].to(self.dtype)
 
     def _block(self, blk: P.Block) -> Iterator[Measure]:
         """One block through the four stages; returns False when a stage broke."""
@@ -209,7 +218,8 @@ class Execution:
             if self.half:
                 t.plain = reference_stages(t.qb[:, :, a:z], t.kb, t.vb, allow_mask=self._ai_rows(t), scale=self.ref_scale,
                                            empty_rows="zeros" if self.empty_zero else "nan", dtype=self.dtype,
-                                           softcap=self.softcap, sinks=self.sinks)
+                                           softcap=self.softcap, sinks=self.sinks,
+                                           bias=self._bias_of(blk.q0 + a, blk.q0 + z, lo, hi))
         return t
 
     @staticmethod
@@ -222,6 +232,8 @@ class Execution:
         grid = (self.plan.b, self.plan.nh, blk.rows, lay.width)
         try:
             s = self.ops.scores(t.qb, t.kb, self.scale)  # [B, Nh, rows, kw]
+            if self.bias is not None:
+                s = s + self._bias_of(blk.q0, blk.q1, lay.lo, lay.hi)  # the additive bias joins the scores
         except Exception as exc:  # a stage that raises is a level-1 divergence at that stage
             yield Broken("scores", raised=exc)
             return None
@@ -346,8 +358,9 @@ class Execution:
             qb, kb, vb = self.q[:, :, start.q0:start.q1], self.k_exp[:, :, lo:hi], self.v_exp[:, :, lo:hi]
             self.sdpa_context[:, :, start.q0:start.q1] = (
                 F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=0.0, scale=self.ref_scale)
-                if self.softcap is None and self.sinks is None
-                else sdpa_capped(qb, kb, vb, mask, self.ref_scale, self.softcap, self.sinks))
+                if self.softcap is None and self.sinks is None and self.bias is None
+                else sdpa_capped(qb, kb, vb, mask, self.ref_scale, self.softcap, self.sinks,
+                                 self._bias_of(start.q0, start.q1, lo, hi)))
         end = self.plan.group_ending_at(blk.index)
         if end is not None:
             blocks = [(b.q0, b.q1) for b in self.plan.blocks[end.first:end.end]]
@@ -539,7 +552,7 @@ class Sample:
 
 def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation", plan: P.Plan, scale: float,
                       empty: str, dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None,
-                      pipeline: "tuple[Tensor, Tensor, Tensor] | None" = None
+                      pipeline: "tuple[Tensor, Tensor, Tensor] | None" = None, bias: "Tensor | None" = None
                       ) -> tuple[dict[str, "Tensor"], dict[str, "Tensor"] | None]:
     """The reference's stages for every sampled row, over every key, in one call, and with ``pipeline``
     the rounding rule's ``M`` of each stage on the same rows.
@@ -553,6 +566,7 @@ def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation
         pipeline: the pipeline's q, k, v as they enter the scores (kv heads expanded), whose own
             error against the reference's is carried into ``M``; one that is the reference's own
             tensor carries none.
+        bias: an additive bias on the scores ``[B|1, Nh|1, Tq|1, Tk]``, or None.
 
     Returns:
         ``{"scores", "masked_scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}`` for the R rows
@@ -567,16 +581,20 @@ def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation
         dn = tolerance.dtype_name(pq.dtype)
         rule = Rule((None if pq is q else span_rows(pq, spans), None if pk is k else pk, None if pv is v else pv),
                     tolerance.EPS.get(dn, 1.0), tolerance.tiny(dn), rounding.accumulation(dn))
-    ref, mags = reference_chunks(span_rows(q, spans), k, v, allow, scale, empty, dtype, softcap, sinks, rule)
+    ref, mags = reference_chunks(span_rows(q, spans), k, v, allow, scale, empty, dtype, softcap, sinks, rule,
+                                 bias=span_rows(bias, spans))
     return {key: t for key, t in ref.items() if key != "allow"}, mags
 
 
-def span_rows(x: "Tensor", spans: tuple[tuple[int, int], ...]) -> "Tensor":
-    """``x`` ``[B, Nh, T, D]`` on the query rows of ``spans``, one span after another: ``[B, Nh, R, D]``."""
+def span_rows(x: "Tensor | None", spans: tuple[tuple[int, int], ...]) -> "Tensor | None":
+    """``x`` ``[.., T, D]`` (q, or a bias grid ``[.., Tq, Tk]``) on the query rows of ``spans``, one span after
+    another: ``[.., R, D]``. None stays None; a grid of one query row (broadcast over the queries) is kept."""
     import torch
 
+    if x is None or x.shape[-2] == 1:
+        return x
     contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
-    return x[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([x[:, :, r0:r1] for r0, r1 in spans], dim=2)
+    return x[..., spans[0][0]:spans[-1][1], :] if contiguous else torch.cat([x[..., r0:r1, :] for r0, r1 in spans], dim=-2)
 
 
 def sample_allow(relation: "Relation", spans: tuple[tuple[int, int], ...], tk: int) -> "Tensor | None":
@@ -612,15 +630,17 @@ class Rule:
 
 
 def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
-                    dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None) -> dict[str, "Tensor"]:
+                    dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None,
+                    bias: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """The reference's stages for the sampled rows, a few query heads at a time when K and V are long
     (:func:`reference_chunks` without the rounding rule)."""
-    return reference_chunks(q, k, v, allow, scale, empty, dtype, softcap, sinks)[0]
+    return reference_chunks(q, k, v, allow, scale, empty, dtype, softcap, sinks, bias=bias)[0]
 
 
 def reference_chunks(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
                      dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None,
-                     rule: Rule | None = None) -> tuple[dict[str, "Tensor"], dict[str, "Tensor"] | None]:
+                     rule: Rule | None = None, bias: "Tensor | None" = None
+                     ) -> tuple[dict[str, "Tensor"], dict[str, "Tensor"] | None]:
     """The reference's stages for the sampled rows, and with ``rule`` the rounding rule's ``M`` of each stage,
     a few query heads at a time when K and V are long.
 
@@ -647,14 +667,15 @@ def reference_chunks(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
         kc, vc = kc.to(dtype), vc.to(dtype)  # cast once, for the reference and M alike
         a = allow if allow is None or allow.shape[1] == 1 or whole else allow[:, h0:h1]
         sc = sinks if sinks is None or whole else sinks[h0:h1]
+        bc = bias if bias is None or bias.shape[1] == 1 or whole else bias[:, h0:h1]
         ref = reference_stages(qc, kc, vc, allow_mask=a, scale=scale, empty_rows=empty, dtype=dtype, softcap=softcap,
-                               sinks=sc)
+                               sinks=sc, bias=bc)
         parts.append(ref)
         if rule is not None:
             carried = rule.carried if whole else tuple(None if c is None else c[:, h0:h1] for c in rule.carried)
             known = (ref["scores"], ref["weights"] if sinks is None else None)  # with sinks, M's weights have none
             m = rounding.stage_magnitudes(qc, kc, vc, a, scale, softcap, carried, rule.eps, rule.tiny, rule.accumulate,
-                                          known=known)
+                                          known=known, bias=bc)
             mags.append({key: m[key] for key in ("scores", "weights", "out")})
     if len(parts) == 1:
         return parts[0], mags[0] if mags else None

@@ -41,11 +41,13 @@ QUANTITY = {"scores": "scores", "weights": "weights", "context": "context", "gra
             "grad_input": "grad_input"}  # the stage's c in ROUNDING_C
 
 
+# long by its documented arguments (the bias among them); the code is one chain of bounds
 def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
                      softcap: float | None = None,
                      carried: "tuple[Tensor | None, Tensor | None, Tensor | None] | None" = None,
                      eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0, *,
-                     known: "tuple[Tensor, Tensor | None] | None" = None) -> dict[str, "Tensor"]:
+                     known: "tuple[Tensor, Tensor | None] | None" = None,
+                     bias: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """``M`` of the scores, weights and context, in float64.
 
     Args:
@@ -64,8 +66,10 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
             1 for float32 and float64; half precision sums in float32 (torch's CPU kernels do), so a
             sum's ``sqrt(n)`` growth is ``2^-13`` (float16) or ``2^-16`` (bfloat16) of the dtype's
             rounding, while each result still rounds once to the dtype.
-        known: the float64 reference's capped scores and (where it has no sinks, else None) weights on these
-            rows, from these q, k, v, computed already; without it both are computed here.
+        known: the float64 reference's capped (and biased) scores and (where it has no sinks, else None)
+            weights on these rows, from these q, k, v, computed already; without it both are computed here.
+        bias: added to the (capped) scores, broadcastable to ``[B, Nh, R, Tk]``: its size joins each score's
+            magnitude (the addition's rounding).
 
     Returns:
         ``{"scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``.
@@ -81,9 +85,16 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     kk = repeat_kv(k.detach().to(f64), nh)  # [B, Nh, Tk, Dh]
     vv = repeat_kv(v.detach().to(f64), nh)  # [B, Nh, Tk, Dv]
     va = vv.abs()
-    s, weights = known or (_capped_scores(qd, kk, scale, softcap), None)
+    bb = None if bias is None else bias.detach().to(f64)
+    if known is None:
+        s = _capped_scores(qd, kk, scale, softcap)
+        s, weights = (s if bb is None else s + bb), None
+    else:
+        s, weights = known  # the reference's scores, with the bias added already
     qa, ka = qd.abs(), kk.abs()
     a = torch.matmul(qa, ka.transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
+    if bb is not None:
+        a = a + bb.abs()
     acc = accumulate
     dot = 1.0 + acc * math.sqrt(dh)  # q . k sums Dh products
     m_scores = a * dot + s.abs()

@@ -167,6 +167,38 @@ def interface_reproduce_lines(d: Mapping[str, Any]) -> list[str]:
             f"attn_output, attn_weights = {d['function']}(module, *args, **kwargs)"]
 
 
+def _scan_inputs(d: Mapping[str, Any]) -> str:
+    if "given" in d:
+        return f"inputs: the factory's own ({d['given']})"
+    pads = d.get("pads") or []
+    padding = "no padding" if d["padding"] == "none" else f"{d['padding']} padding of {pads} positions per example"
+    positions = "; position ids as generate() makes them" if d.get("position_ids") else ""
+    decoder = f"; decoder {d['decoder_len']} tokens" if d.get("decoder_len") is not None else ""
+    return f"inputs: B={d['batch']} T={d['seq_len']} token ids, seed {d['seed']}, {padding}{positions}{decoder}"
+
+
+def _scan_reference(d: Mapping[str, Any]) -> str:
+    if not d["sampled"]:
+        return "float64 reference: every query row of every call, in query blocks"
+    sampled = ", ".join(f"{r} of {n}" for r, n in d["sampled"])
+    return (f"float64 reference: evenly spaced query rows ({sampled}) where a call's B*Nh*Tq*Tk exceeds "
+            f"{d['budget']}; every other check reads every row")
+
+
+def _scan_unreplayable(d: Mapping[str, Any]) -> str:
+    return f"no stage ledger of {d['call']}: {d['why']}"
+
+
+def _scan_saved(d: Mapping[str, Any]) -> str:
+    text = f"saved {d['files']} tensor file{'s' if d['files'] != 1 else ''} in {d['directory']}"
+    return text + (f"; replay the first with: {d['replay']}" if d.get("replay") else "")
+
+
+def _scan_stopped(d: Mapping[str, Any]) -> str:
+    return f"the forward stopped after {d['calls']} attention calls: {d['text']}"
+
+
+
 ALIGNMENT_WORDS = {
     "bottom-right": "causal, bottom-right (query i may use key j iff j <= i + Tk - Tq)",
     "top-left": "causal, top-left (query i may use key j iff j <= i), which a KV-cache decode does not want",
@@ -401,6 +433,11 @@ SENTENCES: dict[str, str] = {
     "elapsed": "elapsed {seconds:.2f} s",
 }
 TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "scan_inputs": _scan_inputs,
+    "scan_reference": _scan_reference,
+    "scan_stopped": _scan_stopped,
+    "scan_unreplayable": _scan_unreplayable,
+    "scan_saved": _scan_saved,
     "given_input": _given_input,
     "config_input": _config_input,
     "probe": _probe,

@@ -316,6 +316,45 @@ def _intervene_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[
     return stopped_intervention(f"module {args['spec']}", shape, args["num_heads"], reason, data, args["cuts"] or ())
 
 
+# --- scan: a whole model in the worker, judged here ------------------------------------------------
+
+def load_model_here(args: dict[str, Any]) -> Any:
+    """The model built in this process (``--in-process``): a handle with the same ``facts`` and ``scan``."""
+    from attn_ledger.probes.model.driver import LocalModel, setup
+
+    loaded, _ = setup(args)
+    return LocalModel(loaded)
+
+
+def _model_driver_setup(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The worker's side of ``scan``: build the model, keep it for the scan request, say what it is."""
+    from attn_ledger.probes.model.driver import setup
+
+    return setup(args)
+
+
+def _scan_options(args: dict[str, Any]) -> Any:
+    from attn_ledger.probes.model.expect import Declared
+    from attn_ledger.probes.model.scan import ScanOptions
+
+    o = args["options"]
+    return ScanOptions(bool(o.get("keep_going")), int(o["budget"]), Declared(**o["declared"]) if o.get("declared")
+                       else None, o.get("save"), bool(o.get("ledger", True)), bool(o.get("every_ledger")))
+
+
+def _scan_run(handle: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:
+    from attn_ledger.probes.model.inputs import InputPlan
+    from attn_ledger.probes.model.scan import scan
+
+    return scan(handle, InputPlan(**args["plan"]), _scan_options(args))
+
+
+def _scan_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[str, Any]) -> Report:
+    from attn_ledger.probes.model.scan import stopped_report
+
+    return stopped_report(args["target"], reason, data)
+
+
 # A module's one unit not reached (--max-time spent on the import and the factory) is stopped before its call.
 TASKS: dict[str, Task | ParentTask] = {
     "attention_check": ParentTask(_attention_setup, _attention_run, _attention_stopped, _attention_finish,
@@ -328,6 +367,9 @@ TASKS: dict[str, Task | ParentTask] = {
                           _module_check_stopped, _never),
     "intervene_module": ParentTask(_module_parent_setup, _intervene_run, _intervene_stopped, _module_parent_finish,
                                    _intervene_stopped, _never, loads="module"),
+    "model_scan": ParentTask(_module_parent_setup, _scan_run, _scan_stopped, _module_parent_finish, _scan_stopped,
+                             _never, loads="model"),
+    "model_driver": Task(_model_driver_setup, _scan_run, _scan_stopped, _only, _scan_stopped, _never),
 }
 
 RESULT_TYPES: tuple[type, ...] = (Check, Row, Finding, Coverage, Note, Report, Case, CaseResult)

@@ -227,11 +227,12 @@ def _run_units(task: Any, args: dict[str, Any], units: list[Any], limits: Limits
 
 def _run_here(task: Any, args: dict[str, Any], progress: Callable[[int, int], None] | None, limits: Limits) -> Any:
     from attn_ledger.probes.common.driver import load_local
-    from attn_ledger.runner.tasks import ParentTask, load_module_here
+    from attn_ledger.runner.tasks import ParentTask, load_model_here, load_module_here
 
     judged_here = isinstance(task, ParentTask)
     if judged_here:
-        state, plan = task.setup(args, load_local if task.loads == "kernel" else load_module_here)
+        loads = {"kernel": load_local, "model": load_model_here}.get(task.loads, load_module_here)
+        state, plan = task.setup(args, loads)
     else:
         state, plan = task.setup(args)
 
@@ -253,6 +254,7 @@ def _run_supervised(sup: "_Supervisor", name: str, task: Any, args: dict[str, An
     try:
         if judged_here:  # the worker only calls the user's code; this process plans, computes and judges
             load = (lambda target, field: RemoteKernel(sup, target, field)) if task.loads == "kernel" \
+                else (lambda task_args: _remote_model(sup, task_args)) if task.loads == "model" \
                 else (lambda task_args: _remote_module(sup, task_args))
             state, plan = task.setup(args, load)
         else:
@@ -321,6 +323,7 @@ class _Supervisor:
         self.deadline = math.inf
         self.end, self.max_time = math.inf, None  # when the whole run's --max-time runs out, whatever is in flight
         self.killed = False
+        self.on_part: Callable[[dict[str, Any], bytes], None] | None = None  # a model request's streamed calls
 
     def __enter__(self) -> "_Supervisor":
         return self
@@ -407,6 +410,30 @@ class _Supervisor:
         self.call, self.deadline = None, math.inf
         return facts, blob
 
+    def call_model(self, kind: str, meta: dict[str, Any], data: bytes,
+                   on_part: Callable[[dict[str, Any], bytes], None]) -> tuple[dict[str, Any], bytes]:
+        """One request to the model driver (:func:`attn_ledger.probes.model.driver.serve`): every part it streams
+        (one attention call: facts, then raw tensors) goes to ``on_part`` as it arrives; the request's facts
+        and tensors come back at the end. The worker announces the forward itself (a user call)."""
+        self.on_part = on_part
+        try:
+            return self.call_kernel(kind, meta, data, request="model_call")
+        finally:
+            self.on_part = None
+
+    def _part(self, message: dict[str, Any]) -> None:
+        """A streamed part: its facts now, its tensors next; handed on, then the call's clock starts again
+        (the worker waited while this process judged)."""
+        try:
+            blob = self.conn.recv_bytes()
+        except EOFError:
+            raise self._death() from None
+        if self.on_part is None:
+            raise WorkerError("the worker sent a part outside a model request")
+        self.on_part(decode(message["value"]), blob)
+        if self.call is not None:
+            self.deadline = time.monotonic() + self.timeout
+
     def _await(self, expected: str, progress: Callable[[int, int], None] | None) -> Any:
         while True:
             until = min(self.end, math.inf if self.call is None else self.deadline)
@@ -431,6 +458,8 @@ class _Supervisor:
             elif kind == "progress":
                 if progress is not None:
                     progress(int(message["done"]), int(message["total"]))
+            elif kind == "part":
+                self._part(message)
             elif kind == expected:
                 return decode(message["value"])
             elif kind == "error":
@@ -685,6 +714,8 @@ def _serve(conn: Any, capture_path: str) -> None:
                     _call(channel, state, *request[1:])
                 elif request[0] == "module_call":
                     _module_call(channel, state, *request[1:])
+                elif request[0] == "model_call":
+                    _model_call(channel, state, *request[1:])
                 else:
                     progress = lambda done, total: channel.send("progress", done=done, total=total)  # noqa: E731
                     channel.send("result", value=encode(task.run(state, args, request[1], progress)))
@@ -754,6 +785,32 @@ def _module_call(channel: _Channel, state: Any, kind: str, meta: dict[str, Any],
         facts, blob = {"error": {"kind": "returned", "text": text, "data": {}}}, pack({})
     channel.send("called", value=encode(facts))
     channel.conn.send_bytes(blob)
+
+
+def _model_call(channel: _Channel, state: Any, kind: str, meta: dict[str, Any], data: bytes) -> None:
+    """The model driver's side of :meth:`_Supervisor.call_model`: each attention call streamed as a part, then
+    the request's facts."""
+    from attn_ledger.probes.common.driver import pack, unpack
+    from attn_ledger.probes.model.driver import serve
+
+    def send(facts: dict[str, Any], tensors: dict[str, Any]) -> None:
+        channel.send("part", value=encode(facts))
+        channel.conn.send_bytes(pack(tensors))
+
+    facts, tensors = serve(state, kind, meta, unpack(data), send)
+    channel.send("called", value=encode(facts))
+    channel.conn.send_bytes(pack(tensors))
+
+
+def _remote_model(sup: _Supervisor, args: dict[str, Any]) -> Any:
+    """The model built in a fresh worker, as the tool's handle on it."""
+    from attn_ledger.probes.model.driver import RemoteModel
+
+    sup.start_setup("model_driver", args)  # the worker imports torch and transformers and builds the model
+    import attn_ledger.probes.model.scan  # noqa: F401 - imports torch and the judge meanwhile
+
+    plan = sup.setup_done(args)
+    return RemoteModel(sup, plan["model"])
 
 
 # --- results as plain data --------------------------------------------------------------------------

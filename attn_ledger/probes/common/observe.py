@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["Core", "Observation", "Projection", "observe_module", "probe_bent", "probe_weights", "probed_core"]
+__all__ = ["Core", "ModuleWatch", "Observation", "Projection", "observe_module", "probe_bent", "probe_weights",
+           "probed_core"]
 
 # What a tensor derives from, as bit flags.
 _INPUT, _PROJ, _SCORES, _CORE = 1, 2, 4, 8
@@ -556,6 +557,30 @@ def observe_module(module: "nn.Module", x: "torch.Tensor", *, zero_q_of: int | N
     with torch.no_grad(), _mode(obs):
         module(x)
     return _assemble(obs)
+
+
+class ModuleWatch:
+    """The observation of one call of a module inside a larger forward, entered and left by hooks.
+
+    A whole model runs many attention modules; :func:`observe_module` follows one input through one
+    forward and judges its first core only. Here each attention module's call is watched on its own,
+    from its own input, so every call yields its own core: enter when the module's forward starts
+    (a forward pre-hook), leave when it returns (a forward hook), then read :meth:`observation`.
+    """
+
+    def __init__(self, module: "nn.Module", x: "torch.Tensor") -> None:
+        self.obs = _Observer(x, _parameter_names(module), None)
+        self.mode = _mode(self.obs)
+
+    def __enter__(self) -> "ModuleWatch":
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.mode.__exit__(*exc)
+
+    def observation(self) -> Observation:
+        return _assemble(self.obs)
 
 
 def probed_core(module: "nn.Module", x: "torch.Tensor", ordinal: int, factor: float | None = None) -> Core | None:
