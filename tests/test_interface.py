@@ -315,6 +315,10 @@ FLEX_IDS = ["b2-h4kv2-tq5tk5-d8-nopad-flex-f32", "b2-h4kv2-tq6tk6-d8-lpad4-flex-
 def test_transformers_flex_function_passes_on_block_masks_from_flex_attention_mask():
     fn = _theirs(FLEX, "flex_attention_forward")  # on CPU every new shape compiles (mask and forward)
     report = _check(fn, Declaration(masks=("flex",), supports=("softcap",)))
+    compiler = ("BackendCompilerFailed", "InductorError")
+    if all(r.check("call").data.get("exception") in compiler for r in report.rows):
+        # torch 2.13's CPU flex kernel is vectorised C++: at ATEN_CPU_CAPABILITY=default inductor cannot build it
+        pytest.skip(f"flex_attention does not compile for this CPU ({torch.backends.cpu.get_cpu_capability()})")
     assert report.exit_code == 0, report.first_finding
     assert report.details["cases_total"] == 4 and all("-flex-" in r.name for r in report.rows)
     padded = next(r for r in report.rows if r.name == FLEX_IDS[1])
