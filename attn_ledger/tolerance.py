@@ -294,3 +294,28 @@ def fitted_scale(dtype: "torch.dtype | str") -> float:
 GRADCHECK = {"eps": 1e-6, "atol": 1e-5, "rtol": 1e-3}
 GRADCHECK_FLOAT32_INSIDE = {"eps": 1e-2, "atol": 1e-3, "rtol": 1e-2}
 
+
+
+# --- compare: two runs of one model, block by block ------------------------------------------------
+
+COMPARE_FACTOR = 4.0
+"""A block's added error (B's block on A's input against A's output) may be this many times the plain error at
+that block: the largest ``max |plain - exact|`` over the runs' dtypes, ``plain`` A's block with eager attention
+in that dtype and ``exact`` the same block in float64, both on the same input. The same rule gates the
+embeddings and the logits (there ``plain`` is the whole plain run against the whole float64 run)."""
+
+TOP_K = 5
+"""Token agreement on the logits (vLLM's rule): each run's top token must be among the other's top ``TOP_K``."""
+
+
+def compare_bound(plain_error: float, scale: float, dtypes: tuple[str, str] | list[str]) -> tuple[float, dict[str, Any]]:
+    """``COMPARE_FACTOR * plain_error + floor``, the floor one eps of the coarser dtype times ``scale`` (the
+    largest |exact| value), so that a plain error of exactly 0 leaves room for one rounding; with its parts."""
+    coarse = max(eps(d) for d in dtypes)
+    s = scale if math.isfinite(scale) else 0.0
+    floor = coarse * s
+    facts: dict[str, Any] = {"factor": COMPARE_FACTOR, "plain_error": plain_error, "floor": floor}
+    if not math.isfinite(plain_error):
+        facts["fallback"] = "the plain computation is not finite; the bound is the floor"
+        return COMPARE_FACTOR * floor, facts
+    return COMPARE_FACTOR * plain_error + floor, facts
