@@ -179,7 +179,7 @@ def _scan_inputs(d: Mapping[str, Any]) -> str:
 
 def _compare_runs(d: Mapping[str, Any]) -> str:
     a, b = d["padding"]
-    padding = f"{a} padding in both" if a == b else f"run A {a} padded, run B {b} padded, real tokens aligned"
+    padding = ("no padding" if a == "none" else f"{a} padding in both") if a == b else f"run A {a} padded, run B {b} padded, real tokens aligned"
     return (f"--vary {d['vary']}: {padding}; only real tokens compared; bound = {d['factor']:g} x the plain "
             f"error at each block (eager in each run's dtype against float64) + one eps")
 

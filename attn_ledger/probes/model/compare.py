@@ -32,7 +32,6 @@ VARY_KINDS = ("attn-implementation", "dtype", "padding-side")
 LATER_KINDS = ("target", "batch", "cache", "packing")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BUILTIN = ("eager", "sdpa", "flex_attention")
-AXES = "[N,E]"
 
 
 @dataclass(frozen=True)
@@ -186,8 +185,7 @@ class Judge:
 
     def take(self, facts: dict[str, Any], tensors: dict[str, "Tensor"]) -> None:
         if facts["part"] == "model":
-            self.model_rows = model_rows(tensors, facts, self.dtypes, self.token_rows,
-                                         self.facts.get("architecture", "decoder"))
+            self.model_rows = model_rows(tensors, facts, self.dtypes, self.token_rows)
             self.logits_row = logits_row(tensors, self.dtypes, self.token_rows)
         else:
             self.blocks.append(block_row(facts, tensors, self.dtypes, self.token_rows))
@@ -205,18 +203,16 @@ def block_row(facts: Mapping[str, Any], t: Mapping[str, "Tensor"], dtypes: tuple
                               "max |B's block on A's input - A| (added error)")
     total = max_err(t["b_out"], t["a_out"])
     fields = {"layer": int(facts["index"]), **_numbers(total, nums["error"], nums["bound"])}
-    return Row(str(facts["path"]), "pass" if added.passed else "fail", (added,), tuple(t["a_out"].shape), AXES,
-               fields=fields)
+    return Row(str(facts["path"]), "pass" if added.passed else "fail", (added,), fields=fields)
 
 
 def model_rows(t: Mapping[str, "Tensor"], facts: Mapping[str, Any], dtypes: tuple[str, str],
-               rows: Mapping[str, Any], arch: str) -> list[Row]:
+               rows: Mapping[str, Any]) -> list[Row]:
     """``embeddings``, ``masks``, ``position_ids`` and ``position_embeddings``, in that order."""
     emb, nums = ratio_check("embeddings", t["b_embed"], t["a_embed"], _plains(t, "_embed", "exact"), dtypes, rows,
                             "max |B - A| of block 0's input")
-    out = [Row("embeddings", "pass" if emb.passed else "fail", (emb,), tuple(t["a_embed"].shape), AXES,
-               fields=_numbers(nums["error"], nums["error"], nums["bound"]))]  # nothing inherited: added is total
-    out.append(_one_check_row("masks", mask_check(t, facts["masks"], rows, arch)))
+    out = [Row("embeddings", "pass" if emb.passed else "fail", (emb,), fields=_numbers(nums["error"], nums["error"], nums["bound"]))]  # nothing inherited: added is total
+    out.append(_one_check_row("masks", mask_check(t, facts["masks"], rows)))
     out.append(_one_check_row("position_ids", positions_check(t, len(facts["masks"]), rows)))
     out.append(_one_check_row("position_embeddings", rotary_check(t, len(facts["masks"]), dtypes, rows)))
     return out
@@ -233,28 +229,18 @@ def _one_check_row(name: str, check: Check) -> Row:
     return Row(name, status, (check,), fields=_numbers())
 
 
-def _implied(rows: Mapping[str, Any], width: int, arch: str) -> "Tensor":
-    """A block that got no mask applies its implementation's own rule: causal for a decoder, none for an encoder."""
-    import torch
-
-    out = []
-    for n in rows["counts"]:
-        sub = torch.ones(n, n, dtype=torch.bool)
-        if arch != "encoder":
-            sub = sub.tril()
-        out.append(torch.nn.functional.pad(sub, (0, width - n), value=False))
-    return torch.cat(out)
-
-
-def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], rows: Mapping[str, Any], arch: str) -> Check:
-    """Which real keys each real query may read, run B against run A, at every block."""
-    width = max(rows["counts"])
-    differ, first = 0, None
-    per_block = []
+def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], rows: Mapping[str, Any]) -> Check:
+    """Which real keys each real query may read, run B against run A, at every block where both runs' blocks
+    received a mask. A block given none applies its implementation's own rule (causal, its window), which only
+    its output shows: such blocks are not compared here, and their added error judges them."""
+    differ, first, compared = 0, None, []
+    per_block: list[int | None] = []
     for i in range(len(kinds)):
         a, b = (t.get(f"{s}_mask_{i}") for s in ("a", "b"))
-        a = _implied(rows, width, arch) if a is None else a
-        b = _implied(rows, width, arch) if b is None else b
+        if a is None or b is None:
+            per_block.append(None)
+            continue
+        compared.append(i)
         d = a != b
         n = int(d.sum())
         per_block.append(n)
@@ -263,8 +249,11 @@ def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], rows: Mapping[
             first = {"block": i, "example": rows["example"][r], "token": rows["token"][r], "key": k,
                      "a": bool(a[r, k]), "b": bool(b[r, k])}
         differ += n
-    return counted(2, "masks", "real (query, key) pairs allowed in one run only", differ, location=first,
-                   data={"per_block": per_block, "given": [[k or "none" for k in pair] for pair in kinds]})
+    data = {"per_block": per_block, "given": [[k or "none" for k in pair] for pair in kinds]}
+    if not compared:
+        return Check(2, "masks", "not_applicable", reason="no block received a mask in both runs (each applied "
+                     "its implementation's own rule, judged by its added error)", data=data)
+    return counted(2, "masks", "real (query, key) pairs allowed in one run only", differ, location=first, data=data)
 
 
 def positions_check(t: Mapping[str, "Tensor"], blocks: int, rows: Mapping[str, Any]) -> Check:
@@ -319,7 +308,7 @@ def logits_row(t: Mapping[str, "Tensor"], dtypes: tuple[str, str], rows: Mapping
     agree = counted(4, "top_k", f"real tokens where a run's top token is not in the other's top {k}", int(miss.sum()),
                     location=loc, data={"k": k, "top1_differ": int((top_a[:, 0] != top_b[:, 0]).sum())})
     status = "fail" if (check.failed or agree.failed) else "pass"
-    return Row("logits", status, (check, agree), tuple(a.shape), "[N,V]", fields=_numbers(nums["error"], None, nums["bound"]))
+    return Row("logits", status, (check, agree), fields=_numbers(nums["error"], None, nums["bound"]))
 
 
 # --- a whole compare ----------------------------------------------------------------------------------------
@@ -361,7 +350,7 @@ def compare_report(facts: Mapping[str, Any], runs_: Runs, judge: Judge, run: Map
     first = next((r for r in rows if r.fields.get("layer") is not None and r.status == "fail"), None)
     if first is not None:
         rows = [r if r is not first else Row(r.name, r.status, r.checks, r.shape, r.axes,
-                                             fields={**r.fields, "first": "first adder"}) for r in rows]
+                                             fields={**r.fields, "mark": "first adder"}) for r in rows]
     b = facts.get("b", {})
     plan = runs_.plan_a
     title = (f"compare {facts['label']} ({facts['class']}, {len(judge.blocks)} blocks) --vary {runs_.vary.words}: "
