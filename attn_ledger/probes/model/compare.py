@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from attn_ledger.errors import InputError, shown
-from attn_ledger.report import Check, Note, Report, Row, bounded, counted, unjudged
+from attn_ledger.report import Check, Note, Report, Row, bounded, counted, row_status, unjudged
 from attn_ledger.tolerance import COMPARE_FACTOR, TOP_K, compare_bound, eps
 
 if TYPE_CHECKING:
@@ -166,10 +166,15 @@ def ratio_check(name: str, x: "Tensor", ref: "Tensor", plains: list[tuple["Tenso
                 rows: Mapping[str, Any], measure: str) -> tuple[Check, dict[str, float]]:
     """``max |x - ref| <= factor * plain + floor``, ``plain`` the largest ``max |plain - exact|`` of ``plains``."""
     value = max_err(x, ref)
-    plain = max((max_err(p, e) for p, e in plains), default=0.0)
+    errs = [max_err(p, e) for p, e in plains]
+    plain = float("nan") if any(e != e for e in errs) else max(errs, default=0.0)
     scale = max((float(e.double().abs().max()) for _, e in plains if e.numel()), default=0.0)
     bound, parts = compare_bound(plain, scale, dtypes)
     loc = _where(x.double() - ref.double(), rows) if x.numel() else None
+    if parts.get("fallback"):  # no plain error to scale: the rule cannot say what noise is here
+        check = Check(4, name, "inconclusive", measure, value, reason="the plain or the float64 run is not finite "
+                      "at a real token, so the bound has nothing to scale", data=parts)
+        return check, {"error": value, "bound": bound, "plain": plain}
     check = bounded(4, name, measure, value, bound, location=loc, data=parts)
     return check, {"error": value, "bound": bound, "plain": plain}
 
@@ -203,7 +208,7 @@ def block_row(facts: Mapping[str, Any], t: Mapping[str, "Tensor"], dtypes: tuple
                               "max |B's block on A's input - A| (added error)")
     total = max_err(t["b_out"], t["a_out"])
     fields = {"layer": int(facts["index"]), **_numbers(total, nums["error"], nums["bound"])}
-    return Row(str(facts["path"]), "pass" if added.passed else "fail", (added,), fields=fields)
+    return Row(str(facts["path"]), row_status((added,)), (added,), fields=fields)
 
 
 def model_rows(t: Mapping[str, "Tensor"], facts: Mapping[str, Any], dtypes: tuple[str, str],
@@ -211,7 +216,7 @@ def model_rows(t: Mapping[str, "Tensor"], facts: Mapping[str, Any], dtypes: tupl
     """``embeddings``, ``masks``, ``position_ids`` and ``position_embeddings``, in that order."""
     emb, nums = ratio_check("embeddings", t["b_embed"], t["a_embed"], _plains(t, "_embed", "exact"), dtypes, rows,
                             "max |B - A| of block 0's input")
-    out = [Row("embeddings", "pass" if emb.passed else "fail", (emb,), fields=_numbers(nums["error"], nums["error"], nums["bound"]))]  # nothing inherited: added is total
+    out = [Row("embeddings", row_status((emb,)), (emb,), fields=_numbers(nums["error"], nums["error"], nums["bound"]))]  # nothing inherited: added is total
     out.append(_one_check_row("masks", mask_check(t, facts["masks"], rows)))
     out.append(_one_check_row("position_ids", positions_check(t, len(facts["masks"]), rows)))
     out.append(_one_check_row("position_embeddings", rotary_check(t, len(facts["masks"]), dtypes, rows)))
@@ -225,8 +230,7 @@ def _numbers(total: float | None = None, added: float | None = None, bound: floa
 
 
 def _one_check_row(name: str, check: Check) -> Row:
-    status = "fail" if check.failed else "pass" if check.passed else check.status
-    return Row(name, status, (check,), fields=_numbers())
+    return Row(name, row_status((check,)), (check,), fields=_numbers())
 
 
 def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], rows: Mapping[str, Any]) -> Check:
@@ -307,7 +311,7 @@ def logits_row(t: Mapping[str, "Tensor"], dtypes: tuple[str, str], rows: Mapping
         loc = {"example": rows["example"][r], "token": rows["token"][r], "a": int(top_a[r, 0]), "b": int(top_b[r, 0])}
     agree = counted(4, "top_k", f"real tokens where a run's top token is not in the other's top {k}", int(miss.sum()),
                     location=loc, data={"k": k, "top1_differ": int((top_a[:, 0] != top_b[:, 0]).sum())})
-    status = "fail" if (check.failed or agree.failed) else "pass"
+    status = row_status((check, agree))
     return Row("logits", status, (check, agree), fields=_numbers(nums["error"], None, nums["bound"]))
 
 

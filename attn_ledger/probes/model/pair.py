@@ -9,7 +9,10 @@ which may be rounded already; eager takes its softmax in float32). A ``compare``
 * B's forward on B's inputs, keeping the same, and inside each block's ``forward_pre_hook(with_kwargs=True)``
   replaying the block once more on A's input (its real rows moved to B's positions, cast to B's dtype) with
   B's own keyword arguments: B's mask, position ids and position embeddings;
-* each plain model's forward on B's inputs, replaying its blocks on the same A input the same way.
+* each plain model's forward on B's inputs, replaying its blocks on the same A input the same way. A padded
+  query row that reads no key is not finite in eager attention at float64 (its softmax, taken in float32, sees
+  only -inf); the plain runs set such rows to 0 after each block, so that their padded keys carry no NaN into
+  the real rows (a real row never reads them) and the whole run stays a reference for the logits.
 
 Every run also keeps the keyword arguments its blocks received (masks, position ids, position embeddings) and
 its logits. Only real rows are sent back (``valid`` masks, one per run, the same count per example), one part
@@ -148,9 +151,9 @@ class Watch:
     inputs, run each block once more on them (``moved(h_a, h_own)`` places A's rows among the block's own)."""
 
     def __init__(self, model: "nn.Module", blocks: list[str], replay_on: list[Any] | None = None,
-                 moved: Callable[[Any, Any], Any] | None = None) -> None:
+                 moved: Callable[[Any, Any], Any] | None = None, padded: Any = None) -> None:
         n = len(blocks)
-        self.model, self.blocks, self.replay_on, self.moved = model, blocks, replay_on, moved
+        self.model, self.blocks, self.replay_on, self.moved, self.padded = model, blocks, replay_on, moved, padded
         self.seen = Seen([None] * n, [None] * n, [None] * n, [{} for _ in range(n)])
         self.handles: list[Any] = []
         self.replaying = False
@@ -185,10 +188,17 @@ class Watch:
                     self.replaying = False
         return hook
 
-    def _post(self, i: int) -> Callable[..., None]:
-        def hook(mod: Any, args: tuple, out: Any) -> None:
-            if not self.replaying:
-                self.seen.outputs[i] = _first(out).detach().clone()
+    def _post(self, i: int) -> Callable[..., Any]:
+        def hook(mod: Any, args: tuple, out: Any) -> Any:
+            if self.replaying:
+                return None
+            h = _first(out)
+            if self.padded is not None and not h[self.padded].isfinite().all():
+                h = h.clone()  # [B, T, E]
+                h[self.padded] = h[self.padded].nan_to_num(0.0, 0.0, 0.0)
+                out = (h, *out[1:]) if isinstance(out, tuple) else h
+            self.seen.outputs[i] = h.detach().clone()
+            return out
         return hook
 
 
@@ -231,9 +241,10 @@ def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, 
         seen_a = _forward(pair.a, Watch(pair.a, blocks), inputs_a, f"{label} (run A)")
         moved = mover(valid_a, valid_b)
         seen_b = _forward(pair.b, Watch(pair.b, blocks, seen_a.inputs, moved), inputs_b, f"{label} (run B)")
-        plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved), inputs_b, f"plain {d} {label}")
+        plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved, ~valid_b), inputs_b, f"plain {d} {label}")
                  for d, m in pair.plain.items()}
-        exact = _forward(pair.exact, Watch(pair.exact, blocks, seen_a.inputs, moved), inputs_b, f"float64 {label}")
+        exact = _forward(pair.exact, Watch(pair.exact, blocks, seen_a.inputs, moved, ~valid_b), inputs_b,
+                         f"float64 {label}")
     except _Raised as exc:
         return {"error": str(exc)}
     _send_model(sink, seen_a, seen_b, plain, exact, valid_a, valid_b)
