@@ -211,6 +211,8 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     replay: bool = False,
     softcap: float | None = None,
     sinks: Any = None,
+    bias: "Tensor | None" = None,
+    out_layout: str = "bhtd",
 ) -> Report:
     """Run the ledger on given Q, K, V (and optionally the user's own intermediates and gradients).
 
@@ -237,6 +239,11 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
             logit soft-capping), in the pipeline and every reference alike (not with ``grad`` or ``backends``).
         sinks: attention sinks, one logit per query head (gpt-oss's ``s_aux``): a tensor ``[Nh]``, a number for
             every head or a sequence of Nh numbers; each is one more column of the softmax, in the denominator only.
+        bias: an additive bias on the scores (T5's ``position_bias``, ALiBi), broadcastable to ``[B, Nh, Tq, Tk]``:
+            the scores stage is ``q k^T scale`` (capped) plus it, in the pipeline and every reference (not with
+            ``grad``, ``backends`` or ``replay``).
+        out_layout: ``bhtd`` (``out`` is ``[B, Nh, Tq, Dv]``) or ``bthd`` (``[B, Tq, Nh, Dv]``, as transformers'
+            attention functions return it).
         rope: rotary positions applied to q and k before the scores (a :class:`~attn_ledger.maths.rotary.RotarySpec`
             or its text, ``PAIRING[,base=B][,dim=D]``); query i at position ``i + Tk - Tq``.
         grad: run and check the backward stages, seeded with ``grad_output`` on the context: ``"ones"``
@@ -267,11 +274,18 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     grads = {n: t for n, t in (grads or {}).items() if t is not None}
     inputs.check_options(scale, temperature, grad, grad_output, grads, softcap)
     sink_t = inputs.sinks_tensor(sinks, nh, q.dtype, q.device)
+    bias_t = inputs.bias_grid(bias, b, nh, tq, tk, q.dtype)
+    if bias_t is not None:
+        for option, given_ in (("grad", grad), ("backends", backends), ("replay", replay)):
+            if given_:
+                raise InputError(f"{option}: got it with a bias, expected a bias only on the forward's own comparisons")
+    out = inputs.out_in_layout(out, out_layout) if not one_head else out
     given, broken = inputs.given_tensors({"scores": scores, "weights": weights, "out": out}, one_head, b, nh, tq, tk, dv)
     rows = Rows()
     title, meta = inputs.tensor_rows(rows, q, k, v, one_head, relation, source, given)
     title += f" softcap={softcap:g}" if softcap is not None else ""
     title += " sinks" if sink_t is not None else ""
+    title += f" bias {list(bias.shape)}" if bias_t is not None else ""
     order = tensor_stages(rotation_spec is not None, grad)
     empty_zero = empty_rows == "zeros"
 
@@ -294,12 +308,12 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     # Q, K, V go to the reference as given: cast to its dtype and kv heads repeated by its own code
     grid = run_grid(rows, meta, ops, qr, k_exp, v_exp, refs, relation, ref_scale, empty_zero, ref_scale=ref_scale,
                     given=given, broken=tuple(broken), block_size=block_size, keep_grids=keep_grids, progress=progress,
-                    backends=backends, softcap=softcap, sinks=sink_t)
+                    backends=backends, softcap=softcap, sinks=sink_t, bias=bias_t)
 
     def hinted() -> Report:  # what to try next where the saved out fails (engine/hints.py); the alternatives
         from attn_ledger.engine.hints import with_tensor_hints  # tried have no sinks, so none is tried with them
 
-        if sink_t is not None:
+        if sink_t is not None or bias_t is not None:
             return done()
         return with_tensor_hints(done(), given.get("out"), (qr, k_exp, v_exp), declared_mask=_mask_key(spec),
                                  declared_text=relation.name, allow=relation.block(0, tq), scale=ref_scale,
@@ -374,9 +388,10 @@ def run_ledger_tensors(
     replay: bool = False,
     softcap: float | None = None,
     sinks: Any = None,
+    out_layout: str = "bhtd",
 ) -> Report:
     """Load a ``.pt``/``.safetensors``/``.npz`` file of q, k, v (and optional masks, intermediates and gradients
-    ``grad_out``, ``dq``, ``dk``, ``dv``, and ``sinks`` ``[Nh]``) and run the ledger (see :func:`ledger_on_qkv`).
+    ``grad_out``, ``dq``, ``dk``, ``dv``, ``sinks`` ``[Nh]`` and an additive ``bias``) and run the ledger (see :func:`ledger_on_qkv`).
 
     ``path`` may also be the file's tensors, loaded already with
     :func:`~attn_ledger.inputs.tensorio.load_tensor_file`; ``source`` then names them in the title.
@@ -390,4 +405,4 @@ def run_ledger_tensors(
         empty_rows=empty_rows, block_size=block_size, keep_grids=keep_grids, keep_going=keep_going,
         progress=progress, source=source, backends=backends, scale=scale, temperature=temperature, rope=rope,
         grad=grad, grad_output=grad_output, grads={n: t.get(n) for n in ("grad_out", "dq", "dk", "dv")}, replay=replay,
-        softcap=softcap, sinks=inputs.file_sinks(t, sinks, source))
+        softcap=softcap, sinks=inputs.file_sinks(t, sinks, source), bias=t.get("bias"), out_layout=out_layout)

@@ -256,3 +256,60 @@ def test_bad_input_is_one_line_and_exit_2(args, words):
     assert result.exit_code == 2, result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.output
+
+
+# --- the stage ledger: an additive bias and the context's layout in run --tensors --------------------------
+
+
+def _biased(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(3))
+    bias = torch.randn(1, 2, 6, 6, generator=g)
+    allow = torch.ones(6, 6, dtype=torch.bool).tril()
+    s = (q @ k.transpose(-1, -2) * 8 ** -0.5 + bias).masked_fill(~allow, float("-inf"))
+    return q, k, v, bias, allow, torch.softmax(s, dim=-1) @ v  # out [B, Nh, Tq, Dv]
+
+
+def test_a_bias_joins_the_scores_stage_in_the_pipeline_and_every_reference():
+    from attn_ledger.ledger import ledger_on_qkv
+
+    q, k, v, bias, allow, out = _biased()
+    assert ledger_on_qkv(q, k, v, allow_mask=allow, out=out, bias=bias).verdict == "pass"
+    assert ledger_on_qkv(q, k, v, allow_mask=allow, out=out.transpose(1, 2), bias=bias, out_layout="bthd").verdict == "pass"
+    r = ledger_on_qkv(q, k, v, allow_mask=allow, out=out)  # the same output judged without the bias it was made with
+    assert (r.first_finding.row, r.first_finding.name) == ("context", "user_out_matches_reference")
+    r = ledger_on_qkv(q, k, v, allow_mask=allow, out=out, bias=-bias)
+    assert r.first_finding.row == "context"
+    for bad, words in (({"bias": bias[..., :5]}, "bias: got shape"), ({"bias": bias, "grad": True}, "grad: got it"),
+                       ({"bias": bias.masked_fill(allow, float("nan"))}, "NaN"),
+                       ({"out": out, "out_layout": "thbd"}, "out_layout")):
+        with pytest.raises(InputError, match=words):
+            ledger_on_qkv(q, k, v, allow_mask=allow, **{"out": out, **bad})
+
+
+def test_out_layout_is_for_saved_tensors_only():
+    result = runner.invoke(app, ["run", "--out-layout", "bthd"])
+    assert result.exit_code == 2 and "--out-layout" in result.output
+
+
+def test_the_first_wrong_call_opens_onto_its_stage_ledger_and_saved_calls_replay(tmp_path):
+    from attn_ledger.ledger import run_ledger_tensors
+    from attn_ledger.probes.model.scan import first_ledger
+
+    _, exp, sides = _call()
+    judge = Judge({}, sides, ScanOptions(keep_going=True, declared=Declared(causal=True)))
+    judge.save_dir = str(tmp_path)
+    for i, bug in enumerate((None, "tiled")):
+        call, _, _ = _call(bug)
+        facts = {**call.facts, "entry": i, "index": i, "path": f"layers.{i}.self_attn",
+                 "mask": {"key": f"m{i}", "new": True}}
+        judge.take(facts, {"q": call.q, "k": call.k, "v": call.v, "context": call.returned, "weights": call.weights,
+                           "mask": call.mask})
+    ledger = first_ledger(judge)
+    assert ledger.command == "run" and "layers.1.self_attn, example" in ledger.title
+    assert ledger.first_finding.row in ("weights", "context")
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["000-layers.0.self_attn-b0.safetensors", "000-layers.0.self_attn-b1.safetensors",
+                     "001-layers.1.self_attn-b0.safetensors", "001-layers.1.self_attn-b1.safetensors"]
+    verdicts = [run_ledger_tensors(tmp_path / f, out_layout="bthd").verdict for f in files]
+    assert verdicts == ["pass", "pass", "fail", "fail"]

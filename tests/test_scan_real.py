@@ -65,6 +65,25 @@ def test_a_registered_function_with_a_bug_exits_1_naming_layer_0():
     assert doc["command"] == "scan" and doc["first_finding"]["row"] == "layers.0.self_attn"
     assert "kv heads tiled" in doc["first_finding"]["message"]
     assert [r["status"] for r in doc["rows"]] == ["fail", "downstream"]
+    ledger = doc["ledger"]  # the stage ledger of that call, run on its captured tensors
+    assert ledger["command"] == "run" and ledger["verdict"] == "fail" and "layers.0.self_attn" in ledger["title"]
+    assert ledger["first_finding"]["row"] in ("weights", "context")
+
+
+def test_saved_calls_replay_through_run_tensors_t5_with_its_position_bias(tmp_path):
+    from safetensors.torch import load_file
+
+    from attn_ledger.ledger import run_ledger_tensors
+
+    t = target("transformers", "t5")
+    loaded, _ = setup({"target": t.to_json()})
+    report = scan(LocalModel(loaded), InputPlan(2, 12, "right", 0), ScanOptions(save=str(tmp_path / "calls")))
+    assert report.exit_code == 0
+    files = sorted((tmp_path / "calls").iterdir())
+    assert len(files) == 8  # the encoder's two calls per example (padded query rows left out), the decoder's four
+    assert all("bias" in load_file(str(f)) for f in files)
+    for f in files:
+        assert run_ledger_tensors(f, out_layout="bthd", scale=1.0).verdict == "pass", f.name
 
 
 # --- broken cases, each named at the first layer where it acts --------------------------------------------
@@ -96,3 +115,88 @@ def test_gpt2_eager_that_bypasses_the_interface_is_watched_by_the_observer():
     report = _scan("gpt2", "eager", "right", overrides=["reorder_and_upcast_attn=true"])
     assert report.exit_code == 0 and report.details["passes"] == 2
     assert [r.fields["via"] for r in report.rows] == ["observer", "observer"]
+
+
+# --- the families, correct under each implementation they support and both padding sides --------------------
+
+FAMILIES = [("llama", ("eager", "sdpa")), ("mistral", ("eager", "sdpa")), ("qwen2", ("eager", "sdpa")),
+            ("qwen3", ("sdpa",)), ("gemma2", ("eager",)), ("gpt_oss", ("eager",)), ("gpt2", ("eager", "sdpa")),
+            ("bert", ("eager", "sdpa")), ("t5", ("eager", "sdpa"))]
+CORRECT = [(f, i, p) for f, impls in FAMILIES for i in impls for p in ("left", "right")]
+
+
+@pytest.mark.parametrize("family, implementation, padding", CORRECT, ids=["-".join(c) for c in CORRECT])
+def test_each_family_passes_under_its_implementations_and_both_padding_sides(family, implementation, padding):
+    report = _scan(family, implementation, padding)
+    assert report.exit_code == 0, [(r.name, r.first_failing()) for r in report.rows if r.first_failing()]
+    assert report.coverage is None and len(report.rows) == (6 if family == "t5" else 2)
+    for row in report.rows:  # every call was judged against its float64 reference, with margin
+        ref = row.check("reference")
+        assert ref.passed and ref.data["ratio"] < 0.5, (row.name, ref.data)
+        assert row.check("relation").passed
+
+
+def test_what_each_family_config_says_is_judged():
+    def judged(report, check):
+        return [row.check(check).status for row in report.rows]
+
+    assert judged(_scan("mistral", "sdpa"), "relation") == ["pass", "pass"]
+    assert [r.fields["relation"] for r in _scan("gemma2", "eager").rows] == ["causal w16", "causal"]
+    assert judged(_scan("gemma2", "eager"), "softcap") == ["pass", "pass"]
+    assert judged(_scan("gpt_oss", "eager"), "sinks") == ["pass", "pass"]
+    assert judged(_scan("qwen3", "sdpa"), "rotary") == ["pass", "pass"]  # judged from q_norm's output
+    t5 = _scan("t5", "sdpa")
+    assert [r.fields["relation"] for r in t5.rows] == ["bidirectional"] * 2 + ["causal", "bidirectional"] * 2
+    gpt2 = _scan("gpt2", "eager", overrides=["scale_attn_by_inverse_layer_idx=true"])
+    assert gpt2.exit_code == 0 and judged(gpt2, "scale") == ["pass", "pass"]
+
+
+@pytest.mark.slow
+def test_flex_attention_passes_its_block_mask_read_densely():
+    # through the worker, as users run it: torch.compile warns of its own internals, which pytest makes errors here
+    result = runner.invoke(app, ["scan", "--transformers", "llama", "--attn-implementation", "flex_attention",
+                                 "--padding", "left", "--format", "json"])
+    assert result.exit_code == 0, result.output[-2000:]
+    doc = json.loads(result.stdout)
+    assert [[c["status"] for c in r["checks"] if c["name"] == "relation"] for r in doc["rows"]] == [["pass"], ["pass"]]
+
+
+# --- mistakes in a model, each named at the first layer where it acts -------------------------------------
+
+
+def _patched(monkeypatch, name: str):
+    """Run factory ``name`` of fixtures/models/broken.py here, putting back what it replaces at the test's end."""
+    import importlib
+
+    sys.path.insert(0, str(BROKEN.parent))
+    try:
+        broken = importlib.import_module("broken")
+    finally:
+        sys.path.remove(str(BROKEN.parent))
+    for module, attr in broken.PATCHES.get(name, []):
+        mod = importlib.import_module(module)
+        monkeypatch.setattr(mod, attr, getattr(mod, attr))
+    return _scan(factory=f"{BROKEN}:{name}")
+
+
+@pytest.mark.parametrize("factory, row, check, words", [
+    ("llama_tiled_repeat_kv", "layers.0.self_attn", "reference", "kv heads tiled"),
+    ("llama_rotary_every_two", "layers.0.self_attn", "rotary", "adjacent pairs"),
+    ("gemma2_window_one_too_wide", "layers.1.self_attn", "forbidden_weight", "one wider than sliding_window=16"),
+    ("llama_mask_drops_last_padded_key", "layers.0.self_attn", "relation", "lets 12 padded keys through"),
+])
+def test_each_mistake_in_a_model_is_named_at_its_first_layer(monkeypatch, factory, row, check, words):
+    report = _patched(monkeypatch, factory)
+    assert _finding(report)[:2] == (row, check) and words in _finding(report)[2], _finding(report)
+    first = [r.name for r in report.rows].index(row)
+    assert all(r.status == "pass" for r in report.rows[:first])
+
+
+def test_the_control_model_passes(monkeypatch):
+    assert _patched(monkeypatch, "llama").exit_code == 0
+
+
+def test_a_registered_window_one_too_wide_is_named():
+    report = _scan("mistral", register=f"{CUSTOM}:window_too_wide", mask_format="none", padding="none")
+    row, name, reason = _finding(report)
+    assert row == "layers.0.self_attn" and "a window of 17 keys" in reason

@@ -22,7 +22,8 @@ from attn_ledger.inputs.tensorio import save_tensor_file
 runner = CliRunner()
 
 B, NH, NKV, TQ, TK, DH, DV = 2, 4, 2, 3, 5, 6, 7  # all different, so a change to one axis matches no other
-KEYS = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv", "sinks")
+KEYS = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv", "sinks",
+        "bias")  # a bias is walked on its own (test_a_bias_of_a_shape_that_does_not_broadcast_is_refused): not with --grad
 GRAD_KEYS = ("grad_out", "dq", "dk", "dv")  # compared by the backward stages, so the walk runs them with --grad
 
 
@@ -159,3 +160,35 @@ def test_cross_attention_without_a_mask_passes(tmp_path, b, tq, tk):
     assert code == 0, (err, doc and headline(doc))
     r = runner.invoke(app, ["run", "--query-len", str(max(tq, 1)), "--key-len", str(tk), "--mask", "none", "--format", "json"])
     assert r.exit_code == 0, r.stdout[-500:]
+
+
+def biased_file() -> dict[str, torch.Tensor]:
+    """q, k, v, the causal mask and an additive bias ``[1, Nh, Tq, Tk]``, with the output they give (float64)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, NH, TQ, DH, generator=g, dtype=torch.float64)
+    k = torch.randn(B, NKV, TK, DH, generator=g, dtype=torch.float64)
+    v = torch.randn(B, NKV, TK, DV, generator=g, dtype=torch.float64)
+    allow = torch.ones(TQ, TK, dtype=torch.bool).tril(TK - TQ)
+    bias = torch.randn(1, NH, TQ, TK, generator=g, dtype=torch.float64)
+    kr, vr = k.repeat_interleave(NH // NKV, 1), v.repeat_interleave(NH // NKV, 1)
+    s = (q @ kr.transpose(-2, -1) / math.sqrt(DH) + bias).masked_fill(~allow, float("-inf"))
+    return {"q": q, "k": k, "v": v, "allow_mask": allow, "bias": bias, "out": torch.softmax(s, dim=-1) @ vr}
+
+
+def _broadcasts(shape: tuple[int, ...]) -> bool:
+    full = (B, NH, TQ, TK)
+    four = shape if len(shape) == 4 else (shape[0], 1, *shape[1:]) if len(shape) == 3 else (1, 1, *shape) \
+        if len(shape) == 2 else None
+    return four is not None and all(g in (1, w) for g, w in zip(four, full)) and four[-1] == TK
+
+
+@pytest.mark.parametrize("shape", wrong_shapes((1, NH, TQ, TK)), ids=lambda s: str(list(s)))
+def test_a_bias_of_a_shape_that_does_not_broadcast_is_refused(tmp_path, shape):
+    ok = biased_file()
+    assert run_file(ok, tmp_path / "ok.pt")[0] == 0
+    tensors = {**ok, "bias": reshaped(ok["bias"], shape)}
+    code, err, _ = run_file(tensors, tmp_path / "bad.pt")
+    if _broadcasts(shape):  # another placement of a bias: judged, and this one is not the bias the out was made with
+        assert code == 1, (shape, err)
+    else:
+        assert code == 2 and err.startswith("error: bias: got shape") and len(err.strip().splitlines()) == 1, err

@@ -31,6 +31,7 @@ OPTION_NAMES = {"batch_size": "--batch-size", "seq_len": "--seq-len", "query_len
 
 EmptyRows = opt.choices("EmptyRows", "error", "zeros")
 Show = opt.choices("Show", "weights", "mask")  # a heatmap drawn after the table
+OutLayout = opt.choices("OutLayout", "bhtd", "bthd")  # a saved out's axes (--tensors)
 
 # the options many commands share, with run's help text
 DeviceOption = opt.device_option("cpu, cuda, mps or auto.", any_name=True)  # any name: the config checks cuda:N
@@ -48,7 +49,7 @@ def seed_file(grad_output: str | None) -> str | None:
 
 def run(  # long by its 37 options (typer reads them from the signature); the body parses them, helpers below run them
     config: Annotated[Optional[Path], typer.Argument(help="TOML or JSON config; omitted: the embedded default (B=2, T=5, E=12, Nh=3, causal).", show_default=False)] = None,
-    tensors: Annotated[Optional[Path], typer.Option("--tensors", help="Saved q, k, v (.pt, .safetensors, .npz), with optional allow_mask, key_valid, scores, weights, out.")] = None,
+    tensors: Annotated[Optional[Path], typer.Option("--tensors", help="Saved q, k, v (.pt, .safetensors, .npz), with optional allow_mask, key_valid, scores, weights, out, sinks and an additive bias.")] = None,
     fault: Annotated[Optional[FaultName], typer.Option("--fault", help="Inject one deliberate failure into the built-in pipeline.")] = None,
     batch_size: Annotated[Optional[str], typer.Option("--batch-size", metavar=INT, help="B.")] = None,
     seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, help="T for self-attention.")] = None,
@@ -84,6 +85,7 @@ def run(  # long by its 37 options (typer reads them from the signature); the bo
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Softmax temperature tau: the score scale becomes S/tau.")] = None,
     softcap: Annotated[Optional[float], typer.Option("--softcap", metavar="C", help="Soft-cap the scaled scores, C * tanh(s / C), before the mask (Gemma 2's attn_logit_softcapping), in the pipeline, every reference and the backward (--grad).")] = None,
     sinks: Annotated[Optional[str], typer.Option("--sinks", metavar="S|FILE", help="Attention sinks, one logit per head in the softmax's denominator only (gpt-oss's s_aux): a number for every head, Nh numbers joined by ',', or a tensor file; in the pipeline, every reference and the backward (--grad).")] = None,
+    out_layout: Annotated[Optional[OutLayout], typer.Option("--out-layout", help="With --tensors: the saved out is [B, Nh, Tq, Dv] (bhtd, the context's own) or [B, Tq, Nh, Dv] (bthd, as transformers' attention functions return it). Default: bhtd.")] = None,
     rope: Annotated[Optional[str], typer.Option("--rope", help="Rotary positions on q and k before the scores: PAIRING[,base=B][,dim=D], PAIRING half or interleaved (e.g. half, interleaved,base=500000,dim=32).")] = None,
 ) -> None:
     """Run attention as named stages, check each, and name the first stage that diverges.
@@ -111,7 +113,12 @@ def run(  # long by its 37 options (typer reads them from the signature); the bo
                 prefix_len=positions["--prefix-len"], empty_rows=(empty_rows.value if empty_rows else "error"),
                 dtype=dtype.value if dtype else None, device=device or "cpu", block_size=positions["--block-size"],
                 keep_grids=keep_grids, keep_going=keep_going, backends=backends, scale=scale, temperature=temperature,
-                rope=rope, grad=grad, grad_output=grad_output, replay=replay, softcap=softcap, sinks=sinks)
+                rope=rope, grad=grad, grad_output=grad_output, replay=replay, softcap=softcap, sinks=sinks,
+                out_layout=out_layout.value if out_layout else "bhtd")
+        if out_layout is not None:
+            from attn_ledger.errors import InputError
+
+            raise InputError(f"--out-layout: got {out_layout.value!r} without --tensors, expected it only for a saved out")
         overrides = {
             "fault": fault.value if fault else None, "batch_size": sizes["--batch-size"], "seq_len": sizes["--seq-len"],
             "query_len": sizes["--query-len"], "key_len": sizes["--key-len"], "embed_dim": sizes["--embed-dim"],

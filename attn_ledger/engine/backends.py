@@ -47,20 +47,22 @@ def sdpa_pinned(name: str, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor 
 
 
 def sdpa_capped(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
-                cap: float | None, sinks: "Tensor | None" = None) -> "Tensor":
+                cap: float | None, sinks: "Tensor | None" = None, bias: "Tensor | None" = None) -> "Tensor":
     """SDPA's softmax and mix on soft-capped scores (and one sink per head): ``[B, Nh, rows, Dv]``.
 
     SDPA has no soft-cap, so it gets the capped scores ``cap * tanh(scale * q.k / cap)`` (in the
     run's dtype, -inf where forbidden) as its additive mask, with q zeroed so that its own
     scores are 0. A query with no allowed key gets what SDPA gives it under the boolean mask.
     With ``sinks`` (``[Nh]``), the mask gains one column holding each head's sink logit, over a
-    zero key and a zero value: the sink is in the denominator and mixes nothing.
+    zero key and a zero value: the sink is in the denominator and mixes nothing. An additive ``bias``
+    (``[B|1, Nh|1, rows, kw]``) is added to the capped scores, as the pipeline's scores stage adds it.
     """
     import torch
     import torch.nn.functional as F
 
     s = (q * scale) @ k.transpose(-2, -1)  # [B, Nh, rows, kw]
-    bias = s if cap is None else torch.tanh(s / cap) * cap
+    capped = s if cap is None else torch.tanh(s / cap) * cap
+    bias = capped if bias is None else capped + bias.to(capped.dtype)
     if allow is not None:
         bias = bias.masked_fill(~allow, float("-inf"))
     if sinks is not None:

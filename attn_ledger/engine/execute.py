@@ -100,10 +100,11 @@ class Execution:
                  ref: tuple["Tensor", "Tensor", "Tensor"], *, scale: float, ref_scale: float, empty_zero: bool,
                  given: "dict[str, Tensor] | None" = None, backends: tuple[tuple[str, "torch.dtype"], ...] = (),
                  progress: ProgressFn | None = None, softcap: float | None = None,
-                 sinks: "Tensor | None" = None) -> None:
+                 sinks: "Tensor | None" = None, bias: "Tensor | None" = None) -> None:
         import torch
 
         self.plan, self.relation, self.ops, self.softcap, self.sinks = plan, relation, ops, softcap, sinks
+        self.bias = bias  # [B|1, Nh|1, Tq, Tk] added to the scores stage, or None
         self.q, self.k_exp, self.v_exp, self.ref = q, k_exp, v_exp, ref
         self.scale, self.ref_scale, self.empty_zero = scale, ref_scale, empty_zero
         self.given, self.backends, self.progress = given or {}, backends, progress
@@ -145,10 +146,10 @@ class Execution:
         ref_dtype = reference_dtype(self.q.device)
         empty = "zeros" if self.empty_zero else "nan"
         self.sample = Sample(sampled_reference(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, empty, ref_dtype,
-                                               self.softcap, self.sinks), plan.reference_spans)
+                                               self.softcap, self.sinks, self.bias), plan.reference_spans)
         if ref_dtype == torch.float64:  # the rounding rule, half precision included
             self.sample.mags = sampled_rounding(q_ref, k_ref, v_ref, self.relation, plan, self.ref_scale, self.softcap,
-                                                (self.q, self.k_exp, self.v_exp))
+                                                (self.q, self.k_exp, self.v_exp), self.bias)
             self.sample.dtype = self.dtype_name
         if self.sdpa_whole_causal:
             # the intended relation is exactly causal: SDPA gets it as is_causal on the whole input, once
@@ -161,7 +162,14 @@ class Execution:
     @property
     def sdpa_whole_causal(self) -> bool:
         """SDPA runs once on the whole input with is_causal (not with a cap: it is then given the capped scores)."""
-        return self.plan.sdpa_whole_causal and self.softcap is None and self.sinks is None
+        return self.plan.sdpa_whole_causal and self.softcap is None and self.sinks is None and self.bias is None
+
+    def _bias_of(self, q0: int, q1: int, lo: int, hi: int) -> "Tensor | None":
+        """The bias on query rows ``q0:q1`` and keys ``lo:hi``, in the run's dtype (None without one)."""
+        if self.bias is None:
+            return None
+        b = self.bias if self.bias.shape[-2] == 1 else self.bias[..., q0:q1, :]
+        return b[..., lo:hi].to(self.dtype)
 
     def _block(self, blk: P.Block) -> Iterator[Measure]:
         """One block through the four stages; returns False when a stage broke."""
@@ -209,7 +217,8 @@ class Execution:
             if self.half:
                 t.plain = reference_stages(t.qb[:, :, a:z], t.kb, t.vb, allow_mask=self._ai_rows(t), scale=self.ref_scale,
                                            empty_rows="zeros" if self.empty_zero else "nan", dtype=self.dtype,
-                                           softcap=self.softcap, sinks=self.sinks)
+                                           softcap=self.softcap, sinks=self.sinks,
+                                           bias=self._bias_of(blk.q0 + a, blk.q0 + z, lo, hi))
         return t
 
     @staticmethod
@@ -222,6 +231,8 @@ class Execution:
         grid = (self.plan.b, self.plan.nh, blk.rows, lay.width)
         try:
             s = self.ops.scores(t.qb, t.kb, self.scale)  # [B, Nh, rows, kw]
+            if self.bias is not None:
+                s = s + self._bias_of(blk.q0, blk.q1, lay.lo, lay.hi)  # the additive bias joins the scores
         except Exception as exc:  # a stage that raises is a level-1 divergence at that stage
             yield Broken("scores", raised=exc)
             return None
@@ -346,8 +357,9 @@ class Execution:
             qb, kb, vb = self.q[:, :, start.q0:start.q1], self.k_exp[:, :, lo:hi], self.v_exp[:, :, lo:hi]
             self.sdpa_context[:, :, start.q0:start.q1] = (
                 F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=0.0, scale=self.ref_scale)
-                if self.softcap is None and self.sinks is None
-                else sdpa_capped(qb, kb, vb, mask, self.ref_scale, self.softcap, self.sinks))
+                if self.softcap is None and self.sinks is None and self.bias is None
+                else sdpa_capped(qb, kb, vb, mask, self.ref_scale, self.softcap, self.sinks,
+                                 self._bias_of(start.q0, start.q1, lo, hi)))
         end = self.plan.group_ending_at(blk.index)
         if end is not None:
             blocks = [(b.q0, b.q1) for b in self.plan.blocks[end.first:end.end]]
@@ -539,7 +551,7 @@ class Sample:
 
 def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation", plan: P.Plan, scale: float,
                       empty: str, dtype: "torch.dtype", softcap: float | None = None,
-                      sinks: "Tensor | None" = None) -> dict[str, "Tensor"]:
+                      sinks: "Tensor | None" = None, bias: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """The reference's stages for every sampled row, over every key, in one call.
 
     Returns ``{"scores", "masked_scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``
@@ -552,12 +564,23 @@ def sampled_reference(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation
     spans = plan.reference_spans  # absolute query rows
     contiguous = all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
     qs = q[:, :, spans[0][0]:spans[-1][1]] if contiguous else torch.cat([q[:, :, r0:r1] for r0, r1 in spans], dim=2)
-    ref = reference_block(qs, k, v, sample_allow(relation, spans, tk), scale, empty, dtype, softcap, sinks)
+    ref = reference_block(qs, k, v, sample_allow(relation, spans, tk), scale, empty, dtype, softcap, sinks,
+                          span_rows(bias, spans))
     return {key: t for key, t in ref.items() if key != "allow"}
 
 
+def span_rows(x: "Tensor | None", spans: tuple[tuple[int, int], ...]) -> "Tensor | None":
+    """The query rows of ``spans`` of a grid ``[.., Tq, Tk]`` (one with a single query row kept as is), or None."""
+    import torch
+
+    if x is None or x.shape[-2] == 1:
+        return x
+    return torch.cat([x[..., r0:r1, :] for r0, r1 in spans], dim=-2)
+
+
 def sampled_rounding(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation", plan: P.Plan, scale: float,
-                     softcap: float | None, pipeline: tuple["Tensor", "Tensor", "Tensor"]) -> dict[str, "Tensor"]:
+                     softcap: float | None, pipeline: tuple["Tensor", "Tensor", "Tensor"],
+                     bias: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """The rounding rule's ``M`` of each stage on the sampled rows (:func:`rounding.sampled_magnitudes`),
     shaped as :func:`sampled_reference`'s tensors; ``pipeline``: the pipeline's q, k, v (kv heads
     expanded), whose own error against the reference's is carried through."""
@@ -573,7 +596,7 @@ def sampled_rounding(q: "Tensor", k: "Tensor", v: "Tensor", relation: "Relation"
     dn = tolerance.dtype_name(pq.dtype)
     return rounding.sampled_magnitudes(rows(q), k, v, sample_allow(relation, spans, k.shape[-2]), scale, softcap,
                                        (rows(pq), pk, pv), tolerance.EPS.get(dn, 1.0), tiny=tolerance.tiny(dn),
-                                       accumulate=rounding.accumulation(dn))
+                                       accumulate=rounding.accumulation(dn), bias=span_rows(bias, spans))
 
 
 def sample_allow(relation: "Relation", spans: tuple[tuple[int, int], ...], tk: int) -> "Tensor | None":
@@ -597,7 +620,8 @@ def sample_rows(spans: tuple[tuple[int, int], ...], device: Any = None) -> "Tens
 
 
 def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float, empty: str,
-                    dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None) -> dict[str, "Tensor"]:
+                    dtype: "torch.dtype", softcap: float | None = None, sinks: "Tensor | None" = None,
+                    bias: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """The reference's stages for the sampled rows, a few query heads at a time when K and V are long.
 
     Heads are independent, so chunking over them changes nothing but the size of the
@@ -614,7 +638,7 @@ def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None
     kv_step = max(1, REF_CHUNK_BYTES // max(1, per_kv_head))
     if kv_step >= nkv:
         return reference_stages(q, k, v, allow_mask=allow, scale=scale, empty_rows=empty, dtype=dtype, softcap=softcap,
-                                sinks=sinks)
+                                sinks=sinks, bias=bias)
     parts: list[dict[str, Tensor]] = []
     for j0 in range(0, nkv, kv_step):
         j1 = min(j0 + kv_step, nkv)
@@ -622,6 +646,7 @@ def reference_block(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None
         a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
         parts.append(reference_stages(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], allow_mask=a, scale=scale,
                                       empty_rows=empty, dtype=dtype, softcap=softcap,
-                                      sinks=None if sinks is None else sinks[h0:h1]))
+                                      sinks=None if sinks is None else sinks[h0:h1],
+                                      bias=bias if bias is None or bias.shape[1] == 1 else bias[:, h0:h1]))
     keys = ("scores", "masked_scores", "weights", "out") + (() if sinks is None else ("sink_share",))
     return {key: torch.cat([p[key] for p in parts], dim=1) for key in keys}

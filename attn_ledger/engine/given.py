@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from attn_ledger.engine.rows import Rows
 
 TENSOR_NAMES = ("q", "k", "v", "allow_mask", "key_valid", "scores", "weights", "out", "grad_out", "dq", "dk", "dv",
-                "sinks")
+                "sinks", "bias")
+OUT_LAYOUTS = ("bhtd", "bthd")  # a saved ``out`` as [B, Nh, Tq, Dv] (the context's own) or [B, Tq, Nh, Dv] (transformers')
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 GIVEN = (("scores", "scores"), ("weights", "weights"), ("out", "context"))  # (name, the stage it is compared at)
 GIVEN_GRADS = (("grad_out", "grad_context"), ("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_values"))
@@ -197,10 +198,48 @@ def load(path: "str | os.PathLike[str] | Mapping[str, Tensor]", dtype: "torch.dt
                               "expected q, k and v")
     t = {n: x.to(device) for n, x in found.items()}
     if dtype is not None:
-        for n in ("q", "k", "v", "scores", "weights", "out", "grad_out", "dq", "dk", "dv"):
+        for n in ("q", "k", "v", "scores", "weights", "out", "grad_out", "dq", "dk", "dv", "bias"):
             if n in t and t[n].is_floating_point():
                 t[n] = t[n].to(dtype)
     return t
+
+
+def bias_grid(bias: "Tensor | None", b: int, nh: int, tq: int, tk: int, dtype: "torch.dtype") -> "Tensor | None":
+    """An additive bias on the scores as ``[B|1, Nh|1, Tq|1, Tk]`` in the run's dtype (None without one).
+
+    Accepted shapes: ``[Tq, Tk]``, ``[B, Tq, Tk]`` and 4-D ones broadcastable to ``[B, Nh, Tq, Tk]``
+    (T5's ``position_bias`` is ``[1, Nh, Tq, Tk]``).
+
+    Raises:
+        InputError: not floating point, a shape that does not broadcast, or NaN (an infinite entry is a mask's
+            business, not a bias's).
+    """
+    import torch
+
+    if bias is None:
+        return None
+    if not bias.is_floating_point():
+        raise InputError(f"bias: got dtype {dtype_name(bias.dtype)}, expected a floating-point tensor")
+    t = bias[:, None] if bias.dim() == 3 else bias[None, None] if bias.dim() == 2 else bias
+    ok = t.dim() == 4 and all(got in (1, want) for got, want in zip(t.shape, (b, nh, tq, tk))) and t.shape[-1] == tk
+    if not ok:
+        raise InputError(f"bias: got shape {list(bias.shape)}, expected one broadcastable to [B, Nh, Tq, Tk] = "
+                         f"{[b, nh, tq, tk]} ([Tq, Tk], [B, Tq, Tk] or 4-D)")
+    if not bool(torch.isfinite(t).all()):
+        raise InputError("bias: holds NaN or inf values, expected a finite additive bias (a mask goes in allow_mask)")
+    return t.to(dtype)
+
+
+def out_in_layout(out: "Tensor | None", layout: str) -> "Tensor | None":
+    """A saved ``out`` as ``[B, Nh, Tq, Dv]``: given in ``bthd`` (``[B, Tq, Nh, Dv]``) it is transposed."""
+    if layout not in OUT_LAYOUTS:
+        raise InputError(f"out_layout: got {layout!r}, expected one of {', '.join(OUT_LAYOUTS)}")
+    if out is None or layout == "bhtd":
+        return out
+    if out.dim() != 4:
+        raise InputError(f"out: got rank {out.dim()} shape {list(out.shape)} with out_layout bthd, expected "
+                         "[B, Tq, Nh, Dv]")
+    return out.transpose(1, 2)
 
 
 # --- the options of a ledger on given tensors, and its input row ----------------------------------

@@ -70,7 +70,7 @@ def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Te
              ref_scale: float, given: "dict[str, Tensor] | None" = None, broken: tuple[Broken, ...] = (),
              block_size: int | None, keep_grids: bool, progress: ProgressFn | None,
              backends: "str | list[str] | None", softcap: float | None = None,
-             sinks: "Tensor | None" = None) -> Grid:
+             sinks: "Tensor | None" = None, bias: "Tensor | None" = None) -> Grid:
     """The score-grid stages: plan, execute block by block, fold and judge; rows, notes and meta filled in."""
     from attn_ledger.engine.execute import Execution
     from attn_ledger.engine.judge import Tally, judge
@@ -87,7 +87,7 @@ def run_grid(rows: Rows, meta: dict[str, Any], ops: Any, q: "Tensor", k_exp: "Te
                      width_step=key_step(q.dtype, q.device.type, tk))
     run = Execution(plan, relation, ops, q, k_exp, v_exp, ref, scale=scale, ref_scale=ref_scale,
                     empty_zero=empty_zero, given=given, backends=pairs, progress=progress, softcap=softcap,
-                    sinks=sinks)
+                    sinks=sinks, bias=bias)
     tally = Tally.of([*broken, *run.run()])
     derived = {"scores": (b, nh, tq, tk), "masked_scores": (b, nh, tq, tk), "weights": (b, nh, tq, tk),
                "context": (b, nh, tq, dv)}

@@ -41,7 +41,8 @@ QUANTITY = {"scores": "scores", "weights": "weights", "context": "context", "gra
 
 def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
                      softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
-                     eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0) -> dict[str, "Tensor"]:
+                     eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0,
+                     bias: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """``M`` of the scores, weights and context, in float64.
 
     Args:
@@ -60,6 +61,8 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
             1 for float32 and float64; half precision sums in float32 (torch's CPU kernels do), so a
             sum's ``sqrt(n)`` growth is ``2^-13`` (float16) or ``2^-16`` (bfloat16) of the dtype's
             rounding, while each result still rounds once to the dtype.
+        bias: added to the (capped) scores, broadcastable to ``[B, Nh, R, Tk]``: its size joins each score's
+            magnitude (the addition's rounding).
 
     Returns:
         ``{"scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``.
@@ -78,6 +81,10 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     a = torch.matmul(qd.abs(), kk.abs().transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
+    if bias is not None:
+        bb = bias.detach().to(f64)
+        s = s + bb
+        a = a + bb.abs()
     acc = accumulate
     dot = 1.0 + acc * math.sqrt(dh)  # q . k sums Dh products
     sa = s.abs()
@@ -208,7 +215,7 @@ def per_kv(t: "Tensor", n_kv: int) -> "Tensor":
 def sampled_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
                        softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
                        eps: float = 1.0, chunk_bytes: int = 1 << 22, tiny: float = 0.0,
-                       accumulate: float = 1.0) -> dict[str, "Tensor"]:
+                       accumulate: float = 1.0, bias: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """:func:`stage_magnitudes` a few kv heads at a time (heads are independent), as the reference runs."""
     import torch
 
@@ -217,7 +224,7 @@ def sampled_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | N
     per_kv_head = k.shape[0] * k.shape[2] * (k.shape[3] + v.shape[3]) * 8 * (1 + group)
     step = max(1, chunk_bytes // max(1, per_kv_head))
     if step >= nkv:
-        whole = stage_magnitudes(q, k, v, allow, scale, softcap, carried, eps, tiny, accumulate)
+        whole = stage_magnitudes(q, k, v, allow, scale, softcap, carried, eps, tiny, accumulate, bias)
         return {key: whole[key] for key in ("scores", "weights", "out")}
     parts = []
     for j0 in range(0, nkv, step):
@@ -225,8 +232,9 @@ def sampled_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | N
         h0, h1 = j0 * group, j1 * group
         a = allow if allow is None or allow.shape[1] == 1 else allow[:, h0:h1]
         c = None if carried is None else (carried[0][:, h0:h1], carried[1][:, h0:h1], carried[2][:, h0:h1])
+        bb = bias if bias is None or bias.shape[1] == 1 else bias[:, h0:h1]
         parts.append(stage_magnitudes(q[:, h0:h1], k[:, j0:j1], v[:, j0:j1], a, scale, softcap, c, eps, tiny,
-                                      accumulate))
+                                      accumulate, bb))
     return {key: torch.cat([p[key] for p in parts], dim=1) for key in ("scores", "weights", "out")}
 
 

@@ -52,6 +52,7 @@ def reference_stages(
     dtype: "torch.dtype | None" = None,
     softcap: float | None = None,
     sinks: "torch.Tensor | None" = None,
+    bias: "torch.Tensor | None" = None,
 ) -> dict[str, "torch.Tensor"]:
     """Plain attention in float64 (or ``dtype``), returning every intermediate.
 
@@ -65,9 +66,11 @@ def reference_stages(
             (Gemma 2's logit soft-capping); None: no cap.
         sinks: ``[Nh]`` one logit per head in the softmax's denominator only (gpt-oss's ``s_aux``): the
             weights over the keys sum to one minus the sink's share; a row with no allowed key is zeros.
+        bias: added to the (capped) scores before the mask, broadcastable to ``[B, Nh, Tq, Tk]`` (T5's
+            ``position_bias``, ALiBi): part of the scores stage.
 
     Returns:
-        dict with ``scores`` (scaled, capped, unmasked), ``masked_scores``, ``weights``, ``out``,
+        dict with ``scores`` (scaled, capped, biased, unmasked), ``masked_scores``, ``weights``, ``out``,
         each ``[B, Nh, Tq, *]``, and ``allow`` (or None); with sinks also ``sink_share`` ``[B, Nh, Tq]``.
     """
     import torch
@@ -82,6 +85,8 @@ def reference_stages(
     scores = torch.matmul(q64, k64.transpose(-2, -1)).mul_(scale)  # [B, Nh, Tq, Tk]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap  # [B, Nh, Tq, Tk], within (-softcap, softcap)
+    if bias is not None:
+        scores = scores + bias.to(dtype)  # [B, Nh, Tq, Tk]
     allow = combined_allow(b, nh, tq, tk, allow_mask, is_causal, device=q.device)
     if sinks is not None:
         return _with_sinks(scores, allow, sinks.to(dtype), v64)

@@ -117,8 +117,8 @@ def envelope(command: str, verdict: str) -> dict[str, Any]:
 
 
 def report_json(report: Report) -> dict[str, Any]:
-    """The whole report as plain JSON data."""
-    return {
+    """The whole report as plain JSON data (with ``ledger``, the report it opens onto, where it has one)."""
+    doc = {
         **envelope(report.command, report.verdict),
         "title": report.title,
         "first_finding": finding_json(report.first_finding),
@@ -129,6 +129,9 @@ def report_json(report: Report) -> dict[str, Any]:
         "details": details_json(report.details),
         "hints": [hint_json(h) for h in report.hints],
     }
+    if report.ledger is not None:
+        doc["ledger"] = report_json(report.ledger)
+    return doc
 
 
 def hint_json(h: Hint) -> dict[str, Any]:

@@ -50,4 +50,7 @@ def render_markdown(report: Report) -> str:
             out.append(f"- warning at {_esc(row)}: {c.name}: {_esc(describe(c))}")
     out += ["", f"**{_esc(finding_line(report.first_finding))}**", ""]
     out += [f"- {_esc(hint)}" for hint in hint_lines(report)] + ([""] if report.hints else [])
+    if report.ledger is not None:  # the report it opens onto (scan's stage ledger of its first wrong call), after it
+        heading = f"Stage ledger of {report.first_finding.row}" if report.first_finding is not None else "Stage ledger"
+        out += [f"## {_esc(heading)}", "", render_markdown(report.ledger)]
     return "\n".join(out)

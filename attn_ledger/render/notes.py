@@ -192,6 +192,15 @@ def _scan_reference(d: Mapping[str, Any]) -> str:
             f"{d['budget']}; every other check reads every row")
 
 
+def _scan_unreplayable(d: Mapping[str, Any]) -> str:
+    return f"no stage ledger of {d['call']}: {d['why']}"
+
+
+def _scan_saved(d: Mapping[str, Any]) -> str:
+    text = f"saved {d['files']} tensor file{'s' if d['files'] != 1 else ''} in {d['directory']}"
+    return text + (f"; replay the first with: {d['replay']}" if d.get("replay") else "")
+
+
 def _scan_stopped(d: Mapping[str, Any]) -> str:
     return f"the forward stopped after {d['calls']} attention calls: {d['text']}"
 
@@ -201,6 +210,8 @@ TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "scan_reference": _scan_reference,
     "compare_runs": _compare_runs,
     "scan_stopped": _scan_stopped,
+    "scan_unreplayable": _scan_unreplayable,
+    "scan_saved": _scan_saved,
     "given_input": _given_input,
     "config_input": _config_input,
     "probe": _probe,

@@ -180,13 +180,18 @@ def layout(report: Report, width: int = 100, detail: bool = False) -> list[Line]
 
     Side by side (name, status, shape, fields, then the checks column) while the checks
     column keeps at least ``MIN_WRAP`` characters; otherwise stacked: each row's checks on
-    the lines under it, indented.
+    the lines under it, indented. A report that opens onto another (``scan``'s stage ledger of its first
+    wrong call) shows that one after its own, under a heading.
     """
     if not detail:
-        if report.show_passing:
-            return compact_layout(report, width)
-        return verdict_lines(report, width) + _detail_layout(report, width)
-    return _detail_layout(report, width)
+        own = compact_layout(report, width) if report.show_passing else \
+            verdict_lines(report, width) + _detail_layout(report, width)
+    else:
+        own = _detail_layout(report, width)
+    if report.ledger is None:
+        return own
+    heading = f"stage ledger of {report.first_finding.row}" if report.first_finding is not None else "stage ledger"
+    return own + [[], [(heading + ":", "bold")]] + layout(report.ledger, width, detail)
 
 
 def _detail_layout(report: Report, width: int) -> list[Line]:

@@ -466,6 +466,27 @@ def _plus(a: "Tensor | None", b: "Tensor | None") -> "Tensor | None":
 # --- one call ------------------------------------------------------------------------------------------
 
 
+def implied(call: Call, exp: Expected, sides: Sides) -> tuple["Tensor", "Tensor", "Tensor", "Tensor | None", str]:
+    """``(allow, real, seen, seen_bias, seen_text)``: the relation the config implies ``[B, 1, Tq, Tk]`` (the call's own
+    where nothing says it), the query rows judged beyond finiteness ``[B, Tq]``, and the call's own mask."""
+    b, _, tq, _ = call.q.shape
+    tk = call.k.shape[-2]
+    valid_q, valid_k = _side(sides, exp.queries, b, tq), _side(sides, exp.keys, b, tk)
+    seen, seen_bias, seen_text = observed_allow(call, tq, tk)
+    allow = expected_allow(exp, valid_k, tq, tk) if exp.judged else seen
+    real = valid_q & allow.any(dim=-1).any(dim=1)  # [B, Tq]
+    return allow, real, seen, seen_bias, seen_text
+
+
+def scale_of(call: Call, exp: Expected) -> float:
+    """The scale the reference applies: the config's, else the call's own ``scaling``, else ``Dh ** -0.5``."""
+    got = (call.facts.get("kwargs") or {}).get("scaling")
+    if exp.scale is not None:
+        return exp.scale
+    return float(got) if isinstance(got, (int, float)) and not isinstance(got, bool) else call.q.shape[-1] ** -0.5
+
+
+
 def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_BUDGET) -> Verdict:
     """Every check of one call (see the module docstring)."""
     import torch
@@ -480,11 +501,8 @@ def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_
     b, nh, tq, width = call.q.shape
     tk = call.k.shape[-2]
     dtype = tolerance.dtype_name(call.context.dtype)
-    valid_q = _side(sides, exp.queries, b, tq)
     valid_k = _side(sides, exp.keys, b, tk)
-    seen, seen_bias, seen_text = observed_allow(call, tq, tk)
-    allow = expected_allow(exp, valid_k, tq, tk) if exp.judged else seen
-    real = valid_q & allow.any(dim=-1).any(dim=1)  # [B, Tq]
+    allow, real, seen, seen_bias, seen_text = implied(call, exp, sides)
     bad = ~torch.isfinite(call.context).all(dim=-1)  # [B, Nh, Tq]
     checks.append(counted(3, "finite", "query rows (padded ones included) with NaN or inf in the context",
                           int(bad.sum()), location=_first(bad, ("example", "head", "query"))))
@@ -494,9 +512,7 @@ def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_
     checks.append(_relation_check(call, exp, allow, seen, seen_text, real, valid_k))
     checks.append(_softcap_check(call, exp))
     checks.append(_sinks_check(call, exp))
-    got = (call.facts.get("kwargs") or {}).get("scaling")
-    scale = exp.scale if exp.scale is not None else (float(got) if isinstance(got, (int, float)) and not
-                                                     isinstance(got, bool) else width ** -0.5)
+    scale = scale_of(call, exp)
     bias = call.bias if exp.judged else _plus(call.bias, seen_bias)
     s = _Setting(allow, scale, exp.softcap, bias, call.sinks)
     rows = sample_rows(b, nh, tq, tk, budget)

@@ -14,12 +14,22 @@ second forward sits where the first forward made it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from attn_ledger.guard import CallStopped
 from attn_ledger.probes.model.expect import Declared, Expected, expect
-from attn_ledger.probes.model.judge import CHECK_ORDER, REFERENCE_BUDGET, Call, Sides, Verdict, judge_call
+from attn_ledger.probes.model.judge import (
+    CHECK_ORDER,
+    REFERENCE_BUDGET,
+    Call,
+    Sides,
+    Verdict,
+    implied,
+    judge_call,
+    scale_of,
+)
 from attn_ledger.report import Check, Coverage, Finding, Note, Report, Row, row_status, unjudged
 
 if TYPE_CHECKING:
@@ -71,7 +81,8 @@ class Judge:
         self.shared: dict[str, Tensor] = {}
         self.entries: list[Entry] = []
         self.first: Kept | None = None
-        self.saved: list[str] = []
+        self.saved: list[dict[str, Any]] = []
+        self.save_dir: str | None = None  # where --save writes while the scan runs (renamed into place at the end)
 
     def take(self, facts: dict[str, Any], tensors: dict[str, "Tensor"]) -> None:
         call = self._call(facts, tensors)
@@ -79,13 +90,25 @@ class Judge:
         width = int(call.q.shape[-1]) if call.q is not None and call.q.dim() == 4 else 0
         exp = expect(self.model, {**facts, "width": width}, self.options.declared)
         shape = tuple(call.q.shape) if call.q is not None else None
-        if self.first is not None and order > self.first.order and not self.options.keep_going:
-            self.entries.append(Entry(order, facts, exp, None, shape))
-            return
-        verdict = judge_call(call, exp, self.sides, self.options.budget)
+        verdict = None
+        if self.first is None or order < self.first.order or self.options.keep_going:
+            verdict = judge_call(call, exp, self.sides, self.options.budget)
         self.entries.append(Entry(order, facts, exp, verdict, shape))
-        if verdict.failed and (self.first is None or order < self.first.order):
+        if verdict is not None and verdict.failed and (self.first is None or order < self.first.order):
             self.first = Kept(order, call, verdict, exp)
+        if self.save_dir is not None:
+            self._save(call, exp, int(facts.get("index", len(self.entries) - 1)), label_of(facts))
+
+    def _save(self, call: Call, exp: Expected, index: int, label: str) -> None:
+        from attn_ledger.probes.model.replay import save_call
+
+        if any(t is None or t.dim() != 4 for t in (call.q, call.k, call.v)):
+            return
+        try:
+            allow, real, *_ = implied(call, exp, self.sides)
+        except RuntimeError:  # q, k, v that do not make a grid: nothing to replay
+            return
+        self.saved += save_call(self.save_dir, index, label, call, allow, real, scale_of(call, exp), exp.softcap)
 
     def _call(self, facts: Mapping[str, Any], tensors: dict[str, "Tensor"]) -> Call:
         shared = {}
@@ -176,8 +199,9 @@ def _coverage(entries: list[Entry], unseen: list[list[Any]]) -> Coverage | None:
 
 
 def scan_report(model: Mapping[str, Any], judge: Judge, run: Mapping[str, Any], inputs: Mapping[str, Any],
-                title: str, ledger: Report | None = None) -> Report:
-    """One row per call in forward order; the first wrong call's first failing check is the finding."""
+                title: str, ledger: "Report | str | None" = None) -> Report:
+    """One row per call in forward order; the first wrong call's first failing check is the finding, and ``ledger``
+    its stage ledger (or why it has none)."""
     first = judge.first.order if judge.first is not None else None
     stop = run.get("error")
     first_label = label_of(judge.first.call.facts) if judge.first is not None else ""
@@ -194,6 +218,12 @@ def scan_report(model: Mapping[str, Any], judge: Judge, run: Mapping[str, Any], 
     notes.append(Note("scan_reference", {"sampled": [list(s) for s in sampled], "budget": judge.options.budget}))
     if stop is not None:
         notes.append(Note("scan_stopped", {"text": stop.get("text"), "calls": run.get("calls", 0)}))
+    if isinstance(ledger, str):
+        notes.append(Note("scan_unreplayable", {"call": first_label, "why": ledger}))
+    if judge.options.save is not None:
+        from attn_ledger.probes.model.replay import saved_summary
+
+        notes.append(Note("scan_saved", saved_summary(judge.options.save, judge.saved)))
     first_row = next((r for r in rows if r.first_failing() is not None and r.status == "fail"), None)
     finding = None if first_row is None else Finding(first_row.name, first_row.first_failing())
     details = {"model": {k: model.get(k) for k in ("label", "class", "model_type", "architecture", "implementation",
@@ -203,7 +233,8 @@ def scan_report(model: Mapping[str, Any], judge: Judge, run: Mapping[str, Any], 
                                                               "layer": first_row.fields.get("layer")},
                "saved": list(judge.saved), "keep_going": judge.options.keep_going}
     return Report("scan", title, rows, first_finding=finding, coverage=_coverage(judge.entries, run.get("unseen", [])),
-                  notes=tuple(notes), details=details, unit="row", row_label="call", ledger=ledger)
+                  notes=tuple(notes), details=details, unit="row", row_label="call",
+                  ledger=ledger if isinstance(ledger, Report) else None)
 
 
 # --- a whole scan -----------------------------------------------------------------------------------
@@ -247,15 +278,63 @@ def scan(handle: Any, plan: Any, options: ScanOptions = ScanOptions()) -> Report
     model = handle.facts
     inputs = None if model.get("given_inputs") is not None else make_inputs(plan, model)
     judge = Judge(model, _sides(inputs), options)
-    try:
-        run = handle.scan(inputs, judge.take)
-    except CallStopped as stop:  # the worker died or ran out of time mid-forward: what was judged stands
-        run = {"calls": len(judge.entries), "unseen": [], "error": {"text": stop.detail, **stop.data}}
+    with _saving(judge, options.save):
+        try:
+            run = handle.scan(inputs, judge.take)
+        except CallStopped as stop:  # the worker died or ran out of time mid-forward: what was judged stands
+            run = {"calls": len(judge.entries), "unseen": [], "error": {"text": stop.detail, **stop.data}}
     note = _inputs_note(model, plan, inputs)
     impl = model.get("implementation") or "module"
     size = "" if inputs is None else f" B={plan.batch} T={plan.seq_len} padding={plan.padding}"
     title = f"scan {model['label']} ({model['class']}, {impl}, {model['layers']} attention modules){size}"
-    return scan_report(model, judge, run, note, title)
+    ledger = first_ledger(judge) if options.ledger else None
+    return scan_report(model, judge, run, note, title, ledger)
+
+
+@contextlib.contextmanager
+def _saving(judge: Judge, directory: str | None) -> Iterator[None]:
+    """``--save``: the files go into a new directory beside ``directory``, renamed into place once the forward is
+    done, so that a scan that breaks off leaves nothing half-written."""
+    import os
+    import shutil
+    import tempfile
+
+    if directory is None:
+        yield
+        return
+    target = os.path.abspath(directory)
+    judge.save_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", dir=os.path.dirname(target))
+    try:
+        yield
+        if os.path.isdir(target):
+            os.rmdir(target)  # empty, as the command checked: replaced by the one written
+        os.rename(judge.save_dir, target)
+    finally:
+        if os.path.isdir(judge.save_dir):
+            shutil.rmtree(judge.save_dir, ignore_errors=True)
+        judge.save_dir = directory
+
+
+def first_ledger(judge: Judge) -> "Report | str | None":
+    """The stage ledger of the first wrong call (on the example of its finding), or why there is none."""
+    from attn_ledger.probes.model.replay import stage_ledger
+
+    kept = judge.first
+    if kept is None:
+        return None
+    call, verdict = kept.call, kept.verdict
+    allow, real = verdict.allow, verdict.real
+    if allow is None and call.q is not None and call.k is not None and call.q.dim() == 4 and call.k.dim() == 4:
+        allow, real, *_ = implied(call, kept.expected, judge.sides)
+    if allow is None:
+        return "its q, k and v were not observed"
+    first = verdict.first_failure()
+    at = (first.location or {}).get("example") if first is not None else None
+    example = at if isinstance(at, int) and bool(real[at].any()) else verdict.example
+    if not bool(real[example].any()):
+        example = int(real.any(dim=1).nonzero()[0]) if bool(real.any()) else example
+    return stage_ledger(call, allow, real, example, label_of(call.facts), scale_of(call, kept.expected),
+                        kept.expected.softcap)
 
 
 def stopped_report(target: Mapping[str, Any], reason: str, data: Mapping[str, Any]) -> Report:
