@@ -162,7 +162,7 @@ def setup(args: dict[str, Any]) -> tuple[Loaded, dict[str, Any]]:
     if "target_b" in args:  # compare: two runs of one model
         from attn_ledger.probes.model.pair import setup as pair_setup
 
-        return pair_setup(args)  # type: ignore[return-value]
+        return pair_setup(args, model_facts)  # type: ignore[return-value]
     t = Target.from_json(args["target"])
     model, given = build(t)
     facts = model_facts(model, given, t.label)

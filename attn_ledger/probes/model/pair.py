@@ -88,11 +88,11 @@ def _plain_copy(model: "nn.Module", dtype: str, implementations: tuple[str, ...]
     return twin.to(_dtype(dtype)).eval()
 
 
-def setup(args: dict[str, Any]) -> tuple[Pair, dict[str, Any]]:
-    """Build both runs (user code runs here only), B with A's weights, and the plain models; say what they are."""
+def setup(args: dict[str, Any], model_facts: Callable[..., dict[str, Any]]) -> tuple[Pair, dict[str, Any]]:
+    """Build both runs (user code runs here only), B with A's weights, and the plain models; say what they are
+    (``model_facts``: :func:`attn_ledger.probes.model.driver.model_facts`, which imports this module)."""
     import torch
 
-    from attn_ledger.probes.model.driver import model_facts
     from attn_ledger.probes.model.targets import Target, build
 
     ta, tb = Target.from_json(args["target"]), Target.from_json(args["target_b"])
