@@ -133,6 +133,13 @@ def test_a_block_passes_within_the_factor_of_the_plain_error_and_fails_beyond_it
     assert block_row({"index": 0, "path": "x"}, nan, ("float32", "float32"), ROWS).status == "fail"
 
 
+def test_a_block_whose_float64_replay_is_not_finite_is_inconclusive_not_failed():
+    t = _block(2e-6)
+    t["exact"][0, 0] = float("nan")
+    row = block_row({"index": 0, "path": "layers.0"}, t, ("float32", "float32"), ROWS)
+    assert row.status == "inconclusive" and row.check("added_error").status == "inconclusive"
+
+
 def test_the_bound_has_a_floor_of_one_eps_and_never_divides_by_a_zero_plain_error():
     bound, parts = compare_bound(0.0, 10.0, ("float32", "bfloat16"))
     assert bound == pytest.approx(10 * eps("bfloat16")) and parts["floor"] == bound

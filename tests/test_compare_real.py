@@ -3,7 +3,8 @@ extra; skipped without transformers).
 
 The command line runs through its worker once (eager against SDPA on Llama exits 0 with a table of blocks); the
 other pairings run in this process, the same code the worker runs: each correct pairing passes, and each broken
-one is named at the first block where it acts.
+one is named at the first block where it acts. More pairings (bfloat16 under eager against sdpa, other families,
+two CPU capabilities) are measured by scripts/compare_margins.py, which set the bound's factor.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _compare(model_type: str, vary: str, *, fn: str | None = None, padding: str 
         if "attn-implementation" not in vary:
             kw["implementation"] = name
         kw["register"] = f"{CUSTOM}:{fn}"
-    r = runs(parse_vary(vary), model_type, plan=InputPlan(2, 24, padding, 0), **kw)
+    r = runs(parse_vary(vary), model_type, plan=InputPlan(2, 20, padding, 0), **kw)
     loaded, _ = setup(r.args())
     return compare(LocalModel(loaded), r)
 
@@ -81,9 +82,7 @@ def test_padding_side_on_llama_passes_and_a_function_that_ignores_padding_fails_
     assert bad.first_finding.row == "model.layers.0"  # left padded, it reads the padding; right padded, it cannot
 
 
-@pytest.mark.parametrize("vary, dtype", [("dtype=float32,bfloat16", "float32"),
-                                         ("attn-implementation=eager,sdpa", "bfloat16")], ids=["dtype", "sdpa-bf16"])
-def test_rounding_is_not_a_finding(vary, dtype):
-    report = _compare("llama", vary, dtype=dtype)
+def test_rounding_is_not_a_finding():
+    report = _compare("llama", "dtype=float32,bfloat16")
     assert report.verdict == "pass", [(r.name, r.fields) for r in report.rows if r.status != "pass"]
     assert all(r.fields["added"] > 0 for r in report.rows if r.fields.get("layer") is not None)
