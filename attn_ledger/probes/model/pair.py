@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 Sink = Callable[[dict[str, Any], dict[str, "Tensor"]], None]
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass
