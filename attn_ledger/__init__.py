@@ -34,6 +34,8 @@ _PUBLIC = {
     "check_module": "attn_ledger.probes.module.check", "check_built_module": "attn_ledger.probes.module.check",
     "load_object": "attn_ledger.inputs.userload",
     "assert_attention_matches": "attn_ledger.testing", "assert_module_matches": "attn_ledger.testing",
+    # a whole model's attention calls
+    "scan_model": "attn_ledger.probes.model.scan", "assert_model_attention_ok": "attn_ledger.testing",
     # experiments
     "run_catalogue": "attn_ledger.probes.catalogue", "sweep_scale": "attn_ledger.experiments.scale",
     "temperature_lab": "attn_ledger.experiments.scale", "polarity": "attn_ledger.experiments.polarity",

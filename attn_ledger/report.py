@@ -293,6 +293,8 @@ class Report:
         tensors: small intermediates kept for inspection by library users (never rendered).
         ledger: another report this one opens onto: ``scan``'s stage ledger of its first wrong call,
             which every view shows after the report's own rows.
+        ledgers: a report per row that each row opens onto (``scan --html``: every call's stage ledger),
+            by row name; the HTML page shows them, under each row.
     """
 
     command: str
@@ -310,6 +312,7 @@ class Report:
     tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     hints: tuple[Hint, ...] = ()
     ledger: "Report | None" = field(default=None, repr=False, compare=False)
+    ledgers: "Mapping[str, Report]" = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.first_finding is _DEFAULT:

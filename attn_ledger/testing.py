@@ -11,6 +11,9 @@ Example::
     def test_attention_module():
         assert_module_matches(make_attention, embed_dim=64, num_heads=4, window=16, seq_len=24)
 
+    def test_every_attention_call_of_my_model():
+        assert_model_attention_ok(model, {"input_ids": ids, "attention_mask": mask})
+
 A function is checked under the kernel protocol
 (``attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None)``, see
 :mod:`attn_ledger.probes.kernel.check`), on the default tier unless told otherwise, with what the
@@ -41,8 +44,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 if TYPE_CHECKING:
     from attn_ledger.report import Report
 
-__all__ = ["InconclusiveCases", "assert_attention_matches", "assert_module_matches", "diagnosis", "module_diagnosis",
-           "rootdir"]
+__all__ = ["InconclusiveCases", "assert_attention_matches", "assert_model_attention_ok", "assert_module_matches",
+           "diagnosis", "model_diagnosis", "module_diagnosis", "rootdir"]
 
 
 class InconclusiveCases(UserWarning):
@@ -367,4 +370,51 @@ def module_diagnosis(report: "Report", reproduce: dict[str, str] | None = None) 
         lines.append(f"  coverage: {report.coverage.scope}: {report.coverage.reason}")
     if reproduce:
         lines += ["", "reproduce:", f"  {reproduce['cli']}"] + [f"  {ln}" for ln in reproduce["python"].splitlines()]
+    return "\n".join(lines)
+
+
+def assert_model_attention_ok(model: Any, inputs: Any = None, *, timeout: float | None = None, **options: Any) -> None:
+    """Assert that every attention call of one forward of ``model`` computes what its config (or a declaration) implies.
+
+    Args:
+        model: an ``nn.Module``: a transformers model (judged against its config) or one of your own (judged against
+            ``causal``, ``window``, ``scale``, ``softcap``).
+        inputs: the forward's keyword arguments or its tensor; None makes token ids for a transformers model.
+        timeout: seconds for the forward (None: no limit; needs the main thread).
+        options: :func:`attn_ledger.probes.model.scan.scan_model`'s: ``batch``, ``seq_len``, ``padding``, ``seed``,
+            ``causal``, ``window``, ``scale``, ``softcap``, ``keep_going``, ``label``.
+
+    Raises:
+        AssertionError: a call is wrong; the message names the first wrong call, its diagnosis, and the stage
+            ledger's first finding on its tensors.
+    """
+    from attn_ledger.guard import in_process
+    from attn_ledger.probes.model.scan import scan_model
+    from attn_ledger.runner.worker import check_timeout
+
+    __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
+    check_timeout(timeout, "timeout")
+    with in_process(timeout):
+        report = scan_model(model, inputs, **options)
+    if report.exit_code:
+        raise AssertionError(model_diagnosis(report))
+
+
+def model_diagnosis(report: "Report") -> str:
+    """Plain text from a ``scan`` report: the first wrong call and why, the other calls' statuses, the notes, and
+    the stage ledger's first finding on that call's tensors."""
+    from attn_ledger.render.notes import notes_text
+    from attn_ledger.render.text import STATUS_WORD, describe, finding_line
+
+    first = report.first_finding
+    lines = [f"{report.title}: " + ("every attention call holds" if first is None else
+                                     f"first wrong call {first.row}: L{first.level} {first.name}: {describe(first.check)}")]
+    for row in report.rows:
+        bad = row.first_failing()
+        lines.append(f"  {row.name:<32} {STATUS_WORD[row.status]:<12}" + (f" L{bad.level} {bad.name}" if bad else ""))
+    lines += [f"  {n}" for n in notes_text(report)]
+    if report.coverage is not None:
+        lines.append(f"  coverage: {report.coverage.scope}: {report.coverage.reason}")
+    if report.ledger is not None:
+        lines.append(f"  stage ledger of {first.row if first else 'the call'}: {finding_line(report.ledger.first_finding)}")
     return "\n".join(lines)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("run", "check", "faults", "sweep-scale", "polarity", "intervene", "compare")
-PAGES = ("run", "check", "check-decode", "faults", "sweep-scale", "polarity", "intervene", "compare", "json", "ci",
+COMMANDS = ("run", "check", "faults", "sweep-scale", "polarity", "intervene", "scan", "compare")
+PAGES = ("run", "check", "check-decode", "faults", "sweep-scale", "polarity", "intervene", "scan", "compare", "json", "ci",
          "performance", "library")
 
 

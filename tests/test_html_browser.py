@@ -223,3 +223,24 @@ def test_png_reader_undoes_every_filter():
 
 def _chunk(kind: bytes, body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def test_scan_page_is_a_strip_of_calls_each_opening_onto_its_stage_ledger(browser, tmp_path):
+    page = tmp_path / "scan.html"
+    model = str(ROOT / "fixtures/models/own.py") + ":stack_one_not_causal"
+    code, text = _cli("scan", model, "--causal", "--keep-going", "--html", str(page))
+    assert code == 1, text
+    dom = render_in_browser(browser, page)
+    strip = [(a["data-call"], a["data-status"]) for a in dom.with_class("layer")]
+    assert strip == [("0", "pass"), ("1", "pass"), ("2", "fail"), ("3", "pass")]  # coloured by status
+    calls = [a for t, a in dom.elements if t == "details"]
+    assert [a["data-call"] for a in calls] == ["0", "1", "2", "3"]
+    assert ["open" in a for a in calls] == [False, False, True, False]  # the first wrong call is open
+    assert [a["data-ledger"] for a in dom.having("data-ledger")] == ["0", "1", "2", "3"]  # each its own ledger
+    assert [a["data-picture"] for a in dom.having("data-picture")] == ["mask"] * 4  # and its mask picture
+    with tempfile.TemporaryDirectory(prefix="attn-ledger-chromium-") as profile:  # the address opens a call too
+        done = subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", "--dump-dom",
+                               page.resolve().as_uri() + "#call-3"], capture_output=True, text=True, timeout=120)
+    opened = _Dom()
+    opened.feed(done.stdout)
+    assert ["open" in a for t, a in opened.elements if t == "details"] == [False, False, True, True]

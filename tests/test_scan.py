@@ -313,3 +313,84 @@ def test_the_first_wrong_call_opens_onto_its_stage_ledger_and_saved_calls_replay
                      "001-layers.1.self_attn-b0.safetensors", "001-layers.1.self_attn-b1.safetensors"]
     verdicts = [run_ledger_tensors(tmp_path / f, out_layout="bthd").verdict for f in files]
     assert verdicts == ["pass", "pass", "fail", "fail"]
+
+
+# --- faces: JUnit, GitHub, JSON; a model of one's own; the pytest helper -----------------------------------
+
+
+def _synthetic_report(keep_going: bool = True):
+    judge = Judge({}, _call()[2], ScanOptions(keep_going=keep_going, declared=Declared(causal=True)))
+    for i, bug in enumerate((None, "tiled", "tiled")):
+        call, _, _ = _call(bug)
+        facts = {**call.facts, "entry": i, "index": i, "path": f"layers.{i}.self_attn",
+                 "mask": {"key": f"m{i}", "new": True}}
+        judge.take(facts, {"q": call.q, "k": call.k, "v": call.v, "context": call.returned, "weights": call.weights,
+                           "mask": call.mask})
+    from attn_ledger.probes.model.scan import first_ledger
+
+    return scan_report({}, judge, {"calls": 3}, {"given": None}, "synthetic", first_ledger(judge))
+
+
+def test_junit_has_one_case_per_call_and_github_one_error_per_failing_call():
+    import xml.etree.ElementTree as ET
+
+    from attn_ledger.render import render
+
+    report = _synthetic_report()
+    suite = ET.fromstring(render(report, "junit")).find("testsuite")
+    cases = suite.findall("testcase")
+    assert [c.get("name") for c in cases] == [f"layers.{i}.self_attn" for i in range(3)]
+    assert [c.find("failure") is not None for c in cases] == [False, True, False]
+    assert cases[2].find("skipped").get("message").startswith("downstream")  # judged, and behind the first finding
+    errors = [ln for ln in render(report, "github").splitlines() if ln.startswith("::error")]
+    assert len(errors) == 1 and "layers.1.self_attn L4 reference" in errors[0]
+
+
+def test_the_json_document_carries_the_ledger_and_meets_the_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+
+    from attn_ledger.render import render
+    from attn_ledger.render.jsondoc import schema
+
+    doc = json.loads(render(_synthetic_report(), "json"))
+    jsonschema.validate(doc, schema())
+    assert doc["command"] == "scan" and doc["first_finding"]["row"] == "layers.1.self_attn"
+    assert doc["ledger"]["command"] == "run" and doc["ledger"]["verdict"] == "fail"
+    assert [r["status"] for r in doc["rows"]] == ["pass", "fail", "downstream"]
+
+
+def _own(*causal: bool):
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+    sys.path.insert(0, str(here))
+    try:
+        import own
+    finally:
+        sys.path.remove(str(here))
+    return own._made(list(causal))
+
+
+def test_a_model_of_ones_own_has_its_attention_modules_found_and_judged_against_declarations():
+    from attn_ledger.probes.model.scan import scan_model
+
+    model, x = _own(True, True, False, True)
+    report = scan_model(model, x, causal=True)
+    assert [r.name for r in report.rows] == ["0", "1", "2", "3"] and report.first_finding.row == "2"
+    assert "no causal mask" in report.first_finding.check.reason
+    assert scan_model(model, x, causal=True, keep_going=True).rows[3].status == "pass"
+    undeclared = scan_model(*_own(True, False))
+    assert undeclared.exit_code == 0 and undeclared.coverage.missing == ("relation",)  # reported, not judged
+
+
+def test_the_pytest_helper_passes_a_correct_model_and_names_the_first_wrong_call():
+    from attn_ledger.testing import assert_model_attention_ok
+
+    assert_model_attention_ok(*_own(True, True), causal=True)
+    with pytest.raises(AssertionError) as info:
+        assert_model_attention_ok(*_own(True, False, True), causal=True, label="stack")
+    text = str(info.value)
+    assert "first wrong call 1: L4 relation" in text and "stage ledger of 1:" in text
+    assert "  2 " in text and "downstream" in text

@@ -200,3 +200,32 @@ def test_a_registered_window_one_too_wide_is_named():
     report = _scan("mistral", register=f"{CUSTOM}:window_too_wide", mask_format="none", padding="none")
     row, name, reason = _finding(report)
     assert row == "layers.0.self_attn" and "a window of 17 keys" in reason
+
+
+# --- targets from a config file, and what cannot be built ----------------------------------------------------
+
+
+def test_a_config_json_keeps_its_sizes_unless_tiny(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 96, "intermediate_size": 128,
+                                "num_hidden_layers": 3, "num_attention_heads": 3, "num_key_value_heads": 1,
+                                "vocab_size": 100}))
+    kept = _scan(str(path), "eager", seq_len=12)
+    assert kept.exit_code == 0 and len(kept.rows) == 3 and kept.rows[0].shape == (2, 3, 12, 32)
+    t = target("transformers", str(path), tiny=True, implementation="eager")
+    loaded, _ = setup({"target": t.to_json()})
+    assert loaded.facts["layers"] == 2 and loaded.facts["config"]["hidden_size"] == 64
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--transformers", "lama"], "did you mean 'llama'"),
+    (["--transformers", "llama", "--set", "hiden_size=8"], "--set: got 'hiden_size'"),
+    (["--transformers", "gemma2", "--attn-implementation", "sdpa"], "--attn-implementation"),
+    (["--transformers", "llama", "--set", "num_attention_heads=3"], "--set: the llama config refuses"),
+    (["--transformers", "gpt2", "--seq-len", "2048"], "--seq-len: got 2048, expected at most 1024"),
+])
+def test_a_model_that_cannot_be_built_is_one_line_and_exit_2(args, words):
+    result = runner.invoke(app, ["scan", *args, "--in-process"])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.output

@@ -97,6 +97,7 @@ def scan(  # long by its options (typer reads them from the signature); the body
                          sizes={"--batch": batch, "--seq-len": seq_len, "--decoder-len": decoder_len},
                          padding=padding.value if padding else None, seed=seed, declared=declared,
                          keep_going=keep_going, save=save)
+        args["options"]["every_ledger"] = html is not None  # the page opens every call onto its stage ledger
         with Progress("scanning") as bar:
             outcome = run_user_task("model_scan", args, in_process=in_process, timeout=timeout, progress=bar)
         show_output(outcome.output)

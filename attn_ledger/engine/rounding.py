@@ -39,6 +39,7 @@ QUANTITY = {"scores": "scores", "weights": "weights", "context": "context", "gra
             "grad_values": "grad_values"}  # the stage's c in ROUNDING_C
 
 
+# long by its documented arguments (the bias among them); the code is one chain of bounds
 def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | None", scale: float,
                      softcap: float | None = None, carried: "tuple[Tensor, Tensor, Tensor] | None" = None,
                      eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0,

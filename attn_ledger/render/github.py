@@ -1,5 +1,8 @@
 """GitHub Actions annotations: one ``::error`` line per failing check, ``::warning`` per warning.
 
+A report whose rows are calls (``scan``) gets one ``::error`` per failing call, naming the call's first failing
+check and how many more failed there.
+
 A report over many rows (``fold_rows``) gets one annotation per distinct check and status, on its
 first row (the smallest case, for ``check``), with the count of the other rows where it recurs.
 :func:`step_summary` is the short Markdown a job summary (``GITHUB_STEP_SUMMARY``) gets: the verdict,
@@ -29,7 +32,10 @@ def render_github(report: Report) -> str:
     lines = []
     seen: dict[tuple[str, int, str], int] = {}  # fold_rows: one annotation per distinct check, with a count
     shown: list[tuple[str, str, Any]] = []
+    firsts = {r.name: r.first_failing() for r in report.rows} if report.row_label == "call" else {}
     for row, c in report.checks():
+        if firsts and c.status == "fail" and c is not firsts[row]:
+            continue  # one annotation per failing call: its first failing check
         if c.status == "fail":
             kind = "error"
         elif c.status in ("warn", "inconclusive"):
@@ -45,6 +51,9 @@ def render_github(report: Report) -> str:
     for kind, row, (c, more) in shown:
         title = _prop(f"attn-ledger {report.command}: {row} L{c.level} {c.name}")
         also = f" (and in {more} more {report.row_label}s)" if more else ""
+        if firsts and kind == "error":
+            others = sum(1 for r in report.rows if r.name == row for x in r.checks if x.failed) - 1
+            also += f" (+{others} more failing check{'s' if others != 1 else ''} in this call)" if others else ""
         lines.append(f"::{kind} title={title}::{_escape((describe(c) or c.name) + also)}")
     if report.coverage is not None:
         cov = report.coverage

@@ -4,6 +4,8 @@ The page carries everything inline (CSS, SVG heatmaps, one small script) and loa
 its Content-Security-Policy forbids every network resource, so it reads the same offline.
 It holds the tool version and command line, the verdict, the first finding (the ledger row
 it sits on carries ``data-first-finding``), for ``check`` the failing cases with the reproduction,
+for ``scan`` a strip of the model's attention calls coloured by status, each opening (a click, or the
+page's address ending in ``#call-N``) onto its checks, its stage ledger and its mask picture,
 for ``run`` the mask picture and the weight heatmaps per head (pooled beyond :data:`HTML_LIMIT`
 cells a side, and named so), the ledger with every status, then the notes and the details as
 in ``--format json``. It prints on paper with its colours (print CSS).
@@ -41,6 +43,23 @@ ERROR_RECORDER = """
   function record(text) { root.setAttribute('data-errors', (root.getAttribute('data-errors') || '') + text + '\\n'); }
   window.addEventListener('error', function (e) { record(e.message || 'error'); });
   window.addEventListener('unhandledrejection', function (e) { record('unhandled rejection: ' + e.reason); });
+})();
+"""
+
+OPEN_CALL = """
+(function () {
+  function open(id) {
+    var d = document.getElementById(id);
+    if (d && d.tagName === 'DETAILS') { d.open = true; }
+  }
+  document.addEventListener('DOMContentLoaded', function () {
+    if (location.hash) { open(location.hash.slice(1)); }
+    var cells = document.querySelectorAll('a.layer');
+    for (var i = 0; i < cells.length; i++) {
+      cells[i].addEventListener('click', function (e) { open(e.currentTarget.getAttribute('href').slice(1)); });
+    }
+  });
+  window.addEventListener('hashchange', function () { open(location.hash.slice(1)); });
 })();
 """
 
@@ -85,6 +104,16 @@ svg.heatmap text { font: 10px ui-monospace, "DejaVu Sans Mono", monospace; fill:
 .swatch.marked { border: 2px solid #d62828; }
 .not-drawn { border-left: 6px solid var(--warn); background: #fff8e1; padding: .5rem .8rem; }
 .case { border: 1px solid var(--line); padding: .5rem .8rem; margin: .6rem 0; break-inside: avoid; }
+.strip { display: flex; flex-wrap: wrap; gap: 3px; margin: .4rem 0 .8rem; }
+a.layer { display: inline-flex; align-items: center; justify-content: center; min-width: 2.4rem; height: 2rem;
+          padding: 0 .3rem; border-radius: 3px; color: #fff; text-decoration: none; font-weight: 600; background: var(--dim); }
+a.layer.status-pass { background: var(--pass); } a.layer.status-fail { background: var(--fail); }
+a.layer.status-downstream, a.layer.status-warn, a.layer.status-inconclusive { background: var(--warn); }
+a.layer.first { outline: 3px solid #000; outline-offset: 1px; }
+details.call { border: 1px solid var(--line); border-left-width: 6px; margin: .4rem 0; padding: .3rem .7rem; }
+details.call.status-pass { border-left-color: var(--pass); } details.call.status-fail { border-left-color: var(--fail); }
+details.call.status-downstream { border-left-color: var(--warn); }
+details.call summary { cursor: pointer; } .call-ledger { margin: .5rem 0 .2rem 1rem; }
 footer { margin-top: 2rem; color: var(--dim); font-size: 12px; }
 @page { margin: 12mm; }
 @media print {
@@ -116,7 +145,7 @@ def _check_item(c: Check, first: bool, full: bool) -> str:
             f"{marker}>{body}</li>")
 
 
-def _row(report: Report, r: Row, fields: Sequence[str], has_shape: bool) -> str:
+def _row(report: Report, r: Row, fields: Sequence[str], has_shape: bool, prefix: str = "") -> str:
     finding = report.first_finding
     is_first = finding is not None and finding.row == r.name
     shown = [c for c in r.checks if report.show_passing or not c.passed or (is_first and c is finding.check)]
@@ -131,21 +160,62 @@ def _row(report: Report, r: Row, fields: Sequence[str], has_shape: bool) -> str:
     cells += [f'<td class="num mono">{_e(fmt_value(r.fields.get(k)))}</td>' for k in fields]
     note = f'<div class="note mono">{_e(note_text(r.note))}</div>' if r.note else ""
     cells.append(f'<td><ul class="checks">{"".join(items)}</ul>{note}</td>')
-    attrs = _attrs(id=f"row-{r.name}", data_row=r.name, data_status=r.status)
+    attrs = _attrs(id=f"{prefix}row-{r.name}", data_row=r.name, data_status=r.status)
     marker = ' data-first-finding="true"' if is_first else ""
     return f'<tr class="row status-{r.status}"{attrs}{marker}>{"".join(cells)}</tr>'
 
 
-def _ledger(report: Report) -> str:
+def _table(report: Report, prefix: str = "") -> str:
     fields: list[str] = []
     for r in report.rows:
         fields += [k for k in r.fields if k not in fields]
     has_shape = any(r.shape is not None or r.axes for r in report.rows)
     head = [report.row_label, "status"] + (["shape / axes"] if has_shape else []) + fields + ["checks"]
-    rows = "\n".join(_row(report, r, fields, has_shape) for r in report.rows)
+    rows = "\n".join(_row(report, r, fields, has_shape, prefix) for r in report.rows)
     ths = "".join(f"<th>{_e(h)}</th>" for h in head)
-    return (f'<section id="ledger"><h2>Ledger</h2><table class="ledger"><thead><tr>{ths}</tr></thead>'
-            f"<tbody>\n{rows}\n</tbody></table></section>")
+    return f'<table class="ledger"><thead><tr>{ths}</tr></thead><tbody>\n{rows}\n</tbody></table>'
+
+
+def _ledger(report: Report) -> str:
+    return f'<section id="ledger"><h2>Ledger</h2>{_table(report)}</section>'
+
+
+# --- scan: the strip of calls, each opening onto its stage ledger ----------------------------------------
+
+
+def _call_body(report: Report, r: Row, i: int) -> str:
+    first = report.first_finding is not None and report.first_finding.row == r.name
+    items = "".join(_check_item(c, first and c is report.first_finding.check, True) for c in r.checks)
+    nested = report.ledgers.get(r.name) or (report.ledger if first else None)
+    if nested is None:
+        ledger = '<p class="dim">no stage ledger of this call (not judged, or not replayable)</p>'
+    else:
+        where = f" at {nested.first_finding.row}" if nested.first_finding is not None else ""
+        ledger = (f'<div class="call-ledger" data-ledger="{_e(r.name)}"><h4>Stage ledger: '
+                  f'<span class="verdict {nested.verdict}">{_e(nested.verdict)}{_e(where)}</span></h4>'
+                  f'<p class="title">{_e(nested.title)}</p>{_table(nested, prefix=f"call-{i}-")}'
+                  f'{_heatmaps(nested, "mask", "Mask")}</div>')
+    return f'<ul class="checks">{items}</ul>{ledger}'
+
+
+def _layers(report: Report) -> str:
+    if report.command != "scan" or not report.rows:
+        return ""
+    cells, calls = [], []
+    finding = report.first_finding
+    for i, r in enumerate(report.rows):
+        first = finding is not None and finding.row == r.name
+        layer = r.fields.get("layer")
+        bad = r.first_failing()
+        tip = f"{r.name}: {STATUS_WORD[r.status]}" + (f", L{bad.level} {bad.name}" if bad is not None else "")
+        cells.append(f'<a class="layer status-{r.status}{" first" if first else ""}" href="#call-{i}"'
+                     f'{_attrs(data_call=r.name, data_status=r.status, title=tip)}>{_e(layer if layer is not None else i)}</a>')
+        calls.append(f'<details class="call status-{r.status}" id="call-{i}"{_attrs(data_call=r.name)}'
+                     f'{" open" if first else ""}><summary><span class="badge">{_e(STATUS_WORD[r.status])}</span> '
+                     f'<span class="mono">{_e(r.name)}</span>' + (f" &mdash; L{bad.level} {_e(bad.name)}" if bad else "")
+                     + f"</summary>{_call_body(report, r, i)}</details>")
+    return (f'<section id="layers"><h2>Attention calls, layer by layer</h2><div class="strip">{"".join(cells)}</div>'
+            f'{"".join(calls)}</section>')
 
 
 def _finding(report: Report) -> str:
@@ -339,7 +409,7 @@ def render_html(report: Report, command_line: str = "") -> str:
         f" at {report.first_finding.row}" if report.first_finding is not None else "")
     body = "\n".join(part for part in (
         _header(report, command_line), _finding(report), _reproduction(report), _failing_cases(report),
-        _pictures(report), _ledger(report), _notes(report), _details(report),
+        _pictures(report), _layers(report), _ledger(report), _notes(report), _details(report),
         f"<footer>written by attn-ledger {_e(__version__)}; this page loads nothing from the network</footer>",
     ) if part)
     return ("<!DOCTYPE html>\n"
@@ -347,7 +417,8 @@ def render_html(report: Report, command_line: str = "") -> str:
             f'<meta charset="utf-8">\n<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
             '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
             f'<meta name="generator" content="attn-ledger {_e(__version__)}">\n<title>{_e(title)}</title>\n'
-            f"<script>{ERROR_RECORDER}</script>\n<style>{STYLE}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
+            f"<script>{ERROR_RECORDER}</script>\n" + (f"<script>{OPEN_CALL}</script>\n" if report.command == "scan" else "")
+            + f"<style>{STYLE}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
 
 
 def command_line_text(argv: Iterable[str]) -> str:

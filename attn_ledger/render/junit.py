@@ -52,6 +52,10 @@ def _case(suite: ET.Element, classname: str, name: str, checks: list[Check], row
     if checks and all(c.status in UNJUDGED for c in checks):
         ET.SubElement(case, "skipped", message=f"{STATUS_WORD[checks[0].status]}: {checks[0].reason}")
         return 0, 1
+    if whole_row and row.status == "downstream":  # behind the first finding: its failures are evidence, not causes
+        why = next((c.reason for c in checks if c.status == "downstream" and c.reason), "")
+        ET.SubElement(case, "skipped", message="downstream" + (f": {why}" if why else " of the first finding"))
+        return 0, 1
     if whole_row and row.status == "inconclusive":
         why = [c for c in checks if c.status == "inconclusive"]
         ET.SubElement(case, "skipped", message=f"inconclusive: {describe(why[-1]) if why else note_text(row.note)}")

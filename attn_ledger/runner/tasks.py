@@ -338,7 +338,7 @@ def _scan_options(args: dict[str, Any]) -> Any:
 
     o = args["options"]
     return ScanOptions(bool(o.get("keep_going")), int(o["budget"]), Declared(**o["declared"]) if o.get("declared")
-                       else None, o.get("save"), bool(o.get("ledger", True)))
+                       else None, o.get("save"), bool(o.get("ledger", True)), bool(o.get("every_ledger")))
 
 
 def _scan_run(handle: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:

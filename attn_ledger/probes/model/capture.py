@@ -20,8 +20,10 @@ drop it before the next one (:class:`Capture`). How a call is seen:
   ``reorder_and_upcast_attn``, a model of one's own): one watch per call of the module, so every
   call yields its own core.
 
-Attention modules are the innermost modules whose class name ends in ``Attention`` or ``Attn``
-(``LlamaAttention``, ``BertSelfAttention``, ``T5Attention``, ``MultiheadAttention``). Each entry
+In a transformers model the attention modules are the innermost modules whose class name ends in
+``Attention``, ``Attn`` or ``MHA`` (``LlamaAttention``, ``BertSelfAttention``, ``T5Attention``); in a model of
+one's own, whose names may say nothing, they are found by watching (:func:`discover`): the innermost modules
+whose call showed an attention core. Each entry
 into one is numbered in order (``entry``); a module whose forward made no interface call is listed
 in :attr:`Capture.unseen` with its entry, for a second forward that watches it. Axes: B, Nh query
 heads, Nkv kv heads, Tq, Tk, D (q/k width), Dv.
@@ -39,13 +41,13 @@ if TYPE_CHECKING:
 
 Sink = Callable[[dict[str, Any], dict[str, "Tensor"]], None]
 
-_ATTENTION = re.compile(r"(?i)(attention|attn)$")
+_ATTENTION = re.compile(r"(?i)(attention|attn|mha)$")
 _PLAIN_KWARGS = ("scaling", "dropout", "sliding_window", "softcap", "is_causal")
 _Q_SOURCES = (("q_norm", "k_norm"), ("q_proj", "k_proj"))
 
 
 def attention_modules(model: "nn.Module") -> dict[str, "nn.Module"]:
-    """``path -> module`` of the innermost modules whose class name ends in Attention or Attn, in order."""
+    """``path -> module`` of the innermost modules whose class name ends in Attention, Attn or MHA, in order."""
     found = {name: m for name, m in model.named_modules() if _ATTENTION.search(type(m).__name__)}
     inner = {}
     for name, m in found.items():
@@ -110,10 +112,10 @@ class Capture:
     """
 
     def __init__(self, model: "nn.Module", sink: Sink, *, watch: frozenset[str] = frozenset(),
-                 interface: bool = True) -> None:
+                 interface: bool = True, modules: "dict[str, nn.Module] | None" = None) -> None:
         self.model, self.sink, self.watched, self.interface = model, sink, watch, interface
         self.names = {id(m): n for n, m in model.named_modules()}
-        self.modules = attention_modules(model)
+        self.modules = attention_modules(model) if modules is None else modules
         self.frames: list[_Frame] = []
         self.entries = 0
         self.calls = 0
@@ -361,3 +363,42 @@ def _heads_of(pre: dict[str, "Tensor"], q: "Tensor", k: "Tensor") -> dict[str, "
         elif t.dim() == 3 and tuple(t.shape) == (b, tt, h * d):
             out[role] = t.reshape(b, tt, h, d).transpose(1, 2)
     return out
+
+
+def discover(model: "nn.Module", run: Callable[[], Any]) -> dict[str, "nn.Module"]:
+    """The attention modules of a model whose class names say nothing: every module is watched through one forward
+    (``run``), and those whose call showed an attention core while none of their submodules' did are kept, in order.
+    """
+    from attn_ledger.probes.common.observe import ModuleWatch
+
+    found: dict[str, int] = {}
+    stack: list[Any] = []
+    handles = []
+
+    def enter(path: str) -> Callable[..., None]:
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            x = _hidden(args, kwargs)
+            stack.append(None if x is None else ModuleWatch(module, x).__enter__())
+        return hook
+
+    def leave(path: str) -> Callable[..., None]:
+        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            watch = stack.pop() if stack else None
+            if watch is not None:
+                watch.__exit__(None, None, None)
+                if watch.observation().core is not None:
+                    found.setdefault(path, len(found))
+        return hook
+
+    for path, module in model.named_modules():
+        if path:
+            handles.append(module.register_forward_pre_hook(enter(path), with_kwargs=True))
+            handles.append(module.register_forward_hook(leave(path), with_kwargs=True, always_call=True))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    modules = dict(model.named_modules())
+    inner = [p for p in found if not any(o != p and o.startswith(p + ".") for o in found)]
+    return {p: modules[p] for p in sorted(inner, key=found.get)}

@@ -75,14 +75,26 @@ def model_facts(model: "nn.Module", given: Any, label: str) -> dict[str, Any]:
     return facts
 
 
+GIVEN_SIDES = ("attention_mask", "position_ids", "decoder_input_ids")
+MAX_GIVEN_SIDE = 1 << 20  # the given inputs' masks and positions go to the judge as lists up to this many entries
+
+
 def _given(given: Any) -> Any:
+    """The factory's inputs described (each tensor's shape), with the tensors that say which positions are real
+    (``attention_mask``, ``position_ids``, ``decoder_input_ids``) as lists, for the judge."""
     import torch
 
     if given is None:
         return None
     if isinstance(given, torch.Tensor):
         return {"tensor": list(given.shape)}
-    return {k: (list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__) for k, v in given.items()}
+    out: dict[str, Any] = {k: (list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__) for k, v in given.items()}
+    sides = {k: given[k].tolist() for k in GIVEN_SIDES
+             if isinstance(given.get(k), torch.Tensor) and given[k].dim() == 2 and given[k].numel() <= MAX_GIVEN_SIDE
+             and not given[k].is_floating_point()}
+    if sides:
+        out["sides"] = sides
+    return out
 
 
 # --- one forward, its calls sent as they return -------------------------------------------------------
@@ -109,7 +121,11 @@ def run_scan(loaded: Loaded, inputs: "Mapping[str, Tensor] | None", sink: Sink) 
     args = _forward_args(loaded, inputs)
     out: dict[str, Any] = {"calls": 0, "unseen": [], "passes": 1}
     with torch.no_grad():
-        cap = Capture(model, sink, interface=interface)
+        modules = None
+        if not interface:  # a model of one's own: its attention modules are those whose calls show a core
+            modules = _discover(model, args, loaded.facts["label"])
+            out["discovered"] = list(modules)
+        cap = Capture(model, sink, interface=interface, modules=modules)
         error = _forward(cap, model, args, loaded.facts["label"])
         out["calls"], unseen = cap.calls, cap.unseen
         if error is None and unseen and interface:
@@ -137,6 +153,19 @@ def _forward_args(loaded: Loaded, inputs: "Mapping[str, Tensor] | None") -> tupl
     if loaded.facts.get("takes_use_cache"):
         kwargs["use_cache"] = False
     return (), kwargs
+
+
+def _discover(model: Any, args: tuple[tuple, dict], label: str) -> dict[str, Any]:
+    from attn_ledger.probes.model.capture import discover
+
+    def run() -> None:
+        with user_call(f"the forward of {label} (finding its attention modules)"):
+            model(*args[0], **args[1])
+
+    try:
+        return discover(model, run)
+    except Exception:  # the forward raised: the scan's own forward says so
+        return {}
 
 
 def _forward(cap: Any, model: Any, args: tuple[tuple, dict], label: str) -> dict[str, Any] | None:

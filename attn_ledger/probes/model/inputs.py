@@ -89,6 +89,13 @@ def make_inputs(plan: InputPlan, facts: Mapping[str, Any]) -> dict[str, "Tensor"
     from attn_ledger.seeding import generator
 
     arch = facts["architecture"]
+    config = facts.get("config") or {}
+    for key in ("max_position_embeddings", "n_positions"):
+        most = config.get(key)
+        longest = max(plan.seq_len, plan.decoder_len or 0)
+        if isinstance(most, int) and 0 < most < longest:
+            raise InputError(f"--seq-len: got {longest}, expected at most {most}, the config's {key} "
+                             f"(--set {key}=N lengthens it)")
     if plan.decoder_len is not None and arch != "encoder-decoder":
         raise InputError(f"--decoder-len: got {plan.decoder_len}, expected it only for an encoder-decoder model "
                          f"(this one is {'a ' + arch if arch != 'encoder' else 'an encoder'})")

@@ -41,7 +41,7 @@ CHECK_ORDER = ((1, "observed"), (1, "layout"), (3, "finite"), (3, "weights_sum")
                (4, "rotary"), (4, "scale"), (4, "relation"), (4, "softcap"), (4, "sinks"), (4, "reference"))
 _POSITION = {name: i for i, (_, name) in enumerate(CHECK_ORDER)}
 
-REFERENCE_BUDGET = 1 << 22
+REFERENCE_BUDGET = 1 << 20
 """A call's float64 reference covers every query row while ``B * Nh * Tq * Tk`` is at most this; above it,
 evenly spaced rows (first and last included) up to this many grid elements."""
 
@@ -174,10 +174,14 @@ def observed_allow(call: Call, tq: int, tk: int) -> tuple["Tensor", "Tensor | No
     b = call.q.shape[0]
     m = call.mask
     f = call.facts
+    if m is None and f.get("via") == "observer" and call.weights is not None and call.weights.shape[-2:] == (tq, tk):
+        # a core the observer read, whose mask it could not see (a buffer filled in): its weights show the relation
+        return (call.weights > 0).any(dim=1, keepdim=True), None, "the relation its weights show (no mask seen)"
     if m is None:
         kw, mod = f.get("kwargs") or {}, f.get("module") or {}
         eager = f.get("via") == "eager default" or f.get("implementation") == "eager"
-        causal = not eager and bool(kw.get("is_causal", mod.get("is_causal", True)))
+        default = False if f.get("via") == "observer" else mod.get("is_causal", True)  # SDPA's own default, or the layer's
+        causal = not eager and bool(kw.get("is_causal", default))
         window = kw.get("sliding_window") if causal and isinstance(kw.get("sliding_window"), int) else None
         i = torch.arange(tq)[:, None] + (tk - tq)
         j = torch.arange(tk)[None, :]
@@ -219,7 +223,7 @@ def _relation_check(call: Call, exp: Expected, allow: "Tensor", seen: "Tensor", 
         parts.append(f"it allows {n_leak - padded} pairs the {_relation_words(exp)} forbids")
     if n_drop:
         parts.append(f"it blocks {n_drop} pairs the {_relation_words(exp)} allows")
-    data.update(padded_leaked=padded, diagnosis="; ".join(parts))
+    data.update(padded_leaked=padded, disagreement="; ".join(parts))
     return counted(4, "relation", "query-key pairs where the call's mask and the relation disagree", n_leak + n_drop,
                    location=_first(leak | drop), reason=f"mask seen: {seen_text}; " + "; ".join(parts), data=data)
 
@@ -273,7 +277,7 @@ def _weights_checks(call: Call, allow: "Tensor", real: "Tensor", dtype: str) -> 
 
 def _rotary_check(call: Call, exp: Expected, positions: "Tensor | None") -> Check:
     if exp.rotary is None:
-        return unjudged(4, "rotary", "not_applicable", exp.rotary_note or "the family has no rotary positions")
+        return unjudged(4, "rotary", "not_applicable", exp.rotary_note or "no rotary positions are implied")
     if call.q_pre is None or call.k_pre is None:
         return unjudged(4, "rotary", "skipped", "the q and k projections were not seen (no q_proj/k_proj)")
     from attn_ledger.maths.rotary import RotarySpec, apply_rotary, tolerance_for
@@ -346,7 +350,7 @@ def _softcap_check(call: Call, exp: Expected) -> Check:
 
 def _sinks_check(call: Call, exp: Expected) -> Check:
     if not exp.sinks:
-        return unjudged(4, "sinks", "not_applicable", "the family has no attention sinks")
+        return unjudged(4, "sinks", "not_applicable", "no attention sinks are implied")
     given = call.facts.get("sinks_from") == "s_aux"
     reason = "" if given else ("the call was not given s_aux; the module's sinks go to the reference"
                                if call.sinks is not None else "the call was given no sinks (s_aux) and the module has none")
@@ -378,8 +382,10 @@ class _Setting:
     tiled: bool = False
 
 
-def _agreement(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor", dtype: str) -> tuple[float, float, Any]:
-    """``(max |diff|, worst error / bound, where)`` of the context against float64 under ``s`` on ``rows``."""
+def _agreement(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor", dtype: str
+               ) -> tuple[float, float, Any, float]:
+    """``(max |diff|, worst error / bound, where, live)`` of the context against float64 under ``s`` on ``rows``, over
+    the judged rows ``s`` leaves a key (``live``: their share of the judged rows; a row with none is left out)."""
     import torch
 
     from attn_ledger.engine.rounding import accumulation
@@ -390,7 +396,9 @@ def _agreement(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor",
     ctx = call.context if rows is None else call.context[:, :, rows]  # [B, Nh, R, Dv]
     c, eps = tolerance.rounding("out", dtype)
     err = (ctx.double() - att.context).abs().nan_to_num(nan=math.inf)
-    where = (judged[:, None, :, None] & att.live[..., None]).expand_as(err)
+    live = judged[:, None, :] & att.live  # [B, Nh, R]
+    share = float(live.sum()) / max(1, int(judged.sum()) * att.live.shape[1])
+    where = live[..., None].expand_as(err)
     err = err.masked_fill(~where, 0.0)
     bound = c * eps * att.magnitude
     ratio = torch.where(bound > 0, err / bound.clamp_min(1e-300), torch.where(err > 0, math.inf, 0.0))
@@ -399,12 +407,12 @@ def _agreement(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor",
     if worst > 1.0:
         idx = torch.nonzero(ratio == ratio.max())[0].tolist()
         at = {"example": idx[0], "head": idx[1], "query": int(rows[idx[2]]) if rows is not None else idx[2]}
-    return (float(err.max()) if err.numel() else 0.0), worst, at
+    return (float(err.max()) if err.numel() else 0.0), worst, at, share
 
 
 def _reference_check(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor", dtype: str,
                      variants: list[tuple[str, _Setting]]) -> tuple[Check, int]:
-    diff, ratio, at = _agreement(call, s, rows, judged, dtype)
+    diff, ratio, at, _ = _agreement(call, s, rows, judged, dtype)
     c, eps = tolerance.rounding("out", dtype)
     limit = diff / ratio if 0 < ratio < math.inf else (0.0 if ratio == math.inf else max(diff, c * eps))
     data: dict[str, Any] = {"rule": "c * eps * M", "c": c, "eps": eps, "ratio": ratio, "dtype": dtype}
@@ -412,8 +420,8 @@ def _reference_check(call: Call, s: _Setting, rows: "Tensor | None", judged: "Te
         return bounded(4, "reference", "max |context - float64 reference| (real queries)", diff, max(limit, diff),
                        data=data), 0
     for text, variant in variants:
-        _, r, _ = _agreement(call, variant, rows, judged, dtype)
-        if r <= 1.0:
+        _, r, _, share = _agreement(call, variant, rows, judged, dtype)
+        if r <= 1.0 and share >= 0.5:  # a variant that leaves most rows no key explains nothing
             data["diagnosis"] = text
             break
     reason = f"the context matches {data['diagnosis']}" if "diagnosis" in data else \
@@ -445,6 +453,12 @@ def _variants(call: Call, exp: Expected, s: _Setting, seen: "Tensor", seen_bias:
                     replace(s, allow=expected_allow(wide, valid_k, tq, tk))))
         out.append(("no sliding window (the layer attended every earlier key)",
                     replace(s, allow=expected_allow(replace(exp, window=None), valid_k, tq, tk))))
+    if exp.relation == "causal":
+        out.append(("no causal mask: every key attended, the future included",
+                    replace(s, allow=expected_allow(replace(exp, relation="bidirectional", window=None), valid_k, tq, tk))))
+    elif exp.relation == "bidirectional":
+        out.append(("a causal mask on a bidirectional layer",
+                    replace(s, allow=expected_allow(replace(exp, relation="causal"), valid_k, tq, tk))))
     if not bool(valid_k.all()):
         out.append(("padding ignored: padded keys attended",
                     replace(s, allow=expected_allow(exp, valid_k.new_ones(valid_k.shape), tq, tk))))

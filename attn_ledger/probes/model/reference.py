@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
-BLOCK_BYTES = 1 << 26
+BLOCK_BYTES = 1 << 25
 """Float64 working memory of one query block (about six grids of ``[B, Nh, rows, Tk]``)."""
 
 
@@ -85,36 +85,40 @@ def attend64(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor", scale: floa
     over_keys = 1.0 + accumulate * math.sqrt(max(tk, 1))
     outs, mags, shares, lives = [], [], [], []
     step = block_rows(b, nh, tk)
+    neg = torch.tensor(float("-inf"), dtype=f64)
     for r0 in range(0, len(idx), step):
         sel = idx[r0:r0 + step]
         qb = q.detach()[:, :, sel].to(f64)  # [B, Nh, r, Dh]
-        s = torch.matmul(qb, kk.transpose(-2, -1)) * scale  # [B, Nh, r, Tk]
-        a = torch.matmul(qb.abs(), ka) * abs(scale)  # [B, Nh, r, Tk]
+        s = torch.matmul(qb * scale, kk.transpose(-2, -1))  # [B, Nh, r, Tk]
+        a = torch.matmul(qb.abs_().mul_(abs(scale)), ka).mul_(dot)  # [B, Nh, r, Tk]: |q| |k| |scale| (1 + sqrt(Dh))
         if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
+            s = torch.tanh(s.div_(softcap)).mul_(softcap)
         if bias is not None:
             bb = _rows(bias, sel).to(f64)  # [1|B, 1|Nh, r, Tk]
-            s = s + bb
-            a = a + bb.abs()
+            s.add_(bb)
+            a.add_(bb.abs())
         ok = _rows(allow, sel).expand(b, nh, len(sel), tk)  # [B, Nh, r, Tk]
         live = ok.any(dim=-1, keepdim=True)  # [B, Nh, r, 1]
-        logits = torch.where(ok, s, float("-inf")).where(live, 0.0)
+        blocked = ~ok
+        err_s = a.add_(s.abs()).masked_fill_(blocked, 0.0)  # each allowed score's bound (eps units)
+        logits = s.masked_fill_(blocked, neg).masked_fill_(~live, 0.0)
         if sink is not None:
             col = sink.expand(b, nh, len(sel), 1)
             p = torch.softmax(torch.cat([logits, col], dim=-1), dim=-1)[..., :-1]
         else:
             p = torch.softmax(logits, dim=-1)
-        p = p.where(live, 0.0)  # [B, Nh, r, Tk]
-        err_s = torch.where(ok, a * dot + s.abs(), 0.0)  # each allowed score's bound (eps units)
+        p.masked_fill_(~live, 0.0)  # [B, Nh, r, Tk]
         row = (p * err_s).sum(dim=-1, keepdim=True) + err_s.amax(dim=-1, keepdim=True) + over_keys
         if sink is not None:
             row = row + sink.abs()
-        e = torch.where(ok & live, p * (err_s + row) + tiny, 0.0)  # the weights' bound (eps units)
+        e = err_s.add_(row).mul_(p)  # the weights' bound (eps units); zero where p is
+        if tiny:
+            e.add_(torch.where(ok & live, tiny, 0.0))
         outs.append(torch.matmul(p, vv))  # [B, Nh, r, Dv]
-        mags.append(torch.matmul(p + e, va) * over_keys + tiny * live)
+        mags.append(torch.matmul(e.add_(p), va).mul_(over_keys) + tiny * live)
         shares.append(p.sum(dim=-1))
         lives.append(live[..., 0])
-        del s, a, p, e, err_s, logits, ok
+        del s, a, p, e, err_s, logits, ok, blocked
     return Attended(torch.cat(outs, dim=2), torch.cat(mags, dim=2), torch.cat(shares, dim=2), torch.cat(lives, dim=2))
 
 

@@ -83,6 +83,11 @@ def options(scale: float | None, softcap: float | None) -> list[str]:
     return opts
 
 
+PICTURE_GRID = 128 * 128
+"""A call's stage ledger keeps its grids (for the HTML page's mask and weight pictures) up to this many
+(query, key) pairs per head."""
+
+
 def stage_ledger(call: "Call", allow: "Tensor", real: "Tensor", example: int, label: str, scale: float,
                  softcap: float | None) -> "Report | str":
     """The stage ledger of one call on one example's real query rows, or why it cannot be run."""
@@ -98,7 +103,8 @@ def stage_ledger(call: "Call", allow: "Tensor", real: "Tensor", example: int, la
     try:
         return ledger_on_qkv(t["q"], t["k"], t["v"], allow_mask=t["allow_mask"], out=t["out"], out_layout="bthd",
                              weights=t.get("weights"), scale=scale, softcap=softcap, sinks=t.get("sinks"),
-                             bias=t.get("bias"), source=f"{label}, example {example}, {t['q'].shape[2]} real query rows")
+                             bias=t.get("bias"), keep_grids=t["q"].shape[2] * t["k"].shape[2] <= PICTURE_GRID,
+                             source=f"{label}, example {example}, {t['q'].shape[2]} real query rows")
     except AttnLedgerError as exc:  # the call's tensors are not what the ledger takes (a non-finite q, say)
         return f"the ledger does not take its tensors: {exc}"
 

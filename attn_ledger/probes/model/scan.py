@@ -43,13 +43,14 @@ class ScanOptions:
     """How calls are judged: ``keep_going`` judges the calls after the first wrong one; ``budget`` bounds the
     float64 reference per call (:data:`REFERENCE_BUDGET`); ``declared`` is what a model of one's own is meant to
     do; ``save`` is a directory to write each call's tensors into; ``ledger``: run the stage ledger of the first
-    wrong call."""
+    wrong call; ``every_ledger``: every judged call's too, as it arrives (the HTML page opens each)."""
 
     keep_going: bool = False
     budget: int = REFERENCE_BUDGET
     declared: Declared | None = None
     save: str | None = None
     ledger: bool = True
+    every_ledger: bool = False
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Judge:
         self.first: Kept | None = None
         self.saved: list[dict[str, Any]] = []
         self.save_dir: str | None = None  # where --save writes while the scan runs (renamed into place at the end)
+        self.ledgers: dict[str, Report] = {}
 
     def take(self, facts: dict[str, Any], tensors: dict[str, "Tensor"]) -> None:
         call = self._call(facts, tensors)
@@ -96,6 +98,10 @@ class Judge:
         self.entries.append(Entry(order, facts, exp, verdict, shape))
         if verdict is not None and verdict.failed and (self.first is None or order < self.first.order):
             self.first = Kept(order, call, verdict, exp)
+        if verdict is not None and self.options.every_ledger:
+            found = call_ledger(Kept(order, call, verdict, exp), self.sides)
+            if isinstance(found, Report):
+                self.ledgers[label_of(facts)] = found
         if self.save_dir is not None:
             self._save(call, exp, int(facts.get("index", len(self.entries) - 1)), label_of(facts))
 
@@ -234,7 +240,7 @@ def scan_report(model: Mapping[str, Any], judge: Judge, run: Mapping[str, Any], 
                "saved": list(judge.saved), "keep_going": judge.options.keep_going}
     return Report("scan", title, rows, first_finding=finding, coverage=_coverage(judge.entries, run.get("unseen", [])),
                   notes=tuple(notes), details=details, unit="row", row_label="call",
-                  ledger=ledger if isinstance(ledger, Report) else None)
+                  ledger=ledger if isinstance(ledger, Report) else None, ledgers=dict(judge.ledgers))
 
 
 # --- a whole scan -----------------------------------------------------------------------------------
@@ -247,6 +253,8 @@ def _sides(inputs: "Mapping[str, Tensor] | None") -> Sides:
     if not inputs:
         return Sides({})
     valid: dict[str, Tensor] = {"input": inputs["attention_mask"].bool()}
+    if "input_ids" not in inputs:
+        return Sides(valid, inputs.get("position_ids"))
     dec = inputs.get("decoder_input_ids")
     if dec is not None:
         valid["decoder"] = torch.ones(dec.shape, dtype=torch.bool)
@@ -257,11 +265,21 @@ def _sides(inputs: "Mapping[str, Tensor] | None") -> Sides:
     return Sides(valid, positions)
 
 
+def _given_sides(given: Mapping[str, Any]) -> "dict[str, Tensor] | None":
+    """The factory's own attention mask (and positions, decoder ids) as tensors, where it gave them."""
+    import torch
+
+    sides = (given or {}).get("sides") or {}
+    if "attention_mask" not in sides:
+        return None
+    return {k: torch.tensor(v) for k, v in sides.items()}
+
+
 def _inputs_note(model: Mapping[str, Any], plan: Any, inputs: "Mapping[str, Tensor] | None") -> dict[str, Any]:
     from attn_ledger.probes.model.inputs import pad_counts
 
     if inputs is None:
-        return {"given": model.get("given_inputs")}
+        return {"given": {k: v for k, v in (model.get("given_inputs") or {}).items() if k != "sides"}}
     note = {**plan.to_json(), "pads": pad_counts(plan.batch, plan.seq_len, plan.padding),
             "position_ids": "position_ids" in inputs}
     if "decoder_input_ids" in inputs:
@@ -276,8 +294,9 @@ def scan(handle: Any, plan: Any, options: ScanOptions = ScanOptions()) -> Report
     from attn_ledger.probes.model.inputs import make_inputs
 
     model = handle.facts
-    inputs = None if model.get("given_inputs") is not None else make_inputs(plan, model)
-    judge = Judge(model, _sides(inputs), options)
+    given = model.get("given_inputs")
+    inputs = None if given is not None else make_inputs(plan, model)
+    judge = Judge(model, _sides(inputs if inputs is not None else _given_sides(given)), options)
     with _saving(judge, options.save):
         try:
             run = handle.scan(inputs, judge.take)
@@ -286,7 +305,7 @@ def scan(handle: Any, plan: Any, options: ScanOptions = ScanOptions()) -> Report
     note = _inputs_note(model, plan, inputs)
     impl = model.get("implementation") or "module"
     size = "" if inputs is None else f" B={plan.batch} T={plan.seq_len} padding={plan.padding}"
-    title = f"scan {model['label']} ({model['class']}, {impl}, {model['layers']} attention modules){size}"
+    title = f"scan {model['label']} ({model['class']}, {impl}, {run.get('calls', 0)} attention calls){size}"
     ledger = first_ledger(judge) if options.ledger else None
     return scan_report(model, judge, run, note, title, ledger)
 
@@ -317,15 +336,20 @@ def _saving(judge: Judge, directory: str | None) -> Iterator[None]:
 
 def first_ledger(judge: Judge) -> "Report | str | None":
     """The stage ledger of the first wrong call (on the example of its finding), or why there is none."""
+    if judge.first is None:
+        return None
+    found = judge.ledgers.get(label_of(judge.first.call.facts))
+    return found if found is not None else call_ledger(judge.first, judge.sides)
+
+
+def call_ledger(kept: Kept, sides: Sides) -> "Report | str":
+    """A judged call's stage ledger, on the example of its finding (or its first with real query rows)."""
     from attn_ledger.probes.model.replay import stage_ledger
 
-    kept = judge.first
-    if kept is None:
-        return None
     call, verdict = kept.call, kept.verdict
     allow, real = verdict.allow, verdict.real
     if allow is None and call.q is not None and call.k is not None and call.q.dim() == 4 and call.k.dim() == 4:
-        allow, real, *_ = implied(call, kept.expected, judge.sides)
+        allow, real, *_ = implied(call, kept.expected, sides)
     if allow is None:
         return "its q, k and v were not observed"
     first = verdict.first_failure()
@@ -344,3 +368,39 @@ def stopped_report(target: Mapping[str, Any], reason: str, data: Mapping[str, An
               *(unjudged(level, name, "not_reached", "the forward did not return") for level, name in CHECK_ORDER[1:]))
     return Report("scan", f"scan {label}", (Row("forward", "fail", checks, None, AXES),), unit="row", row_label="call",
                   details={"model": {"label": label}, "calls": 0, "judged": 0})
+
+
+def scan_model(model: Any, inputs: Any = None, *, batch: int = 2, seq_len: int = 24, padding: str = "none",
+               seed: int = 0, causal: bool | None = None, window: int | None = None, scale: float | None = None,
+               softcap: float | None = None, keep_going: bool = False, ledger: bool = True,
+               label: str | None = None) -> Report:
+    """Scan a model object in this process: every attention call of one forward, judged (see :func:`scan`).
+
+    Args:
+        model: an ``nn.Module``; a transformers model is judged against its config, another against
+            ``causal``, ``window``, ``scale`` and ``softcap`` (nothing declared: the relation it shows is
+            reported, not judged, and the coverage says so).
+        inputs: the forward's keyword arguments (a dict) or its one tensor; None makes token ids for a
+            transformers model from ``batch``, ``seq_len``, ``padding`` and ``seed``.
+        keep_going: judge the calls after the first wrong one too; ``ledger``: run its stage ledger.
+        label: how the report names the model (default: its class).
+
+    Raises:
+        SetupError: a model that is not transformers' without inputs.
+    """
+    from attn_ledger.errors import SetupError
+    from attn_ledger.probes.model.driver import Loaded, LocalModel, model_facts
+    from attn_ledger.probes.model.inputs import InputPlan
+
+    facts = model_facts(model, inputs, label or type(model).__name__)
+    if facts["architecture"] == "module" and inputs is None:
+        raise SetupError(f"inputs: got None for a {facts['class']}, which is not a transformers model; expected its "
+                         "forward's keyword arguments or input tensor")
+    declared = Declared(causal, window, scale, softcap)
+    options = ScanOptions(keep_going, REFERENCE_BUDGET, declared if declared.any else None, None, ledger)
+    was = model.training
+    model.eval()
+    try:
+        return scan(LocalModel(Loaded(model, inputs, facts)), InputPlan(batch, seq_len, padding, seed), options)
+    finally:
+        model.train(was)
