@@ -53,19 +53,19 @@ CONFIG_STAGES = ("input", "head_roundtrip", "q", "k", "v", "scores", "masked_sco
 TENSOR_STAGES = ("input", "scores", "masked_scores", "weights", "context")
 
 
-def config_stages(rope: bool = False, grad: bool = False) -> tuple[str, ...]:
+def config_stages(rope: bool = False, grad: bool = False, sinks: bool = False) -> tuple[str, ...]:
     """The built-in pipeline's rows, in order (:mod:`attn_ledger.engine.stages`): ``rope`` after ``v``, ``properties``
-    after ``output``, the backward last."""
+    after ``output``, the backward last (``grad_sinks`` in it with sinks)."""
     from attn_ledger.engine import stages
 
-    return stages.stage_names(stages.PIPELINE, rope=rope, grad=grad)
+    return stages.stage_names(stages.PIPELINE, rope=rope, grad=grad, sinks=sinks)
 
 
-def tensor_stages(rope: bool = False, grad: bool = False) -> tuple[str, ...]:
+def tensor_stages(rope: bool = False, grad: bool = False, sinks: bool = False) -> tuple[str, ...]:
     """The rows of a ledger on given Q, K, V, in order."""
     from attn_ledger.engine import stages
 
-    return stages.stage_names(stages.TENSORS, rope=rope, grad=grad)
+    return stages.stage_names(stages.TENSORS, rope=rope, grad=grad, sinks=sinks)
 
 
 def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: ProgressFn | None = None,
@@ -97,7 +97,7 @@ def run_ledger(config: "RunConfig", *, keep_going: bool = False, progress: Progr
     rows = Rows()
     title, meta = builtin.config_title(cfg, relation, device)
     inp = builtin.make_inputs(cfg, dtype, device, reference_dtype(device))
-    order = config_stages(spec is not None, cfg.grad)
+    order = config_stages(spec is not None, cfg.grad, sinks is not None)
     empty_zero = cfg.empty_rows == "zeros"
 
     def done() -> Report:
@@ -286,7 +286,7 @@ def ledger_on_qkv(  # long for its documented arguments; the body is the stages 
     title += f" softcap={softcap:g}" if softcap is not None else ""
     title += " sinks" if sink_t is not None else ""
     title += f" bias {list(bias.shape)}" if bias_t is not None else ""
-    order = tensor_stages(rotation_spec is not None, grad)
+    order = tensor_stages(rotation_spec is not None, grad, sink_t is not None)
     empty_zero = empty_rows == "zeros"
 
     def done() -> Report:

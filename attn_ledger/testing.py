@@ -95,8 +95,8 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
         fn: the attention function (kernel protocol).
         cases: one case id or several (as printed by ``attn-ledger check``); None runs the ``tier``.
         tier: ``default`` or ``full``.
-        empty_rows: the contract for a query with every key blocked: ``zeros``, ``nan`` or ``any``
-            (None: the pyproject table's, else ``zeros``).
+        empty_rows: the contract for a query with every key blocked: ``zeros``, ``nan``, ``finite`` (any
+            finite row; NaN or inf fails) or ``any`` (None: the pyproject table's, else ``zeros``).
         seed: varies the random inputs and perturbations.
         name: how to name ``fn`` in the message (default: its module and qualified name).
         timeout: seconds per call of ``fn`` (None: no limit); a call past it fails its case
@@ -112,8 +112,9 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
             else none): each adds the cases that exercise it.
         protocol: ``kernel`` or ``transformers`` (a function for transformers' ``AttentionInterface``,
             ``fn(module, query, key, value, attention_mask, ...)``); None: detected from the signature.
-            Under ``transformers``, ``masks`` names the mask functions (``sdpa``, ``eager``, ``none``) and
-            only ``cases``, ``seed``, ``name``, ``empty_rows``, ``dtypes``, ``masks`` and ``supports`` apply.
+            Under ``transformers``, ``masks`` names the mask functions (``sdpa``, ``eager``, ``none``,
+            ``flex``), ``empty_rows`` defaults to ``finite``, and only ``cases``, ``tier``, ``seed``, ``name``,
+            ``empty_rows``, ``dtypes``, ``masks`` and ``supports`` apply.
 
     Warns:
         InconclusiveCases: no case fails, but some case was judged by nothing past L1.
@@ -132,7 +133,7 @@ def assert_attention_matches(  # long by its documented arguments; the code is u
     check_timeout(timeout, "timeout")
     if _is_interface(fn, protocol):
         _assert_interface(fn, cases, empty_rows=empty_rows, seed=seed, name=name, timeout=timeout,
-                          dtypes=dtypes, masks=masks, supports=supports)
+                          dtypes=dtypes, masks=masks, supports=supports, tier=tier)
         return
     declared = {"dtypes": dtypes, "masks": masks, "gqa": gqa, "distinct_dv": distinct_dv, "max_tq": max_tq,
                 "max_tk": max_tk, "head_dims": head_dims, "backward": backward, "supports": supports,
@@ -170,7 +171,7 @@ def _is_interface(fn: Callable[..., Any], protocol: str | None) -> bool:
 
 def _assert_interface(fn: Callable[..., Any], cases: Sequence[str] | str | None, *, empty_rows: str | None,
                       seed: int, name: str | None, timeout: float | None, dtypes: Sequence[str] | None,
-                      masks: Sequence[str] | None, supports: Sequence[str] | None) -> None:
+                      masks: Sequence[str] | None, supports: Sequence[str] | None, tier: str = "default") -> None:
     """:func:`assert_attention_matches` under the transformers protocol (``[tool.attn-ledger.check]`` read too)."""
     from attn_ledger.guard import in_process
     from attn_ledger.probes.interface.check import check_interface, declaration
@@ -185,7 +186,7 @@ def _assert_interface(fn: Callable[..., Any], cases: Sequence[str] | str | None,
     ids = [cases] if isinstance(cases, str) else cases
     target = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     with in_process(timeout):
-        report = check_interface(fn, ids, target=target, declaration=decl, seed=seed,
+        report = check_interface(fn, ids, target=target, declaration=decl, seed=seed, tier=tier,
                                  empty_rows=empty_rows or table.get("empty_rows", "finite"))
     if report.exit_code:
         raise AssertionError(interface_diagnosis(report))

@@ -73,7 +73,7 @@ EPS = {"float64": 2.220446049250313e-16, "float32": 1.1920928955078125e-07, "flo
 # --- check on a kernel: error bounds from how rounding grows --------------------------------------
 
 ROUNDING_QUANTITIES = ("out", "dq", "dk", "dv", "scores", "weights", "context", "grad_context", "grad_weights",
-                       "grad_scores", "grad_q", "grad_k", "grad_values")
+                       "grad_scores", "grad_q", "grad_k", "grad_values", "grad_sinks")
 
 # c per (quantity, dtype) in ``|err| <= c * eps(dtype) * M``. Each is at least twice the worst
 # error / (eps * M) measured on correct kernels, so that a correct kernel stays within half its
@@ -126,6 +126,8 @@ ROUNDING_C: dict[str, dict[str, float]] = {
     "grad_q": {"float64": 1.0, "float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
     "grad_k": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
     "grad_values": {"float64": 4.0, "float32": 4.0, "float16": 4.0, "bfloat16": 4.0},
+    # The sinks' gradient (``run --sinks ... --grad``: rounding.sinks_magnitude): to be calibrated.
+    "grad_sinks": {"float64": 1.0, "float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
 }
 
 # The kernel suites' view, kept beside the rule as data (each finding reports their limits too):

@@ -276,6 +276,29 @@ def test_empty_row_contract_is_stated_not_silent():
         check_case(good_attention, case, empty_rows="ones")
 
 
+def test_the_finite_contract_takes_any_finite_row_and_names_nan_or_inf():
+    case = parse_case("b2-h4kv2-tq5tk5-dh8dv8-pad-empty-rand-f32")  # example 1 has no key: 4 heads x 5 queries
+    uniform = load_object(f"{KERNELS / 'eager_additive.py'}:attention")  # finfo.min bias: uniform, finite rows
+    eager = check_case(uniform, case, empty_rows="finite")
+    assert (eager.check("empty_rows").status, eager.check("empty_rows").value) == ("pass", 0)
+    assert eager.passed, eager.first_failure  # its rows are not zeros, and nothing else judges them
+    assert check_case(uniform, case).check("empty_rows").status == "fail"  # the zeros contract names them
+    zeros = check_case(good_attention, case, empty_rows="finite").check("empty_rows")
+    assert (zeros.status, zeros.value) == ("pass", 0)
+    nan = check_case(manual_nan_rows, case, empty_rows="finite")
+    check = nan.check("empty_rows")
+    assert (check.status, check.value, check.limit) == ("fail", 20, 0) and check.data["rows_with_nan"] == 20
+    assert check.location == {"example": 1, "head": 0, "query": 0} and "NaN or inf" in check.measure
+    assert nan.first_failure.name == "empty_rows"
+
+    def inf_rows(q, k, v, **kw):
+        out = good_attention(q, k, v, **kw)
+        return out.masked_fill(out == 0, float("inf"))  # the empty rows (exactly zero) become inf
+
+    inf = check_case(inf_rows, case, empty_rows="finite").check("empty_rows")
+    assert (inf.status, inf.value) == ("fail", 20) and inf.data["rows_with_nan"] == 0
+
+
 def test_sdpa_is_causal_is_wrong_for_decode_shapes_only():
     fn = load_object(f"{KERNELS / 'sdpa_is_causal.py'}:attention")
     report = check_kernel(fn)
@@ -445,6 +468,11 @@ def test_cli_empty_rows_option():
     assert runner.invoke(app, args + ["--empty-rows", "nan"]).exit_code == 0
     assert runner.invoke(app, args + ["--empty-rows", "any"]).exit_code == 0
     assert runner.invoke(app, args + ["--empty-rows", "ones"]).exit_code == 2
+    finite = runner.invoke(app, args + ["--empty-rows", "finite"])  # its empty rows are NaN
+    assert finite.exit_code == 1 and "empty_rows" in finite.stdout and "empty rows: finite" in finite.stdout
+    uniform = ["check", f"{KERNELS / 'eager_additive.py'}:attention", "--case", args[-1]]
+    assert runner.invoke(app, uniform + ["--empty-rows", "finite"]).exit_code == 0
+    assert runner.invoke(app, uniform).exit_code == 1
 
 
 def test_cli_kernel_that_raises_on_a_legal_case_is_a_level_1_finding(tmp_path):

@@ -118,9 +118,80 @@ def test_a_dropped_sink_also_fails_against_the_reference_share():
 def test_the_backward_with_sinks_passes(overrides):
     report = run_ledger(load_config(overrides={"sinks": SINKS, "grad": True, **overrides}))
     assert report.exit_code == 0, failing(report)
-    for stage in ("grad_q", "grad_k", "grad_values"):
+    for stage in ("grad_q", "grad_k", "grad_values", "grad_sinks"):
         assert check(report, stage, "matches_reference").passed
     assert check(report, "grad_k", "key_sum_zero").status == "not_applicable"
+    parts = check(report, "grad_sinks", "matches_reference").data["tolerance"]
+    dtype = overrides.get("dtype", "float32")
+    assert parts["rule"] == "c * eps * M" and parts["stage"] == "grad_sinks" and parts["dtype"] == dtype
+    assert parts["ratio"] <= 0.5, parts  # a correct pipeline sits within half its bound
+    assert report.row("grad_sinks").shape == (3,) and report.row("grad_sinks").axes == "[Nh]"
+
+
+def test_the_sinks_gradient_row_is_there_only_with_sinks_and_grad():
+    names = lambda r: [row.name for row in r.rows]  # noqa: E731
+    assert "grad_sinks" not in names(run_ledger(load_config(overrides={"grad": True})))
+    assert "grad_sinks" not in names(run_ledger(load_config(overrides={"sinks": SINKS})))
+    with_both = names(run_ledger(load_config(overrides={"sinks": SINKS, "grad": True})))
+    assert with_both.index("grad_k") + 1 == with_both.index("grad_sinks")
+
+
+def _grad_sinks(fn):
+    from dataclasses import replace
+
+    from attn_ledger.maths.pipeline import HEALTHY
+
+    return replace(HEALTHY, grad_sinks=fn)
+
+
+def test_a_wrong_sinks_gradient_is_caught_at_its_row():
+    from attn_ledger import tolerance
+    from attn_ledger.maths.pipeline import grad_sinks
+
+    needs = FAULT_NEEDS["grad-sinks-no-share"]
+    assert run_ledger(load_config(overrides=needs)).exit_code == 0
+    found = run_ledger(load_config(overrides={"fault": "grad-sinks-no-share", **needs})).first_finding
+    assert (found.row, found.level, found.name) == ("grad_sinks", 4, "matches_reference")
+    assert found.check.location is not None and set(found.check.location) == {"head"}
+    parts = found.check.data["tolerance"]
+    assert parts["ratio"] > 1 and parts["error"] > parts["bound"]
+    # off by rounding errors of its own size: 256 float32 units fail there, a quarter of one passes
+    eps = tolerance.EPS["float32"]
+    for factor, code in ((1 + 256 * eps, 1), (1 + eps / 4, 0)):
+        report = run_ledger(load_config(overrides=needs), ops=_grad_sinks(lambda *a: grad_sinks(*a) * factor))
+        assert report.exit_code == code, (factor, report.first_finding)
+        if code:
+            assert (report.first_finding.row, report.first_finding.name) == ("grad_sinks", "matches_reference")
+
+
+def test_a_sinks_gradient_that_is_not_finite_or_raises_is_named_at_its_row():
+    from attn_ledger.maths.pipeline import grad_sinks
+
+    def nan_head(*a):
+        g = grad_sinks(*a)
+        return g.index_fill(0, torch.tensor([2]), float("nan"))
+
+    report = run_ledger(load_config(overrides={"sinks": SINKS, "grad": True}), ops=_grad_sinks(nan_head))
+    finite = check(report, "grad_sinks", "finite")
+    assert report.first_finding.row == "grad_sinks" and finite.failed and finite.location == {"head": 2}
+
+    def raises(*a):
+        raise RuntimeError("no sink gradient here")
+
+    report = run_ledger(load_config(overrides={"sinks": SINKS, "grad": True}), ops=_grad_sinks(raises))
+    assert (report.first_finding.row, report.first_finding.level) == ("grad_sinks", 1)
+    assert check(report, "grad_k", "matches_reference").passed  # the other gradients are still judged
+
+
+def test_saved_tensors_with_sinks_get_the_sinks_gradient_row(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 6, 8, generator=g) for _ in range(3))
+    save_tensor_file({"q": q, "k": k, "v": v, "sinks": torch.tensor([0.3, 1.0, -2.0])}, tmp_path / "t.safetensors")
+    res = runner.invoke(app, ["run", "--tensors", str(tmp_path / "t.safetensors"), "--mask", "causal", "--grad",
+                              "--format", "json"])
+    assert res.exit_code == 0, res.output
+    row = next(r for r in json.loads(res.stdout)["rows"] if r["name"] == "grad_sinks")
+    assert [c["name"] for c in row["checks"]] == ["shape", "finite", "matches_reference"]
 
 
 def test_the_backward_reference_counts_the_sinks():

@@ -15,7 +15,7 @@ from attn_ledger.commands.options import INT
 DECLARE = "Declaration"
 
 
-EmptyRows = opt.choices("EmptyRows", "zeros", "nan", "any", "finite")  # what a query with every key blocked must return
+EmptyRows = opt.choices("EmptyRows", "zeros", "nan", "finite", "any")  # what a query with every key blocked must return
 Protocol = opt.choices("Protocol", "kernel", "transformers")
 
 # the options many commands share, with check's help text
@@ -67,9 +67,9 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
         Optional[list[str]], typer.Option("--case", help="Run only this case id (repeatable); any well-formed id works.")
     ] = None,
     full: Annotated[bool, typer.Option("--full", help="Run the full tier (real sizes chosen pairwise; for nightly CI) instead of the default tier.")] = False,
-    list_cases: Annotated[bool, typer.Option("--list-cases", help="List the cases of the tiers with the reason for each, and exit.")] = False,
+    list_cases: Annotated[bool, typer.Option("--list-cases", help="List the cases of the tiers with the reason for each, and exit (with --protocol transformers, that protocol's).")] = False,
     empty_rows: Annotated[
-        Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked: zeros, nan, any, or finite (any finite row; transformers protocol only). Default: zeros (kernel), finite (transformers).")
+        Optional[EmptyRows], typer.Option("--empty-rows", help="Contract for a query whose every key is blocked: zeros, nan (kernel protocol only), finite (any finite row; NaN or inf is a finding) or any. Default: zeros (kernel), finite (transformers).")
     ] = None,
     backward: Annotated[
         Optional[bool], typer.Option("--backward/--no-backward", help="Check dq, dk and dv against float64 autograd. Default: backward.")
@@ -82,7 +82,7 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     ] = None,
     device: DeviceOption = None,
     dtypes: Annotated[Optional[str], typer.Option("--dtypes", help="Dtypes the kernel supports, e.g. float16,bfloat16.", rich_help_panel=DECLARE)] = None,
-    masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal; with --protocol transformers the mask functions registered for its name: sdpa, eager, none.", rich_help_panel=DECLARE)] = None,
+    masks: Annotated[Optional[str], typer.Option("--masks", help="Mask kinds it takes: none, causal (is_causal), mask (allow_mask), e.g. none,causal; with --protocol transformers the mask functions registered for its name: sdpa, eager, none, flex.", rich_help_panel=DECLARE)] = None,
     gqa: Annotated[Optional[bool], typer.Option("--gqa/--no-gqa", help="Whether it supports Nkv < Nh. Default: gqa.", rich_help_panel=DECLARE)] = None,
     distinct_dv: Annotated[Optional[bool], typer.Option("--distinct-dv/--no-distinct-dv", help="Whether it supports Dv != Dh. Default: distinct-dv.", rich_help_panel=DECLARE)] = None,
     max_tq: Annotated[Optional[str], typer.Option("--max-tq", metavar=INT, help="The longest Tq it takes.", rich_help_panel=DECLARE)] = None,
@@ -131,7 +131,7 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
     error.
     """
     if list_cases:
-        _list_cases(output_format, output, target, module)
+        _list_cases(output_format, output, target, module, protocol.value if protocol else "kernel")
         return
     # kernel-protocol options: None where not given (the pyproject table or the default then holds)
     kernel_options = {"--full": full or None, "--device": device.value if device else None,
@@ -167,7 +167,8 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
             name, label = "kernel_check", "checking cases"
             chosen = protocol.value if protocol else None
             if chosen == "transformers":
-                opt.refuse_given({k: v for k, v in kernel_options.items() if k not in ("--dtypes", "--masks", "--supports")},
+                opt.refuse_given({k: v for k, v in kernel_options.items()
+                                  if k not in ("--full", "--dtypes", "--masks", "--supports")},
                                  "with --protocol transformers (it applies to the kernel protocol)")
             if chosen == "kernel":
                 args = _kernel_args(target, case, full, declared, seed_value, device.value if device else "cpu")
@@ -260,7 +261,7 @@ def _attention_args(target: str, protocol: Optional[str], case: Optional[list[st
         except InputError as exc:
             args["kernel"], args["kernel_error"] = None, str(exc)
     try:
-        args["interface"] = _interface_args(declared, case, seed)
+        args["interface"] = _interface_args(declared, case, full, seed)
     except InputError as exc:  # options meant for the kernel protocol: an error only if the target is not one
         if protocol is not None:
             raise
@@ -268,7 +269,7 @@ def _attention_args(target: str, protocol: Optional[str], case: Optional[list[st
     return args
 
 
-def _interface_args(declared: dict, case: Optional[list[str]], seed: int) -> dict:
+def _interface_args(declared: dict, case: Optional[list[str]], full: bool, seed: int) -> dict:
     """The transformers protocol's arguments: its declaration from the options over [tool.attn-ledger.check]."""
     from attn_ledger.errors import InputError
     from attn_ledger.probes.interface.check import declaration as interface_declaration
@@ -284,24 +285,34 @@ def _interface_args(declared: dict, case: Optional[list[str]], seed: int) -> dic
     interface_declaration(from_table, source=f"pyproject.toml [{TABLE}] ")  # a bad value is named before any import
     interface_declaration(given)
     return {"declared": {**from_table, **given}, "cases": list(case) if case else None, "seed": seed,
-            "empty_rows": empty}
+            "empty_rows": empty, "tier": "full" if full else "default"}
 
 
-def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], module: Optional[str]) -> None:
-    """Every case of every tier with its tier and reason: a table, or JSON with ``--format json``."""
+def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], module: Optional[str],
+                protocol: str) -> None:
+    """Every case of every tier of a protocol with its tier and reason: a table, or JSON with ``--format json``."""
     import json
 
     from attn_ledger.commands.common import fail, write_atomic
     from attn_ledger.errors import AttnLedgerError
-    from attn_ledger.probes.kernel.cases import GRID, describe_tiers, feature_grid
+    from attn_ledger.probes.common.grid import describe_tiers
     from attn_ledger.render.table import wrap_words
 
     if target is not None or module is not None:
         given = target if target is not None else f"--module {module}"
         raise fail(f"--list-cases: got it with {given!r}, expected no target or --module: it lists the cases and runs nothing")
-    entries = describe_tiers(GRID + feature_grid())
+    if protocol == "transformers":
+        from attn_ledger.probes.interface.cases import GRID as grid
+
+        flex = sum(g.case.mask == "flex" for g in grid)
+        who = f"a function declares (--supports); {flex} of all these are flex's, for --masks flex"
+    else:
+        from attn_ledger.probes.kernel.cases import GRID, feature_grid
+
+        grid, who = GRID + feature_grid(), "a kernel declares (--supports)"
+    entries = describe_tiers(grid)
     if fmt is Format.json:
-        text = json.dumps({"command": "check --list-cases", "cases": entries}, indent=2) + "\n"
+        text = json.dumps({"command": "check --list-cases", "protocol": protocol, "cases": entries}, indent=2) + "\n"
     elif fmt is Format.table:
         width = max(len(e["id"]) for e in entries)
         lines = [f"{'case'.ljust(width)}  tier     reason"]
@@ -311,8 +322,8 @@ def _list_cases(fmt: Format, output: Optional[Path], target: Optional[str], modu
             lines.append(f"{e['id'].ljust(width)}  {e['tier'].ljust(7)}  {reason[0]}")
             lines += [" " * pad + more for more in reason[1:]]
         counts = {t: sum(e["tier"] == t for e in entries) for t in ("default", "full", "features")}
-        lines.append(f"{counts['default']} cases in the default tier; --full adds {counts['full']}; "
-                     f"{counts['features']} more for the features a kernel declares (--supports)")
+        lines += wrap_words(f"{counts['default']} cases in the default tier; --full adds {counts['full']}; "
+                            f"{counts['features']} more for the features {who}", 100, indent="")
         text = "\n".join(lines) + "\n"
     else:
         raise fail(f"--format: got {fmt.value!r} with --list-cases, expected table or json")

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from attn_ledger.maths.relations import Relation
     from attn_ledger.maths.rotary import RotarySpec
 
-BACKWARD_STAGES = ("grad_context", "grad_weights", "grad_values", "grad_scores", "grad_q", "grad_k")
+BACKWARD_STAGES = ("grad_context", "grad_weights", "grad_values", "grad_scores", "grad_q", "grad_k", "grad_sinks")
 GRADCHECK_STEP = 1e-6  # central differences, float64
 GRADCHECK_TOL = 2e-6  # largest |analytic - numeric| allowed per coordinate
 GRADCHECK_MAX = 64  # coordinates per tensor (evenly spread beyond this)
@@ -76,6 +76,24 @@ class Rotation:
         return torch.arange(n, device=device) + start  # [n]
 
 
+@dataclass(frozen=True)
+class HeadAt:
+    """Where a per-head gradient (the sinks') goes wrong: its head."""
+
+    head: int
+
+    @property
+    def example(self) -> int:
+        return -1
+
+    @property
+    def query(self) -> int:
+        return -1
+
+    def as_dict(self) -> dict[str, int]:
+        return {"head": self.head}
+
+
 def key_at(where: M.Where | None) -> KeyAt | None:
     """A location measured on a ``[B, Nh, Tk, D]`` tensor (its row axis holds keys)."""
     return None if where is None else KeyAt(where.example, where.head, where.query)
@@ -93,7 +111,8 @@ class Backward:
         sdpa_scale: the scale F.scaled_dot_product_attention gets (the intended one).
 
     After :meth:`run`: ``dq``, ``dk``, ``dv`` (before rotation, kv heads summed back; None if a stage broke),
-    ``dq_post``, ``dk_exp``, ``dv_exp`` (as the stages produced them) and ``kept`` (whole grids when the plan keeps them).
+    ``dq_post``, ``dk_exp``, ``dv_exp`` (as the stages produced them), ``dsinks`` ``[Nh]`` (the sinks' gradient,
+    with sinks; None where its stage broke) and ``kept`` (whole grids when the plan keeps them).
     """
 
     def __init__(self, plan: P.Plan, relation: "Relation", ops: Any, q: "Tensor", k_exp: "Tensor", v_exp: "Tensor",
@@ -127,6 +146,9 @@ class Backward:
         self.ran: set[str] = set()  # stages every block so far has computed
         self.use_sdpa = sdpa
         self.sdpa_grads: "dict[str, Tensor] | None" = None  # SDPA's Q-bar, K-bar, V-bar, as dq, dk, dv are
+        wide = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype  # as grad_sinks sums
+        self.dsinks = None if sinks is None else torch.zeros(nh, dtype=wide, device=q.device)  # [Nh]
+        self.dsinks_sample = None if sinks is None else torch.zeros(nh, dtype=wide, device=q.device)  # sampled rows
 
     def run(self) -> Iterator[Measure]:
         """Every block through the backward stages, then the whole-tensor measurements; stops at a broken stage."""
@@ -141,10 +163,16 @@ class Backward:
         yield from self._finish()
 
     def _counts(self) -> Iterator[Count]:
-        """Non-finite Q-bar, K-bar and V-bar, counted once on the sums: a NaN or an infinity in any
-        block's part leaves its sum non-finite (an infinity meeting its opposite becomes NaN)."""
+        """Non-finite Q-bar, K-bar, V-bar and the sinks' gradient, counted once on the sums: a NaN or an infinity
+        in any block's part leaves its sum non-finite (an infinity meeting its opposite becomes NaN)."""
+        import torch
+
         if "grad_q" in self.ran:
             yield M.nonfinite("grad_q", self.dq_post, q0=0, k0=None)
+        if "grad_sinks" in self.ran and self.dsinks is not None:
+            bad = ~torch.isfinite(self.dsinks)  # [Nh]
+            first = int(torch.argmax(bad.to(torch.uint8))) if bool(bad.any()) else None
+            yield Count("grad_sinks", "nonfinite", int(bad.sum()), where=None if first is None else HeadAt(first))
         for stage, t in (("grad_values", self.dv_exp), ("grad_k", self.dk_exp)):
             if stage in self.ran:
                 n = M.nonfinite(stage, t, q0=0, k0=None)
@@ -182,11 +210,28 @@ class Backward:
         self.dv_exp[:, :, lo:hi] += gv
         self.dq_post[:, :, q0:q1] = gq
         self.dk_exp[:, :, lo:hi] += gk
-        yield from self._sample(blk, lay, w, gw, gs, gob, qb, gsc)
+        share = yield from self._sinks_block(m, w, gw)
+        yield from self._sample(blk, lay, w, gw, gs, gob, qb, gsc, share)
         if self.plan.keep:
             self.kept.setdefault("grad_weights", []).append(gw)
             self.kept.setdefault("grad_scores", []).append(gs)
         return True
+
+    def _sinks_block(self, m: "Tensor", w: "Tensor", gw: "Tensor") -> Iterator[Measure]:
+        """The block's part of the sinks' gradient (with sinks), summed into ``dsinks``; returns the sink's share of
+        each row ``[B, Nh, rows]``, or None. A stage that breaks stops only itself: ``dsinks`` becomes None."""
+        from attn_ledger.maths.pipeline import sink_share
+
+        if self.dsinks is None:
+            return None
+        share = sink_share(m, self.sinks)  # [B, Nh, rows], from the pipeline's own masked scores
+        got = yield from _stage("grad_sinks", lambda: self.ops.grad_sinks(share, w, gw), (self.plan.nh,))
+        if got is None:
+            self.dsinks = self.dsinks_sample = None
+            return None
+        self.dsinks += got
+        self.ran.add("grad_sinks")
+        return share
 
     def _reachable(self, allow_i: "Tensor | None") -> None:
         if allow_i is None:
@@ -195,14 +240,19 @@ class Backward:
         self.reach = seen if self.reach is None else (self.reach | seen)
 
     def _sample(self, blk: P.Block, lay: P.Layout, w: "Tensor", gw: "Tensor", gs: "Tensor", gob: "Tensor",
-                qb: "Tensor", gsc: "Tensor") -> Iterator[Measure]:
-        """The sampled rows' A-bar and S-bar, and what those rows alone give K-bar and V-bar."""
+                qb: "Tensor", gsc: "Tensor", share: "Tensor | None" = None) -> Iterator[Measure]:
+        """The sampled rows' A-bar and S-bar, and what those rows alone give K-bar, V-bar and the sinks' gradient."""
         if self.ref is None or blk.sample is None:
             return
         a, z = blk.sample
         at = slice(blk.sample_at, blk.sample_at + z - a)
         for key, t in (("grad_weights", gw), ("grad_scores", gs)):
             self.got[key][:, :, at, lay.lo:lay.hi].copy_(t[:, :, a:z])
+        if share is not None and self.dsinks_sample is not None:
+            try:
+                self.dsinks_sample += self.ops.grad_sinks(share[:, :, a:z], w[:, :, a:z], gw[:, :, a:z])
+            except Exception:  # the stage ran on the whole block but not on its sampled rows: nothing to compare
+                self.dsinks_sample.fill_(math.nan)
         if not self.partial:
             return
         try:
@@ -270,6 +320,20 @@ class Backward:
         self.dk_sample, self.dv_sample = dk, dv
         yield self._float64("grad_k", dk, ref["grad_k"], keys=True)
         yield self._float64("grad_values", dv, ref["grad_values"], keys=True)
+        if self.dsinks_sample is not None and "grad_sinks" in ref:
+            yield self._float64_heads("grad_sinks", self.dsinks_sample, ref["grad_sinks"])
+
+    def _float64_heads(self, stage: str, got: "Tensor", ref: "Tensor") -> Agreement:
+        """A per-head gradient ``[Nh]`` against float64 autograd, by the rounding rule where its ``M`` is known."""
+        m = None if self.mags is None else self.mags.get(stage)
+        as_grid = (got.reshape(1, -1, 1, 1), ref.reshape(1, -1, 1, 1))  # [1, Nh, 1, 1]: one value per head
+        if m is None or m.shape != got.shape:
+            a = _compare(stage, "float64", *as_grid, self.rtol, self.atol, grid=False)
+        else:
+            from attn_ledger.engine import rounding
+
+            a = rounding.agreement(stage, "pipeline", *as_grid, m.reshape(1, -1, 1, 1), self.dtype_name, 0, None)
+        return a if a.where is None else Agreement(**{**a.__dict__, "where": HeadAt(a.where.head)})
 
     def _float64(self, stage: str, got: "Tensor", ref: "Tensor", *, spans: tuple[tuple[int, int], ...] = (),
                  grid: bool = True, keys: bool = False) -> Agreement:

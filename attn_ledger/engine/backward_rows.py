@@ -94,12 +94,13 @@ def grad_rounding(fwd: Forward, go: "Tensor", ref: "dict[str, Tensor]",
     with torch.inference_mode():
         m = rounding.grad_magnitudes(q, k, v, g, sample_allow(fwd.relation, plan.reference_spans, tk), fwd.sdpa_scale,
                                      fwd.softcap, carried, eps, tolerance.tiny(fwd.q.dtype),
-                                     rounding.accumulation(tolerance.dtype_name(fwd.q.dtype)))
+                                     rounding.accumulation(tolerance.dtype_name(fwd.q.dtype)), fwd.sinks)
         spec = None if rot is None else rot.spec
         return {"grad_weights": m["grad_weights"], "grad_scores": m["grad_scores"],
                 "grad_q": rounding.unrotated(m["grad_q"], m["mag_q"], spec),
                 "grad_k": rounding.per_kv(rounding.unrotated(m["grad_k"], m["mag_k"], spec), nkv),
-                "grad_values": rounding.per_kv(m["grad_values"], nkv)}
+                "grad_values": rounding.per_kv(m["grad_values"], nkv),
+                **({} if "grad_sinks" not in m else {"grad_sinks": m["grad_sinks"]})}
 
 
 def core_backward(rows: Rows, ops: Any, fwd: Forward, go: "Tensor", ref: "dict[str, Tensor]", *,
@@ -112,7 +113,7 @@ def core_backward(rows: Rows, ops: Any, fwd: Forward, go: "Tensor", ref: "dict[s
                    softcap=fwd.softcap, sinks=fwd.sinks, mags=grad_rounding(fwd, go, ref, go_ref))
     tally = Tally.of(run.run())
     derived = {"grad_weights": (b, nh, tq, tk), "grad_values": (b, nkv, tk, dv), "grad_scores": (b, nh, tq, tk),
-               "grad_q": (b, nh, tq, dh), "grad_k": (b, nkv, tk, dh)}
+               "grad_q": (b, nh, tq, dh), "grad_k": (b, nkv, tk, dh), "grad_sinks": (nh,)}
     verdicts = judge_backward(tally, tolerance.dtype_name(fwd.q.dtype), derived=derived, sampled=sampled_words(fwd.plan))
     for stage, checks in verdicts.checks.items():
         broken = tally.broken.get((stage, "pipeline"))
@@ -130,6 +131,8 @@ def core_backward(rows: Rows, ops: Any, fwd: Forward, go: "Tensor", ref: "dict[s
     if replay:
         rows.checks["grad_k"].append(_replayed(ops, fwd, go, run))
     rows.tensors.update({"grad_q": run.dq, "grad_k": run.dk, "grad_values": run.dv})
+    if run.dsinks is not None:
+        rows.tensors["grad_sinks"] = run.dsinks  # [Nh]
     for key, parts in run.kept.items():
         import torch
 

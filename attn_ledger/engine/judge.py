@@ -420,7 +420,26 @@ def judge_backward(t: Tally, dtype: str, *, derived: dict[str, tuple[int, ...]],
                  f"float64 autograd ({sampled})")
         _compare(v, stage, "matches_sdpa", t.agreement(stage, "pipeline", "sdpa"), dtype,
                  "autograd of F.scaled_dot_product_attention")
+    _sinks_gradient(v, t, dtype, derived.get("grad_sinks"), sampled)
     return v
+
+
+def _sinks_gradient(v: Verdicts, t: Tally, dtype: str, derived: tuple[int, ...] | None, sampled: str) -> None:
+    """The sinks' gradient ``[Nh]`` (with sinks): its shape, finite, against float64 autograd."""
+    stage = "grad_sinks"
+    if (stage, "pipeline") in t.broken:
+        v.checks[stage] = []
+        _broken(v, stage, t.broken[(stage, "pipeline")], AXES[stage], "shape")
+        return
+    if not t.reached(stage):
+        return
+    v.checks[stage] = []
+    v.add(stage, Check(1, "shape", "pass", reason=f"{AXES[stage]} derived {list(derived or ())}; every query block's "
+                       "part had it", data={"expected": list(derived or ()), "axes": AXES[stage]}))
+    n = t.count(stage, "nonfinite")
+    v.add(stage, C.finite_check(n.n, "sinks' gradient values"), n.where)
+    _compare(v, stage, "matches_reference", t.agreement(stage, "pipeline", "float64"), dtype,
+             f"float64 autograd ({sampled}, the part those rows contribute)")
 
 
 def _blocked_keys(v: Verdicts, t: Tally, stage: str) -> None:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 QUANTITY = {"scores": "scores", "weights": "weights", "context": "context", "grad_context": "grad_context",
             "grad_weights": "grad_weights", "grad_scores": "grad_scores", "grad_q": "grad_q", "grad_k": "grad_k",
-            "grad_values": "grad_values"}  # the stage's c in ROUNDING_C
+            "grad_values": "grad_values", "grad_sinks": "grad_sinks"}  # the stage's c in ROUNDING_C
 
 
 # long by its documented arguments (the bias among them); the code is one chain of bounds
@@ -105,14 +105,14 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     m_out = torch.matmul(p + e, va) * (1.0 + acc * math.sqrt(max(tk, 1))) + tiny * live  # [B, Nh, R, Dv]
     if dv_in is not None:
         m_out = m_out + torch.matmul(p + e * eps, dv_in) / eps
-    return {"scores": m_scores, "weights": e, "out": m_out, "p": p, "s": s}
+    return {"scores": m_scores, "weights": e, "out": m_out, "p": p, "s": s, "row": row}
 
 
 # long: one chain of bounds, stage after stage, as the backward computes them
 def grad_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", go: "Tensor", allow: "Tensor | None", scale: float,
                     softcap: float | None = None, carried: "dict[str, Tensor] | None" = None,
                     eps: float = 1.0, tiny: float = 0.0,
-                    accumulate: float = 1.0) -> dict[str, "Tensor"]:
+                    accumulate: float = 1.0, sinks: "Tensor | None" = None) -> dict[str, "Tensor"]:
     """``M`` of the backward's stage tensors on the sampled rows, in float64 and in units of ``eps``.
 
     Each product ``z = x y`` summing ``n`` terms errs by at most ``(1 + sqrt(n)) |x| |y|`` of its own
@@ -123,7 +123,8 @@ def grad_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", go: "Tensor", allow: 
     * ``V-bar = P^T O-bar`` (the rows' terms, summed over the query heads a kv head serves);
     * ``D = rowsum(P A-bar)`` and ``S-bar = P (A-bar - D)`` with the subtraction's and product's rounding;
     * under a soft-cap, ``S-bar`` times the cap's slope ``1 - (capped / C)^2``, whose error follows the scores';
-    * ``Q-bar = scale S-bar K`` (Tk terms) and ``K-bar = scale S-bar^T Q`` (the rows' terms, per query head).
+    * ``Q-bar = scale S-bar K`` (Tk terms) and ``K-bar = scale S-bar^T Q`` (the rows' terms, per query head);
+    * with sinks, the sinks' gradient ``-sum over examples and rows of share * D`` (:func:`sinks_magnitude`).
 
     Args:
         q: ``[B, Nh, R, Dh]`` the reference's queries on the sampled rows, as they enter the scores
@@ -138,7 +139,8 @@ def grad_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", go: "Tensor", allow: 
     Returns:
         ``grad_weights``, ``grad_scores`` ``[B, Nh, R, Tk]``; ``grad_q`` ``[B, Nh, R, Dh]`` and
         ``grad_k`` ``[B, Nh, Tk, Dh]`` (rotated, per query head), ``grad_values`` ``[B, Nh, Tk, Dv]``
-        (per query head); and ``mag_q``, ``mag_k``: the bounds on |Q-bar|, |K-bar| themselves.
+        (per query head); and ``mag_q``, ``mag_k``: the bounds on |Q-bar|, |K-bar| themselves; with ``sinks``
+        ``[Nh]``, ``grad_sinks`` ``[Nh]``.
     """
     import torch
 
@@ -187,9 +189,43 @@ def grad_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", go: "Tensor", allow: 
     ct, ect = ms_c.transpose(-2, -1), e_c.transpose(-2, -1)
     mk = torch.matmul(ct, qa) * sc  # [B, Nh, Tk, Dh]: |K-bar| per query head
     e_k = mk * (1.0 + n_rows) + (torch.matmul(ect, qa) + torch.matmul(ct, eq) + eps * torch.matmul(ect, eq)) * sc
-    return {"grad_weights": e_p + tiny, "grad_scores": e_s, "grad_q": e_q + tiny, "grad_k": e_k + tiny,
-            "grad_values": e_v + tiny,
-            "mag_q": mq, "mag_k": mk}
+    found = {"grad_weights": e_p + tiny, "grad_scores": e_s, "grad_q": e_q + tiny, "grad_k": e_k + tiny,
+             "grad_values": e_v + tiny,
+             "mag_q": mq, "mag_k": mk}
+    if sinks is not None:
+        found["grad_sinks"] = sinks_magnitude(sinks, s, allow, md, e_d, fw["row"], eps, tiny, acc)
+    return found
+
+
+def sinks_magnitude(sinks: "Tensor", s: "Tensor", allow: "Tensor | None", md: "Tensor", e_d: "Tensor",
+                    row: "Tensor", eps: float, tiny: float, accumulate: float) -> "Tensor":
+    """``M`` of the sinks' gradient ``-sum_{b, i} share * D`` per head, ``[Nh]``, in units of ``eps``.
+
+    ``share = sigmoid(x)``, ``x = sink - logsumexp(s)`` over the allowed keys: ``x`` errs by the row's
+    normaliser error ``row`` and its own rounding ``|x|``, and the sigmoid's slope is ``share (1 - share)``,
+    so ``e_share = share (1 - share) (row + |x|) + share``. Each term ``share * D`` errs by
+    ``e_share |D| + share e_D + eps e_share e_D`` plus its own rounding, and the sum over the ``n``
+    examples and rows of a head by ``(1 + sqrt(n))`` times the terms' sizes. A row with no allowed key
+    (share 1, ``D`` 0) adds nothing.
+
+    Args:
+        sinks: ``[Nh]``; s: the float64 scores ``[B, Nh, R, Tk]`` (after any cap); allow: as the scores'.
+        md, e_d: ``|D|`` and its bound ``[B, Nh, R, 1]`` (:func:`grad_magnitudes`); row: the row's
+            normaliser bound ``[B, Nh, R, 1]`` (:func:`stage_magnitudes`).
+    """
+    import torch
+
+    f64 = torch.float64
+    ok = torch.ones_like(s, dtype=torch.bool) if allow is None else allow.expand_as(s)
+    live = ok.any(dim=-1, keepdim=True)  # [B, Nh, R, 1]
+    lse = torch.logsumexp(torch.where(ok, s, float("-inf")), dim=-1, keepdim=True)  # [B, Nh, R, 1]
+    x = torch.where(live, sinks.detach().to(f64).reshape(1, -1, 1, 1) - lse, 0.0)
+    share = torch.where(live, torch.sigmoid(x), 0.0)
+    e_share = share * (1.0 - share) * (row + x.abs()) + share
+    term = share * md
+    e_term = e_share * md + share * e_d + eps * e_share * e_d + term
+    n = s.shape[0] * s.shape[2]  # terms per head
+    return (e_term + term * (1.0 + accumulate * math.sqrt(max(1, n)))).sum(dim=(0, 2, 3)) + tiny  # [Nh]
 
 
 def unrotated(m: "Tensor", mag: "Tensor", spec: Any) -> "Tensor":

@@ -48,16 +48,17 @@ class CheckSpec:
         return re.fullmatch(pattern, name) is not None
 
 
-ROPE, GRAD = "rope", "grad"  # what an optional stage needs: rotary positions on, or the backward asked for
-NEEDS_WORDS = {"": "", ROPE: "with --rope", GRAD: "with --grad"}
+ROPE, GRAD, SINK_GRAD = "rope", "grad", "grad+sinks"  # what an optional stage needs: rotary positions on, the
+# backward asked for, or the backward with attention sinks
+NEEDS_WORDS = {"": "", ROPE: "with --rope", GRAD: "with --grad", SINK_GRAD: "with --grad and --sinks"}
 
 
 @dataclass(frozen=True)
 class StageSpec:
     """One stage of the ledger: its name, its axes, what it holds, and its checks in ledger order.
 
-    ``needs``: empty for a stage every ledger has; ``"rope"`` (rotary positions) or ``"grad"``
-    (the backward) for one that appears only then.
+    ``needs``: empty for a stage every ledger has; ``"rope"`` (rotary positions), ``"grad"`` (the
+    backward) or ``"grad+sinks"`` (the backward with attention sinks) for one that appears only then.
     """
 
     name: str
@@ -266,6 +267,11 @@ STAGES: tuple[StageSpec, ...] = (
                   "--replay"),
         *_user_grad("dk", "k"),
     ), needs=GRAD),
+    StageSpec("grad_sinks", "[Nh]", "the sinks' gradient, -sum over examples and rows of share * rowsum(A * A-bar)", (
+        _derived("[Nh]"), FINITE,
+        CheckSpec(4, "matches_reference", "agrees with float64 autograd of the reference with sinks on its sampled rows "
+                  "(the part those rows contribute)"),
+    ), needs=SINK_GRAD),
     StageSpec("grad_projections", "[out,in] Wq,Wk,Wv,Wo", "the projection weights' gradients", (
         _shape("each weight's gradient has the weight's shape"), FINITE, *_vs_chain("a forward"),
     ), _P, needs=GRAD),
@@ -275,9 +281,11 @@ STAGES: tuple[StageSpec, ...] = (
 )
 
 
-def stage_names(mode: str = PIPELINE, *, rope: bool = False, grad: bool = False) -> tuple[str, ...]:
-    """The ledger's rows, in order, for the built-in pipeline or for saved tensors (``rope``, ``grad``: with those on)."""
-    on = {"": True, ROPE: rope, GRAD: grad}
+def stage_names(mode: str = PIPELINE, *, rope: bool = False, grad: bool = False,
+                sinks: bool = False) -> tuple[str, ...]:
+    """The ledger's rows, in order, for the built-in pipeline or for saved tensors (``rope``, ``grad``, ``sinks``:
+    with those on)."""
+    on = {"": True, ROPE: rope, GRAD: grad, SINK_GRAD: grad and sinks}
     return tuple(s.name for s in STAGES if mode in s.modes and on[s.needs])
 
 

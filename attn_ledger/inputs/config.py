@@ -41,14 +41,17 @@ PROPERTY_FAULTS = ("softmax-plus-one", "scores-key-bias", "context-rows-shifted"
                    "softmax-global-max")
 CAP_FAULTS = ("softcap-after-mask",)  # faults in the soft-cap (need softcap)
 SINK_FAULTS = ("sink-dropped", "sink-in-numerator")  # faults in the attention sinks (need sinks)
+SINK_GRAD_FAULTS = ("grad-sinks-no-share",)  # faults in the sinks' gradient (need sinks and grad)
 WINDOW_FAULTS = ("window-too-wide",)  # faults in the sliding window (need mask sliding-window)
-ALL_FAULTS = FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS + CAP_FAULTS + SINK_FAULTS + WINDOW_FAULTS
+ALL_FAULTS = (FAULTS + GRAD_FAULTS + ROPE_FAULTS + PROPERTY_FAULTS + CAP_FAULTS + SINK_FAULTS + SINK_GRAD_FAULTS
+              + WINDOW_FAULTS)
 GRAD_OUTPUTS = ("ones", "identity")  # or a tensor file
 # what a fault needs to have its stage: the backward (grad) or rotary positions (rope)
 FAULT_NEEDS: dict[str, dict[str, Any]] = {**{f: {"grad": True} for f in GRAD_FAULTS},
                                           **{f: {"rope": "half"} for f in ROPE_FAULTS},
                                           **{f: {"softcap": 50.0} for f in CAP_FAULTS},
                                           **{f: {"sinks": "0.5,-1,2"} for f in SINK_FAULTS},
+                                          **{f: {"sinks": "0.5,-1,2", "grad": True} for f in SINK_GRAD_FAULTS},
                                           **{f: {"mask": "sliding-window", "window": 3} for f in WINDOW_FAULTS}}
 
 MASK_RELATIONS = mask_relations.RELATIONS
@@ -80,6 +83,7 @@ class Fault(str, Enum):
     softcap_after_mask = "softcap-after-mask"
     sink_dropped = "sink-dropped"
     sink_in_numerator = "sink-in-numerator"
+    grad_sinks_no_share = "grad-sinks-no-share"
     window_too_wide = "window-too-wide"
 
 
@@ -207,7 +211,7 @@ class RunConfig(BaseModel):
             self._sinks = parse_sinks(self.sinks, self.num_heads)
         except InputError as exc:
             raise ValueError(str(exc)) from None
-        if self.fault in SINK_FAULTS and self._sinks is None:
+        if self.fault in SINK_FAULTS + SINK_GRAD_FAULTS and self._sinks is None:
             raise ValueError(f"fault: got {self.fault!r}, a fault in the attention sinks, expected it only with sinks "
                              "(--sinks)")
         if self.fault in WINDOW_FAULTS and "sliding-window" not in self.relations:
@@ -239,7 +243,7 @@ class RunConfig(BaseModel):
         """grad_output only with grad; a fault only where its stage runs; rope fits the heads; identity fits Tq."""
         if self.grad_output is not None and not self.grad:
             raise ValueError(f"grad_output: got {self.grad_output!r}, expected it only with grad (--grad)")
-        if self.fault in GRAD_FAULTS and not self.grad:
+        if self.fault in GRAD_FAULTS + SINK_GRAD_FAULTS and not self.grad:
             raise ValueError(f"fault: got {self.fault!r}, a fault in a backward stage, expected it only with grad (--grad)")
         if self.fault in CAP_FAULTS and self.softcap is None:
             raise ValueError(f"fault: got {self.fault!r}, a fault in the soft-cap, expected it only with softcap "

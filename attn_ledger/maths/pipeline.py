@@ -180,6 +180,20 @@ def grad_k(grad_s: "Tensor", q: "Tensor", scale: float) -> "Tensor":
     return matmul(grad_s.transpose(-2, -1), q) * scale  # [B, Nh, Tk, Dh]
 
 
+def grad_sinks(share: "Tensor", weights: "Tensor", grad_w: "Tensor") -> "Tensor":
+    """The sinks' gradient, ``[Nh]``: per head, ``-sum over examples and rows of share * sum_j A_j A-bar_j``.
+
+    The sink is one more column of each row's softmax whose value is zero, so its A-bar is zero and
+    the softmax backward gives it ``share * (0 - sum_j A_j A-bar_j)``; ``share`` ``[B, Nh, rows]`` is its
+    weight (:func:`sink_share`), ``weights`` and ``grad_w`` ``[B, Nh, rows, Tk]`` the keys' A and A-bar.
+    """
+    import torch
+
+    wide = torch.float32 if weights.dtype in (torch.float16, torch.bfloat16) else weights.dtype
+    dot = (weights.to(wide) * grad_w.to(wide)).sum(dim=-1)  # [B, Nh, rows]: sum_j A_j A-bar_j
+    return -(share.to(wide) * dot).sum(dim=(0, 2))  # [Nh]
+
+
 def reduce_kv(g: "Tensor", n_kv: int) -> "Tensor":
     """The gradient through :func:`expand_kv`: ``[B, Nh, Tk, D] -> [B, Nkv, Tk, D]``, each group summed."""
     b, nh, tk, d = g.shape
@@ -369,6 +383,15 @@ _register("sink-in-numerator", "the sink's column kept for the mix and the first
           "mixed as if it were the last key's value", sink_softmax=_sink_in_numerator)
 
 
+@_fault("grad-sinks-no-share", "grad_sinks", "the sinks' gradient without the sink's own weight: -sum_j A_j A-bar_j "
+        "summed over rows, where share * (0 - sum_j A_j A-bar_j) was meant")
+def _grad_sinks_no_share(share: "Tensor", weights: "Tensor", grad_w: "Tensor") -> "Tensor":
+    import torch
+
+    wide = torch.float32 if weights.dtype in (torch.float16, torch.bfloat16) else weights.dtype
+    return -(weights.to(wide) * grad_w.to(wide)).sum(dim=(0, 2, 3))  # [Nh]: the share factor left out
+
+
 @_fault("window-too-wide", "polarity", "the sliding window one key wider than W: each query also keeps the key W "
         "positions back (every allowed band widened by one key on the left)")
 def _window_one_wider(allow: "Tensor | None") -> "Tensor | None":
@@ -400,6 +423,7 @@ class Ops:
     softmax_backward: Callable = softmax_backward
     grad_q: Callable = grad_q
     grad_k: Callable = grad_k
+    grad_sinks: Callable = grad_sinks
     sink_softmax: Callable = sink_softmax
     unscaled: bool = False
     cap_after_mask: bool = False

@@ -240,12 +240,16 @@ def reference_chain_gradients(
     Returns:
         ``grad_context`` ``[B, Nh, R, Dv]``, ``grad_weights``/``grad_scores`` ``[B, Nh, R, Tk]``, ``grad_q``
         ``[B, Nh, R, Dh]``, ``grad_k``/``grad_values`` ``[B, Nkv, Tk, *]``, ``grad_wq``..``grad_wo``,
-        ``grad_x`` ``[B, Tq, E]`` and ``grad_x_kv`` ``[B, Tk, E]`` (None for self-attention).
+        ``grad_x`` ``[B, Tq, E]`` and ``grad_x_kv`` ``[B, Tk, E]`` (None for self-attention); with ``sinks``
+        in ``attend``, ``grad_sinks`` ``[Nh]``.
     """
     import torch
 
     dtype = attend.pop("dtype", None) or torch.float64
     with torch.enable_grad():
+        if attend.get("sinks") is not None:
+            attend["sinks"] = attend["sinks"].detach().to(dtype).requires_grad_(True)
+        sinks = attend.get("sinks")
         xs = [t.detach().to(dtype).requires_grad_(True) for t in (x, x if x_kv is None else x_kv)]
         ws = [w.detach().to(dtype).requires_grad_(True) for w in weights]
         x64, xkv64 = xs[0], (xs[0] if x_kv is None else xs[1])
@@ -257,10 +261,12 @@ def reference_chain_gradients(
         out = join_heads(st["out"]) @ ws[3].T  # [B, R, E]
         loss = (out * grad_output.to(dtype)).sum()
         wanted = (st["out"], st["weights"], st["scores"], q, k, v, *ws, xs[0]) + (() if x_kv is None else (xs[1],))
-        found = torch.autograd.grad(loss, wanted)
+        found = torch.autograd.grad(loss, wanted + (() if sinks is None else (sinks,)))
     names = ("grad_context", "grad_weights", "grad_scores", "grad_q", "grad_k", "grad_values", "grad_wq", "grad_wk",
-             "grad_wv", "grad_wo", "grad_x", "grad_x_kv")
+             "grad_wv", "grad_wo", "grad_x") + (() if x_kv is None else ("grad_x_kv",))
     got = dict(zip(names, found))
+    if sinks is not None:
+        got["grad_sinks"] = found[-1]
     got["grad_q"] = got["grad_q"][:, :, rows]  # [B, Nh, R, Dh]: other rows get nothing from this loss
     got.setdefault("grad_x_kv", None)
     return got

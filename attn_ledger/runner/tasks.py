@@ -184,7 +184,7 @@ def _interface_setup(fn: Any, args: dict[str, Any], detected: bool) -> tuple[Any
         raise SetupError(f"target: {args['target']} follows the transformers protocol (detected from its signature), "
                          f"and {args.get('interface_error') or 'its options could not be read'}")
     decl = interface_declaration(iargs["declared"], source=iargs.get("source", ""))
-    cases, skipped = interface_plan(decl, iargs.get("cases"))
+    cases, skipped = interface_plan(decl, iargs.get("cases"), iargs.get("tier") or "default")
     if not cases:
         raise SetupError("declaration: leaves no case to run")
     if isinstance(fn, LocalKernel):
@@ -235,7 +235,7 @@ def _attention_finish(state: Any, args: dict[str, Any], plan: dict[str, Any], re
     from attn_ledger.probes.interface.check import Run, declaration as interface_declaration, interface_report
 
     run = Run(args["target"], interface_declaration(pargs["declaration"]), pargs["detected"], pargs["seed"],
-              pargs["empty_rows"], pargs["skipped"])
+              pargs["empty_rows"], pargs["skipped"], None if pargs.get("cases") else pargs.get("tier") or "default")
     return interface_report(results, run)
 
 

@@ -18,12 +18,17 @@ its id is readable and complete::
     |  |      |      |  |     |     dtype: f32, f16, bf16
     |  |      |      |  |     the mask the function gets: sdpa (transformers' sdpa_mask: bool, or None with
     |  |      |      |  |     module.is_causal where sdpa's path skips it), eager (eager_mask: additive float),
-    |  |      |      |  |     none (no mask function registered for the name: None, module.is_causal)
+    |  |      |      |  |     none (no mask function registered for the name: None, module.is_causal),
+    |  |      |      |  |     flex (flex_attention_mask: a BlockMask; on CPU each new shape compiles)
     |  |      |      |  padding: nopad, lpadN (example b's first N >> b tokens padded), rpadN (its last N >> b)
     |  |      |      head width D
     |  |      Tq, Tk (Tq < Tk: decode, the queries are the last Tq positions)
     |  H query heads, Hkv kv heads
     B
+
+Tiers: the default tier is small cases (``features``: those that need a declared feature); ``full``
+adds cases at real sizes chosen pairwise over GQA groupings, lengths, head widths, padding, masks, dtypes,
+scalings and windows, and over soft-caps, sinks and windows together (:data:`GRID`).
 
 Every case is causal, as the decoder families are. The relation the judge holds a case to is built
 here, apart from transformers (:func:`allowed`); the worker builds the mask with transformers' own
@@ -36,23 +41,25 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from attn_ledger.devices import torch_dtype
 from attn_ledger.errors import InputError, shown
+from attn_ledger.probes.common.grid import GridCase, pairwise, with_new
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 FEATURES = ("window", "softcap", "sinks")
-MASK_FUNCTIONS = ("sdpa", "eager", "none")
+MASK_FUNCTIONS = ("sdpa", "eager", "none", "flex")
+TIERS = ("default", "full")
 DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 ATTENTION_DROPOUT = 0.25  # the stand-in's module.attention_dropout: the layers pass dropout=0.0 unless training
 LIMITS = {"B": 16, "H": 64, "Hkv": 64, "Tq": 1024, "Tk": 1024, "D": 256}
 
 _ID_RE = re.compile(
     r"^b(?P<b>\d{1,4})-h(?P<h>\d{1,4})kv(?P<hkv>\d{1,4})-tq(?P<tq>\d{1,5})tk(?P<tk>\d{1,5})-d(?P<d>\d{1,4})"
-    r"-(?P<pad>nopad|lpad\d{1,5}|rpad\d{1,5})-(?P<mask>sdpa|eager|none)-(?P<dtype>f32|f16|bf16)"
+    r"-(?P<pad>nopad|lpad\d{1,5}|rpad\d{1,5})-(?P<mask>sdpa|eager|none|flex)-(?P<dtype>f32|f16|bf16)"
     r"(?:-sc(?P<scaling>\d{1,6}(?:\.\d{1,8})?))?(?:-w(?P<window>\d{1,5}))?(?:-cap(?P<softcap>\d{1,5}(?:\.\d{1,4})?))?"
     r"(?P<sinks>-sinks)?(?:-train(?P<train>0\.\d{1,4}))?$"
 )
@@ -191,6 +198,10 @@ _CASES: tuple[tuple[str, str], ...] = (
     ("b2-h4kv2-tq5tk5-d8-nopad-sdpa-bf16", "bfloat16"),
     ("b2-h4kv2-tq6tk6-d8-lpad4-eager-bf16", "bfloat16, left padding"),
     ("b2-h4kv2-tq5tk5-d8-nopad-eager-f32-train0.5", "training mode: dropout=0.5 given (judged for layout and finiteness)"),
+    # flex's BlockMask (a function that declares --masks flex): on CPU each new shape compiles, so few
+    ("b2-h4kv2-tq5tk5-d8-nopad-flex-f32", "flex's BlockMask (flex_attention_mask), GQA prefill"),
+    ("b2-h4kv2-tq6tk6-d8-lpad4-flex-f32", "flex's BlockMask with left padding 4 and 2: fully padded query rows"),
+    ("b2-h4kv2-tq3tk7-d8-nopad-flex-f32-w3", "flex's BlockMask, decode with Tq < Tk and a sliding window of 3"),
 )
 _FEATURE_CASES: dict[str, tuple[tuple[str, str], ...]] = {
     "window": (
@@ -202,6 +213,7 @@ _FEATURE_CASES: dict[str, tuple[tuple[str, str], ...]] = {
         ("b2-h4kv2-tq5tk5-d8-nopad-eager-f32-cap1.5", "soft-cap 1.5 on scores of about 1"),
         ("b2-h4kv2-tq6tk6-d8-lpad4-sdpa-f32-sc0.5-cap2", "soft-cap with padding and scaling 0.5 (Gemma 2)"),
         ("b2-h4kv2-tq8tk8-d8-nopad-eager-bf16-sc0.5-w3-cap2", "bfloat16, soft-cap and a window (Gemma 2)"),
+        ("b2-h4kv2-tq6tk6-d8-lpad4-flex-f32-cap1.5", "flex's BlockMask with a soft-cap (its score_mod)"),
     ),
     "sinks": (
         ("b2-h4kv2-tq5tk5-d8-nopad-eager-f32-sinks", "sinks: one logit per head in the denominator (gpt-oss)"),
@@ -211,19 +223,117 @@ _FEATURE_CASES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 
+# The full tier: cases at real sizes, every pair of values of two axes in some case (pairwise).
+_FULL_AXES: dict[str, Sequence[Any]] = {
+    "heads": ((2, 4, 2), (1, 8, 1), (2, 8, 2), (2, 12, 4), (1, 16, 2), (2, 6, 6)),  # B, H, Hkv: 2, 8, 4, 3, 8, 1 groups
+    "lengths": ((1, 64), (1, 257), (17, 17), (64, 64), (113, 113), (16, 100), (128, 128)),
+    "d": (64, 128, 80, 32),
+    "pad": ("nopad", "lpad16", "lpad48", "rpad8"),
+    "mask": ("sdpa", "eager"),
+    "dtype": ("f32", "f16", "bf16"),
+    "scaling": (None, 0.0625, 1.0),
+    "window": (None, 4, 32),
+}
+# Features at real sizes: what a function applies itself, alone and together (each needs its declaration).
+_FULL_FEATURE_AXES: dict[str, Sequence[Any]] = {
+    "features": (("softcap",), ("sinks",), ("softcap", "sinks"), ("window",), ("window", "sinks")),
+    "heads": ((2, 4, 2), (1, 8, 1), (2, 12, 4)),
+    "lengths": ((1, 64), (64, 64), (16, 100), (113, 113)),
+    "pad": ("nopad", "lpad16"),
+    "mask": ("sdpa", "eager", "none"),
+    "dtype": ("f32", "f16", "bf16"),
+    "window": (None, 8),
+}
+_FULL_COST = 1 << 23  # B * H * Tq * Tk * D at most: one full-tier case, its reference and its probes in about a second
+_FULL_EXTRA: tuple[tuple[str, str], ...] = (
+    ("b2-h8kv2-tq128tk128-d64-lpad48-flex-f32", "flex's BlockMask at a real size, left padding 48 and 24"),
+    ("b1-h8kv1-tq1tk257-d64-lpad16-flex-f32-w32", "flex's BlockMask, decode over 257 keys with a window of 32"),
+    ("b2-h8kv2-tq1tk1024-d64-lpad128-sdpa-f32", "decode over 1024 keys, left padding 128 and 64"),
+    ("b2-h8kv2-tq1tk1024-d64-lpad128-eager-bf16-w256", "bfloat16 decode over 1024 keys, a window of 256, eager's mask"),
+)
 
-def interface_cases(supports: Iterable[str] = (), masks: Iterable[str] = MASK_FUNCTIONS) -> tuple[ICase, ...]:
-    """The cases for a function that takes the mask kinds ``masks`` and declares the features ``supports``."""
+
+def needs(case: ICase) -> tuple[str, ...]:
+    """The features a function must declare to be called on ``case``: a soft-cap and sinks always, a
+    window where no mask carries it (mask ``none``); a window in the mask is passed only where declared."""
+    return tuple(f for f in case.features if f != "window" or case.mask == "none")
+
+
+def _full_valid(p: Mapping[str, Any]) -> bool:
+    tq, tk = p.get("lengths", (1, 1 << 20))
+    pad = p.get("pad", "nopad")
+    if "lengths" in p and pad != "nopad" and int(pad[4:]) >= tk:
+        return False
+    if "heads" in p and p["heads"][1] == p["heads"][2] and p.get("mask") not in (None, "sdpa"):
+        return False  # MHA with no num_key_value_groups (GPT-2, BERT, T5): sdpa's mask, as those families use
+    if p.get("mask") == "none" and (pad != "nopad" or tq not in (1, tk)):
+        return False  # no layer calls without a mask under padding or with 1 < Tq < Tk
+    if p.get("mask") == "none" and "features" in p and "window" not in p["features"] and p.get("window"):
+        return False  # a window with no mask is the window feature
+    if "window" in p.get("features", ()) and (("window" in p and p["window"] is None)
+                                              or p.get("mask") not in (None, "none")):
+        return False  # the window feature: the function applies sliding_window itself, with no mask
+    if "lengths" in p and "heads" in p and "d" in p:
+        b, h, _ = p["heads"]
+        if b * h * tq * tk * p["d"] > _FULL_COST:
+            return False
+    return True
+
+
+def _described(c: ICase) -> str:
+    """What a full-tier case exercises, as a reason."""
+    parts = [f"decode over {c.tk} keys" if c.tq == 1 else (f"Tq {c.tq} < Tk {c.tk}" if c.tq < c.tk else f"T = {c.tq}"),
+             "MQA" if c.hkv == 1 else ("MHA" if c.hkv == c.h else f"GQA, {c.groups} groups"), f"D {c.d}"]
+    lead, tail = c.padding()[0]
+    parts.append(f"left padding {lead}" if lead else (f"right padding {tail}" if tail else "no padding"))
+    parts += [f"{c.mask}'s mask" if c.mask != "none" else "no mask", c.dtype_name]
+    given = {"scaling": c.scaling, "window": c.window, "soft-cap": c.softcap}
+    parts += [f"{word} {value:g}" for word, value in given.items() if value is not None] + ["sinks"] * c.sinks
+    need = needs(c)
+    return "pairwise: " + ", ".join(parts) + (f" (needs --supports {','.join(need)})" if need else "")
+
+
+def _full_cases() -> list[GridCase]:
+    out = []
+    for axes, feature_axis in ((_FULL_AXES, False), (_FULL_FEATURE_AXES, True)):
+        for p in pairwise(axes, _full_valid):
+            (b, h, hkv), (tq, tk) = p["heads"], p["lengths"]
+            on = p["features"] if feature_axis else ()
+            d = p.get("d", 64)
+            case = ICase(b, h, hkv, tq, tk, d, pad=p["pad"], mask=p["mask"], dtype=p["dtype"],
+                         scaling=p.get("scaling"), window=p["window"], softcap=2.0 if "softcap" in on else None,
+                         sinks="sinks" in on)
+            _validate(case, case.id)
+            out.append(GridCase(case, "full", _described(case)))
+    out += [GridCase(parse_icase(i), "full", why) for i, why in _FULL_EXTRA]
+    return out
+
+
+def _grid() -> tuple[GridCase, ...]:
+    first = [GridCase(parse_icase(i), "default", why) for i, why in _CASES]
+    first += [GridCase(parse_icase(i), "features", f"{key}: {why}") for key, entries in _FEATURE_CASES.items()
+              for i, why in entries]
+    return with_new(first, _full_cases())
+
+
+GRID: tuple[GridCase, ...] = _grid()
+"""Every case of the protocol, with its tier (``default``, ``features``: the default tier's cases that need a
+declared feature, ``full``) and reason."""
+
+
+def interface_cases(supports: Iterable[str] = (), masks: Iterable[str] = MASK_FUNCTIONS,
+                    tier: str = "default") -> tuple[ICase, ...]:
+    """The cases for a function that takes the mask kinds ``masks`` and declares the features ``supports``:
+    the default tier's (with ``full``, every tier's) whose needed features (:func:`needs`) are declared."""
+    if tier not in TIERS:
+        raise InputError(f"tier: got {tier!r}, expected one of {', '.join(TIERS)}")
     on, kinds = set(supports), set(masks)
-    picked = [parse_icase(i) for i, _ in _CASES]
-    for feature, entries in _FEATURE_CASES.items():
-        if feature in on:
-            picked += [parse_icase(i) for i, _ in entries]
+    picked = [g.case for g in GRID if (tier == "full" or g.tier != "full") and set(needs(g.case)) <= on]
     return tuple(c for c in picked if c.mask in kinds or (c.mask == "none" and "sdpa" in kinds))
 
 
 def reasons() -> dict[str, str]:
-    return {i: why for i, why in (*_CASES, *(e for v in _FEATURE_CASES.values() for e in v))}
+    return {g.case.id: g.reason for g in GRID}
 
 
 # --- inputs and the relation --------------------------------------------------------------------
@@ -250,6 +360,27 @@ def case_tensors(case: ICase | str, seed: int = 0) -> dict[str, "Tensor"]:
            for n, s in shapes.items()}
     if case.sinks:
         out["sinks"] = (torch.randn(case.h, generator=gen, dtype=torch.float64) + 0.5).to(dt)
+    return out
+
+
+def perturbed(case: ICase, t: dict[str, "Tensor"], seed: int, parts: Iterable[str], *, example: int | None = None,
+              head: int | None = None) -> dict[str, "Tensor"]:
+    """``t`` with fresh values for one example (``example``) or one head (``head``: a query head of
+    ``query``, a kv head of ``key`` and ``value``) of the tensors ``parts``, drawn as :func:`case_tensors`
+    draws them from a stream of their own; every other value is ``t``'s."""
+    import torch
+
+    from attn_ledger.seeding import generator
+
+    gen = generator(case_crc(case) ^ seed ^ 0x150)
+    qk = (case.effective_scaling * math.sqrt(case.d)) ** -0.5
+    out = dict(t)
+    for name in parts:
+        x = t[name].clone()
+        at = (example,) if example is not None else (slice(None), head)
+        shape = x[at].shape
+        x[at] = (torch.randn(shape, generator=gen, dtype=torch.float64) * (qk if name != "value" else 1.0)).to(x.dtype)
+        out[name] = x
     return out
 
 

@@ -46,6 +46,7 @@ from attn_ledger.probes.interface.cases import (
     case_tensors,
     interface_cases,
     parse_icase,
+    perturbed,
 )
 from attn_ledger.report import Check, Finding, Note, Report, Row, bounded, counted, row_status, unjudged
 from attn_ledger.tolerance import EPS, kernel_bound
@@ -56,8 +57,8 @@ if TYPE_CHECKING:
 PROTOCOL = "transformers"
 PARAMETERS = ("module", "query", "key", "value", "attention_mask")
 EMPTY_ROWS = ("finite", "zeros", "any")
-CHECK_ORDER = ((1, "call"), (1, "layout"), (1, "dtype"), (3, "finite"), (3, "padded_rows"), (3, "weights_sum"),
-               (4, "reference"))
+CHECK_ORDER = ((1, "call"), (1, "layout"), (1, "dtype"), (2, "batch_isolation"), (2, "kv_head_isolation"),
+               (2, "q_head_isolation"), (3, "finite"), (3, "padded_rows"), (3, "weights_sum"), (4, "reference"))
 _POSITION = {name: i for i, (_, name) in enumerate(CHECK_ORDER)}
 
 
@@ -78,7 +79,7 @@ def is_interface(signature: Any) -> bool:
 class Declaration:
     """What the function takes: the mask functions registered for its name (``sdpa``: sdpa's, bool masks
     or None; ``eager``: eager's additive masks; ``none``: no mask function, None with module.is_causal;
-    sdpa's cases include the calls without a mask), dtypes, and the features it applies itself
+    ``flex``: flex's BlockMask; sdpa's cases include the calls without a mask), dtypes, and the features it applies itself
     (``window``: ``sliding_window``, ``softcap``, ``sinks``: ``s_aux``). An undeclared feature is never passed."""
 
     masks: tuple[str, ...] = ("sdpa", "eager")
@@ -141,7 +142,8 @@ def call_text(case: ICase, name: str, passes: Iterable[str]) -> str:
         args.append(f"softcap={case.softcap:g}")
     if "sinks" in on:
         args.append("s_aux=module.sinks")
-    mask = {"sdpa": "sdpa_mask(...)", "eager": "eager_mask(...)", "none": "None"}[case.mask]
+    mask = {"sdpa": "sdpa_mask(...)", "eager": "eager_mask(...)", "none": "None",
+            "flex": "flex_attention_mask(...)"}[case.mask]
     return f"{name}(module, query, key, value, {mask}, {', '.join(args)})"
 
 
@@ -258,7 +260,7 @@ def check_icase(target: Any, case: ICase, decl: Declaration, *, name: str = "att
     what = call_text(case, name, passes)
     t = case_tensors(case, seed)
     try:
-        return _check(target, case, t, passes, what, empty_rows, "sinks" in decl.supports)
+        return _check(target, case, t, passes, what, empty_rows, "sinks" in decl.supports, seed)
     except UserCodeError as exc:
         return ICaseResult(case, (Check(1, "call", "fail", reason=f"{exc.what or what} {exc}", data=exc.facts()),
                                   *_rest(1, "the call did not return a result")))
@@ -266,7 +268,7 @@ def check_icase(target: Any, case: ICase, decl: Declaration, *, name: str = "att
 
 # long: the checks of one case in their order, each a few lines, kept in one place so the order reads as the table
 def _check(target: Any, case: ICase, t: dict[str, "Tensor"], passes: list[str], what: str,
-           empty_rows: str, sd: bool) -> ICaseResult:
+           empty_rows: str, sd: bool, seed: int = 0) -> ICaseResult:
     import torch
 
     try:
@@ -305,13 +307,116 @@ def _check(target: Any, case: ICase, t: dict[str, "Tensor"], passes: list[str], 
                           location=_first(bad)))
     checks.append(_padded_rows(o, empty, empty_rows))
     ref, ref_w = reference(case, t)
+    tol, facts = _tolerance(case, t, ref, live)
+    call = _Calls(target, case, passes, what, sd)
+    checks += _isolation(call, t, o, live if empty_rows != "zeros" else live | empty, tol, seed)
     checks.append(_weights(target, t, case, passes, what, ref_w, live, sd))
     if case.train is not None:
         checks.append(unjudged(4, "reference", "not_applicable", f"dropout={case.train:g} in training mode is random"))
     else:
-        checks.append(_reference(case, t, o, ref, live))
+        checks.append(_reference(case, t, o, ref, live, tol, facts))
     checks.sort(key=lambda c: _POSITION[c.name])
     return ICaseResult(case, _diagnosed(checks))
+
+
+@dataclass(frozen=True)
+class _Calls:
+    """How one case calls the function, for a call on other inputs (the probes)."""
+
+    target: Any
+    case: ICase
+    passes: list[str]
+    what: str
+    sinks_declared: bool
+
+    def output(self, t: dict[str, "Tensor"], what: str) -> "Tensor":
+        return _call(self.target, t, self.case, self.passes, "output", f"{self.what} ({what})", self.sinks_declared)
+
+
+def _isolation(call: _Calls, t: dict[str, "Tensor"], o: "Tensor", judged: "Tensor", tol: float,
+               seed: int) -> list[Check]:
+    """L2: fresh inputs for one example, one kv head or one query head move only the outputs they feed.
+
+    ``o`` is the output ``[B, H, Tq, D]`` on ``t``; ``judged`` ``[B, H, Tq]`` the rows held to it (a fully
+    padded row, where its contract lets it hold anything finite, is not). What the reference comparison
+    cannot say, these name: which example or head leaked into which."""
+    case = call.case
+    if case.train is not None:
+        return [unjudged(2, n, "not_applicable", f"dropout={case.train:g} in training mode is random")
+                for n in ("batch_isolation", "kv_head_isolation", "q_head_isolation")]
+    g, h = case.hkv - 1, case.h - 1
+    served = list(range(g * case.groups, (g + 1) * case.groups))
+    probes = (
+        ("batch_isolation", case.b >= 2, "B = 1", "example", 0, ("query", "key", "value"), [0]),
+        ("kv_head_isolation", case.hkv >= 2, "Hkv = 1", "kv head", g, ("key", "value"), served),
+        ("q_head_isolation", case.h >= 2, "H = 1", "query head", h, ("query",), [h]),
+    )
+    out = []
+    for name, applies, why, unit, index, parts, feeds in probes:
+        if not applies:
+            out.append(unjudged(2, name, "not_applicable", why))
+            continue
+        fresh = perturbed(case, t, seed, parts, example=index if unit == "example" else None,
+                          head=None if unit == "example" else index)
+        out.append(_probe(call, name, fresh, o, judged, tol, unit, index, feeds, t))
+    return out
+
+
+def _probe(call: _Calls, name: str, fresh: dict[str, "Tensor"], o: "Tensor", judged: "Tensor", tol: float,
+           unit: str, index: int, feeds: list[int], t: dict[str, "Tensor"]) -> Check:
+    """One isolation probe: the rows of ``feeds`` (examples, or query heads) may move, no other may. Where
+    others move, a second call on the unchanged inputs ``t`` tells a leak from an output that is random."""
+    import torch
+
+    case = call.case
+    axis = 0 if unit == "example" else 1
+    try:
+        o2 = call.output(fresh, f"new inputs for {unit} {index}").double()
+    except UserCodeError:
+        raise
+    except Exception as exc:  # the user's code: a finding
+        return Check(2, name, "fail", reason=f"the call on new inputs for {unit} {index} raised "
+                     f"{type(exc).__name__}: {first_line(exc)}")
+    if list(o2.shape) != [case.b, case.tq, case.h, case.d]:
+        return Check(2, name, "fail", reason=f"the output on new inputs is {list(o2.shape)}, expected "
+                     f"{[case.b, case.tq, case.h, case.d]}")
+    moved = torch.nan_to_num((o2.transpose(1, 2) - o).abs(), nan=math.inf).amax(dim=-1)  # [B, H, Tq]
+    mine = torch.zeros_like(judged)
+    mine.index_fill_(axis, torch.tensor(feeds), True)
+    stay = judged & ~mine
+    leaked = float(moved.masked_fill(~stay, 0.0).max())
+    words = {"example": "another example's output", "kv head": "a query head the kv head does not serve",
+             "query head": "another query head's output"}[unit]
+    data: dict[str, Any] = {"perturbed": {unit.replace(" ", "_"): index}, "feeds": feeds}
+    if leaked > tol:
+        hit = (moved > tol) & judged  # [B, H, Tq]
+        reached = [int(i) for i in torch.nonzero(hit.any(dim=2).any(dim=1 - axis))[:, 0]]  # examples or heads
+        data["moved"] = reached
+        check = bounded(2, name, f"largest move of {words}", leaked, tol, location=_first(hit & stay), data=data)
+        again = _err(call.output(t, "the same inputs again").double().transpose(1, 2), o, judged)
+        if again > tol:
+            return replace(check, reason=f"two calls on the same inputs differ by {again:.3g} (limit {tol:.3g}): "
+                           "the output is random with module.training False (dropout applied in eval?)",
+                           data={**data, "repeat_difference": again})
+        return replace(check, reason=_leak_words(case, unit, index, feeds, reached))
+    data["moved_max"] = float(moved.masked_fill(~(judged & mine), 0.0).max())
+    if data["moved_max"] <= tol:
+        return Check(2, name, "inconclusive", f"largest move of {words}", leaked, tol, "<=", data=data,
+                     reason="the outputs that should move did not move either, so the probe proves nothing")
+    return bounded(2, name, f"largest move of {words}", leaked, tol, data=data)
+
+
+def _leak_words(case: ICase, unit: str, index: int, feeds: list[int], reached: list[int]) -> str:
+    """What leaked where, in words; a kv head that feeds the query heads tiling gives is named so."""
+    if unit == "example":
+        return f"new inputs for example {index} moved the output of examples {reached}, expected {feeds}"
+    if unit == "query head":
+        return f"a new query for head {index} moved the output of query heads {reached}, expected {feeds}"
+    said = f"new keys and values for kv head {index} moved query heads {reached}, expected {feeds}"
+    if reached == [x for x in range(case.h) if x % case.hkv == index]:
+        said += (f": kv heads tiled (repeat) instead of repeated per group (repeat_kv), so query head x reads "
+                 f"kv head x % {case.hkv}, not x // {case.groups}")
+    return said
 
 
 def _diagnosed(checks: list[Check]) -> tuple[Check, ...]:
@@ -368,6 +473,9 @@ def _weights(target: Any, t: dict[str, "Tensor"], case: ICase, passes: list[str]
     if w.numel() == 0:
         return unjudged(3, "weights_sum", "not_applicable", "the function returns no weights (None)")
     want = [case.b, case.h, case.tq, case.tk]
+    if list(w.shape) == want[:3]:  # flex's forward returns its log-sum-exp in the weights' place off the CPU
+        return unjudged(3, "weights_sum", "not_applicable", "the function returns [B, H, Tq] in the weights' place "
+                        "(a log-sum-exp, as flex_attention_forward gives), not weights")
     if list(w.shape) != want:
         return Check(3, "weights_sum", "fail", reason=f"weights {list(w.shape)}, expected [B, H, Tq, Tk] = {want}",
                      data={"expected": want, "got": list(w.shape)})
@@ -407,9 +515,10 @@ def _err(a: "Tensor", b: "Tensor", live: "Tensor") -> float:
     return float(d.max()) if d.numel() else 0.0
 
 
-def _reference(case: ICase, t: dict[str, "Tensor"], o: "Tensor", ref: "Tensor", live: "Tensor") -> Check:
-    """L4: the output against the float64 reference on rows with an allowed key; a failure names the bug it matches."""
-    tol, facts = _tolerance(case, t, ref, live)
+def _reference(case: ICase, t: dict[str, "Tensor"], o: "Tensor", ref: "Tensor", live: "Tensor", tol: float,
+               facts: dict[str, Any]) -> Check:
+    """L4: the output against the float64 reference on rows with an allowed key (within ``tol``, the case's
+    bound, :func:`_tolerance`); a failure names the bug it matches."""
     err = _err(o, ref, live)
     data: dict[str, Any] = {"tolerance": facts}
     reason = ""
@@ -447,11 +556,13 @@ class Run:
     seed: int = 0
     empty_rows: str = "finite"
     skipped: Mapping[str, int] = field(default_factory=dict)
+    tier: str | None = "default"  # None: the cases were named
 
 
-def plan(decl: Declaration, ids: Sequence[str] | None = None) -> tuple[list[ICase], dict[str, int]]:
-    """The cases to run (the named ones, or the grid for the declaration) and those left out, by reason."""
-    cases = [parse_icase(i) for i in ids] if ids else list(interface_cases(decl.supports, decl.masks))
+def plan(decl: Declaration, ids: Sequence[str] | None = None,
+         tier: str = "default") -> tuple[list[ICase], dict[str, int]]:
+    """The cases to run (the named ones, or the tier's for the declaration) and those left out, by reason."""
+    cases = [parse_icase(i) for i in ids] if ids else list(interface_cases(decl.supports, decl.masks, tier))
     todo, skipped = [], {}
     for c in cases:
         why = None
@@ -491,6 +602,7 @@ def interface_report(results: Sequence[ICaseResult], run: Run) -> Report:
         notes.append(Note("cases_failed", {"failed": len(failing), "cases": len(ordered)}))
         notes.append(Note("interface_reproduce", repro))
     details = {"target": run.target, "protocol": PROTOCOL, "detected": run.detected, "seed": run.seed,
+               "tier": run.tier,
                "empty_rows": run.empty_rows, "declaration": run.declaration.to_json(), "cases_total": len(ordered),
                "cases_failed": len(failing), "cases_skipped": sum(run.skipped.values()),
                "skipped_by_declaration": dict(run.skipped),
@@ -498,7 +610,7 @@ def interface_report(results: Sequence[ICaseResult], run: Run) -> Report:
                "reproduce": repro}
     rows = tuple(Row(r.case.id, row_status(r.checks), r.checks, fields={"elements": r.case.size}) for r in ordered)
     return Report(command="check", title=f"check {run.target} (transformers protocol, {how.split(' (')[0]}, "
-                                         f"padded rows: {run.empty_rows})",
+                                         f"{run.tier or 'named'} cases, padded rows: {run.empty_rows})",
                   rows=rows, first_finding=None if small is None else Finding(small.case.id, small.first_failure),  # type: ignore[arg-type]
                   notes=tuple(notes), details=details, unit="row", row_label="case", show_passing=False,
                   fold_rows=True)
@@ -520,7 +632,7 @@ def _options(run: Run) -> list[str]:
 
 def check_interface(fn: Callable[..., Any], ids: Sequence[str] | None = None, *, target: str = "attention",
                     declaration: Declaration | None = None, seed: int = 0, empty_rows: str = "finite",
-                    detected: bool = False) -> Report:
+                    detected: bool = False, tier: str = "default") -> Report:
     """Run an attention-interface function over its cases, in this process (the pytest helper, the library).
 
     Raises:
@@ -535,10 +647,10 @@ def check_interface(fn: Callable[..., Any], ids: Sequence[str] | None = None, *,
     if empty_rows not in EMPTY_ROWS:
         raise InputError(f"empty_rows: got {empty_rows!r}, expected one of {', '.join(EMPTY_ROWS)}")
     d = declaration or Declaration()
-    cases, skipped = plan(d, ids)
+    cases, skipped = plan(d, ids, tier)
     if not cases:
         raise SetupError("declaration: leaves no case to run")
     kernel = fn if isinstance(fn, KernelTarget) else LocalKernel(InterfaceAdapter(fn))
     name = target.rsplit(":", 1)[-1]
     results = [check_icase(kernel, c, d, name=name, seed=seed, empty_rows=empty_rows) for c in cases]
-    return interface_report(results, Run(target, d, detected, seed, empty_rows, skipped))
+    return interface_report(results, Run(target, d, detected, seed, empty_rows, skipped, None if ids else tier))

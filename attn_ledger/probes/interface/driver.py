@@ -1,9 +1,10 @@
 """Where an attention-interface function is called as a transformers layer calls it: in the worker.
 
 :func:`interface_call` builds the stand-in ``module`` (what the interface functions read), the
-``attention_mask`` with transformers' own mask functions (``sdpa_mask`` and ``eager_mask`` of
-``masking_utils``), and the keyword arguments the families pass, then calls the function. It is the
-one place transformers is imported; the tool's own process judges what comes back and never imports it.
+``attention_mask`` with transformers' own mask functions (``sdpa_mask``, ``eager_mask`` and
+``flex_attention_mask`` of ``masking_utils``), and the keyword arguments the families pass, then
+calls the function. It is the one place transformers is imported; the tool's own process judges
+what comes back and never imports it.
 
 The call is reached through the kernel driver (:mod:`attn_ledger.probes.common.driver`): the query,
 key and value travel as q, k and v, the sinks as the ``sinks`` tensor keyword, and what the case is
@@ -88,6 +89,14 @@ def attention_mask(case: ICase, dtype: Any, device: Any = None) -> "Tensor | Non
                   mask_function=fn, attention_mask=padding_mask(case, device), device=device)
     if case.mask == "sdpa":
         return mu.sdpa_mask(local_size=case.window, allow_is_causal_skip=True, **common)
+    if case.mask == "flex":  # a BlockMask, from flex's create_block_mask (compiled)
+        import warnings
+
+        # torch deprecates the _compile=True masking_utils passes, and its compiler's first import deprecates
+        # torch.jit names of its own: warnings of the tool's call into libraries, never of the user's code
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return mu.flex_attention_mask(**common)
     return mu.eager_mask(dtype=dtype, **common)
 
 

@@ -48,9 +48,10 @@ import re
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from attn_ledger.devices import torch_dtype
+from attn_ledger.probes.common.grid import GridCase, describe_tiers, pairwise, with_new
 from attn_ledger.maths.relations import CAUSAL, KEY_GAP, NO_RELATION, RelationSpec
 from attn_ledger.errors import InputError, shown
 
@@ -368,66 +369,6 @@ def validate(case: Case, case_id: str | None = None) -> None:
 # --- tiers ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GridCase:
-    """A case of a tier and the reason it is there."""
-
-    case: Case
-    tier: str
-    reason: str
-
-
-def pairwise(axes: Mapping[str, Sequence[Any]], valid: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
-    """Assignments of the axes that together hold every allowed pair of values of two axes.
-
-    Greedy and deterministic: each new assignment starts from the first pair not yet held and
-    fills the other axes, in order, with the value that holds the most new pairs, backtracking
-    where ``valid`` (called on partial assignments) refuses. A pair no valid assignment can hold
-    is dropped. Far fewer assignments than the full cross: about the product of the two largest axes.
-    """
-    names = list(axes)
-    todo = {(a, i, b, j) for ai, a in enumerate(names) for b in names[ai + 1:]
-            for i in range(len(axes[a])) for j in range(len(axes[b]))}
-
-    def value(pick: dict[str, int]) -> dict[str, Any]:
-        return {n: axes[n][i] for n, i in pick.items()}
-
-    def gain(pick: dict[str, int], name: str, i: int) -> int:
-        n = 0
-        for other, j in pick.items():
-            a, b = sorted((name, other), key=names.index)
-            key = (a, i, b, j) if a == name else (a, j, b, i)
-            n += key in todo
-        return n
-
-    def complete(pick: dict[str, int], rest: list[str]) -> dict[str, int] | None:
-        if not rest:
-            return pick
-        name = rest[0]
-        order = sorted(range(len(axes[name])), key=lambda i: -gain(pick, name, i))
-        for i in order:
-            trial = {**pick, name: i}
-            if valid(value(trial)):
-                done = complete(trial, rest[1:])
-                if done is not None:
-                    return done
-        return None
-
-    out: list[dict[str, Any]] = []
-    while todo:
-        a, i, b, j = min(todo, key=lambda t: (names.index(t[0]), t[1], names.index(t[2]), t[3]))
-        start = {a: i, b: j}
-        pick = complete(start, [n for n in names if n not in start]) if valid(value(start)) else None
-        if pick is None:
-            todo.discard((a, i, b, j))
-            continue
-        for ai, x in enumerate(names):
-            for y in names[ai + 1:]:
-                todo.discard((x, pick[x], y, pick[y]))
-        out.append(value({n: pick[n] for n in names}))
-    return out
-
-
 _SMALL = {
     "t1": (1, 1, 1, 1, 1, 4, 4),
     "gqa": (2, 4, 2, 5, 5, 8, 8),
@@ -577,13 +518,7 @@ def _full_cases() -> list[GridCase]:
 def _tiers() -> tuple[GridCase, ...]:
     small = _small_cases()
     real = [GridCase(parse_case(i), "default", why) for i, why in _REAL_DEFAULT]
-    seen = {g.case.id for g in small + real}
-    full = []
-    for g in _full_cases():
-        if g.case.id not in seen:
-            seen.add(g.case.id)
-            full.append(g)
-    return tuple(small + real + full)
+    return with_new(small + real, _full_cases())
 
 
 GRID: tuple[GridCase, ...] = _tiers()
@@ -809,8 +744,3 @@ def case_inputs(case: Case | str, seed: int = 0, device: Any = None) -> tuple["T
 def case_crc(case: Case) -> int:
     """A stable number per case id, mixed with the seed into the generators' seeds."""
     return zlib.crc32(case.id.encode())
-
-
-def describe_tiers(cases: Iterable[GridCase]) -> list[dict[str, Any]]:
-    """``--list-cases``: id, tier, reason and size of each case."""
-    return [{"id": g.case.id, "tier": g.tier, "reason": g.reason, "elements": g.case.size} for g in cases]

@@ -32,7 +32,7 @@ Only what is visible from outside is checked, at the levels of the ledger:
 * L3 ``finite``, ``convex_range`` (each output row lies inside the per-coordinate range of
   the value rows it may mix), ``forbidden_keys`` (perturbing a forbidden key's k and v
   moves nothing), ``empty_rows`` (a query whose every key is blocked follows the stated
-  contract: zeros, NaN or anything), ``grad_finite``, ``grad_blocked_keys``;
+  contract: zeros, NaN, any finite row, or anything), ``grad_finite``, ``grad_blocked_keys``;
 * L4 ``reference`` (agreement with a float64 reference), ``reference_grad_mode`` (the output with
   grad enabled, judged the same way), ``precision`` (float64 cases: the
   float64 level, a warning where the kernel reaches only the float32 level),
@@ -103,7 +103,7 @@ if TYPE_CHECKING:
 DEFAULT_GRID: tuple[Case, ...] = DEFAULT_TIER
 """The default tier's cases (kept under its old name)."""
 
-EMPTY_ROWS = ("zeros", "nan", "any")
+EMPTY_ROWS = ("zeros", "nan", "finite", "any")
 DEVICES = ("cpu", "cuda", "mps", "auto")
 PRECISION_WARNING = "computes at float32 precision in float64"
 HALF_PRECISION_WARNING = "is less precise than a float32-accumulating computation in its dtype"
@@ -127,7 +127,8 @@ class Options:
     """How the cases are judged (beyond the case itself).
 
     Attributes:
-        empty_rows: contract for a query whose every key is blocked: ``zeros``, ``nan`` or ``any``.
+        empty_rows: contract for a query whose every key is blocked: ``zeros``, ``nan``, ``finite`` (any
+            finite row) or ``any``.
         seed: varies the random inputs and perturbations.
         backward: run the backward checks (a declaration without backward turns them off too).
         strict_precision: a float64 case at float32 precision fails instead of warning.
@@ -1265,7 +1266,8 @@ def _convex_check(s: _Setup) -> Check:
 
 
 def _empty_rows_check(s: _Setup, contract: str) -> Check:
-    """L3: a query whose every key is blocked returns what the contract says (zeros, NaN or anything)."""
+    """L3: a query whose every key is blocked returns what the contract says (zeros, NaN, any finite row, or
+    anything)."""
     import torch
 
     empty = s.empty
@@ -1282,6 +1284,11 @@ def _empty_rows_check(s: _Setup, contract: str) -> Check:
         facts["largest_finite_abs"] = float(torch.nan_to_num(rows.abs(), nan=0.0).max())
         return counted(3, "empty_rows", "rows with every key blocked that are not all zeros", int(wrong.sum()),
                        location=first_row(wrong), data=facts)
+    if contract == "finite":
+        wrong = empty & ~torch.isfinite(s.out).all(-1)  # [B, Nh, Tq]
+        facts["rows_with_nan"] = int(torch.isnan(rows).any(dim=-1).sum())
+        return counted(3, "empty_rows", "rows with every key blocked that hold NaN or inf (contract: finite)",
+                       int(wrong.sum()), location=first_row(wrong), data=facts)
     wrong = empty & ~torch.isnan(s.out).all(-1)  # [B, Nh, Tq]
     return counted(3, "empty_rows", "rows with every key blocked that are not all NaN", int(wrong.sum()),
                    location=first_row(wrong), data=facts)
@@ -1455,7 +1462,8 @@ def check_kernel(
         cases: cases to run (default: the ``tier``'s, and those of the features the declaration supports).
         tier: ``default`` or ``full`` (used when ``cases`` is None).
         target: how the function was named, for the reproduction line.
-        empty_rows: contract for a query whose every key is blocked: ``zeros``, ``nan`` or ``any``.
+        empty_rows: contract for a query whose every key is blocked: ``zeros``, ``nan``, ``finite`` (any
+            finite row) or ``any``.
         seed: varies the random inputs and perturbations.
         backward: run the backward checks.
         strict_precision: a float64 case at float32 precision fails instead of warning.

@@ -228,8 +228,8 @@ def split_table(table: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     for key in ("strict_precision", "strict_coverage"):
         if key in run:
             _bool(run[key], f"[{TABLE}] {key}")
-    if "empty_rows" in run and run["empty_rows"] not in ("zeros", "nan", "any"):
-        raise InputError(f"[{TABLE}] empty_rows: got {run['empty_rows']!r}, expected one of zeros, nan, any")
+    if "empty_rows" in run and run["empty_rows"] not in ("zeros", "nan", "finite", "any"):
+        raise InputError(f"[{TABLE}] empty_rows: got {run['empty_rows']!r}, expected one of zeros, nan, finite, any")
     return decl, run
 
 
