@@ -220,6 +220,10 @@ from attn_ledger.commands import scan as _scan  # noqa: E402
 
 app.command("scan", cls=_Command)(_scan.scan)
 
+from attn_ledger.commands import compare as _compare  # noqa: E402
+
+app.command("compare", cls=_Command)(_compare.compare)
+
 
 def main() -> None:
     """The ``attn-ledger`` process: SIGTERM unwinds like Ctrl-C, and nothing it started outlives it."""

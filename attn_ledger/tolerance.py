@@ -312,3 +312,37 @@ def fitted_scale(dtype: "torch.dtype | str") -> float:
 GRADCHECK = {"eps": 1e-6, "atol": 1e-5, "rtol": 1e-3}
 GRADCHECK_FLOAT32_INSIDE = {"eps": 1e-2, "atol": 1e-3, "rtol": 1e-2}
 
+
+
+# --- compare: two runs of one model, block by block ------------------------------------------------
+
+# Measured with scripts/compare_margins.py (torch 2.13.0+cpu, transformers 5.25.0, AMD EPYC), B=2 T=24 left
+# padded (padding-side: none against left/right), seeds 0-1, over llama, mistral, qwen2, gemma2 (eager against
+# flex_attention, which it takes where SDPA is refused) and gpt2, each under eager against sdpa in float32 and
+# bfloat16, dtype=float32,bfloat16 and padding-side in float32 and bfloat16, at ATEN_CPU_CAPABILITY=avx2 and
+# default (llama, mistral, qwen2, gpt2; gemma2's flex_attention does not compile at default, and gemma2 at
+# default was measured under dtype and padding-side only): the worst added / plain of a block is 1.96 (gemma2,
+# eager against flex_attention in bfloat16, avx2), of the logits 1.30 (the same), of the embeddings 1.00 (a
+# cast to bfloat16 is the plain computation itself). So 4 keeps every correct pairing within half its bound;
+# the broken functions of fixtures/interface/custom.py add 2e5 to 4e5 times their bound (tests/test_compare_real.py).
+COMPARE_FACTOR = 4.0
+"""A block's added error (B's block on A's input against A's output) may be this many times the plain error at
+that block: the largest ``max |plain - exact|`` over the runs' dtypes, ``plain`` A's block with eager attention
+in that dtype and ``exact`` the same block in float64, both on the same input. The same rule gates the
+embeddings and the logits (there ``plain`` is the whole plain run against the whole float64 run)."""
+
+TOP_K = 5
+"""Token agreement on the logits (vLLM's rule): each run's top token must be among the other's top ``TOP_K``."""
+
+
+def compare_bound(plain_error: float, scale: float, dtypes: tuple[str, str] | list[str]) -> tuple[float, dict[str, Any]]:
+    """``COMPARE_FACTOR * plain_error + floor``, the floor one eps of the coarser dtype times ``scale`` (the
+    largest |exact| value), so that a plain error of exactly 0 leaves room for one rounding; with its parts."""
+    coarse = max(eps(d) for d in dtypes)
+    s = scale if math.isfinite(scale) else 0.0
+    floor = coarse * s
+    facts: dict[str, Any] = {"factor": COMPARE_FACTOR, "plain_error": plain_error, "floor": floor}
+    if not math.isfinite(plain_error):
+        facts["fallback"] = "the plain computation is not finite; the bound is the floor"
+        return COMPARE_FACTOR * floor, facts
+    return COMPARE_FACTOR * plain_error + floor, facts

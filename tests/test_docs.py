@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("run", "check", "faults", "sweep-scale", "polarity", "intervene", "scan")
-PAGES = ("run", "check", "check-decode", "faults", "sweep-scale", "polarity", "intervene", "scan", "json", "ci", "performance",
-         "library")
+COMMANDS = ("run", "check", "faults", "sweep-scale", "polarity", "intervene", "scan", "compare")
+PAGES = ("run", "check", "check-decode", "faults", "sweep-scale", "polarity", "intervene", "scan", "compare", "json", "ci",
+         "performance", "library")
 
 
 def _load_script():

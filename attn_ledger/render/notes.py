@@ -177,6 +177,13 @@ def _scan_inputs(d: Mapping[str, Any]) -> str:
     return f"inputs: B={d['batch']} T={d['seq_len']} token ids, seed {d['seed']}, {padding}{positions}{decoder}"
 
 
+def _compare_runs(d: Mapping[str, Any]) -> str:
+    a, b = d["padding"]
+    padding = ("no padding" if a == "none" else f"{a} padding in both") if a == b else f"run A {a} padded, run B {b} padded, real tokens aligned"
+    return (f"--vary {d['vary']}: {padding}; only real tokens compared; bound = {d['factor']:g} x the plain "
+            f"error at each block (eager in each run's dtype against float64) + one eps")
+
+
 def _scan_reference(d: Mapping[str, Any]) -> str:
     if not d["sampled"]:
         return "float64 reference: every query row of every call, in query blocks"
@@ -435,6 +442,7 @@ SENTENCES: dict[str, str] = {
 TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "scan_inputs": _scan_inputs,
     "scan_reference": _scan_reference,
+    "compare_runs": _compare_runs,
     "scan_stopped": _scan_stopped,
     "scan_unreplayable": _scan_unreplayable,
     "scan_saved": _scan_saved,

@@ -355,6 +355,20 @@ def _scan_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[str, 
     return stopped_report(args["target"], reason, data)
 
 
+def _compare_run(handle: Any, args: dict[str, Any], unit: Any, progress: Progress) -> Report:
+    from attn_ledger.probes.model.compare import Runs, Vary, compare
+
+    runs = Runs(Vary(*args["vary"]), args["target"], args["target_b"], tuple(args["dtypes"]), args["plan"],
+                args["plan_b"])
+    return compare(handle, runs)
+
+
+def _compare_stopped(args: dict[str, Any], unit: Any, reason: str, data: dict[str, Any]) -> Report:
+    from attn_ledger.probes.model.compare import stopped_report
+
+    return stopped_report(args, reason, data)
+
+
 # A module's one unit not reached (--max-time spent on the import and the factory) is stopped before its call.
 TASKS: dict[str, Task | ParentTask] = {
     "attention_check": ParentTask(_attention_setup, _attention_run, _attention_stopped, _attention_finish,
@@ -369,6 +383,8 @@ TASKS: dict[str, Task | ParentTask] = {
                                    _intervene_stopped, _never, loads="module"),
     "model_scan": ParentTask(_module_parent_setup, _scan_run, _scan_stopped, _module_parent_finish, _scan_stopped,
                              _never, loads="model"),
+    "model_compare": ParentTask(_module_parent_setup, _compare_run, _compare_stopped, _module_parent_finish,
+                                _compare_stopped, _never, loads="model"),
     "model_driver": Task(_model_driver_setup, _scan_run, _scan_stopped, _only, _scan_stopped, _never),
 }
 

@@ -188,6 +188,10 @@ def setup(args: dict[str, Any]) -> tuple[Loaded, dict[str, Any]]:
     """Build the target (user code runs here only) and say what it is."""
     from attn_ledger.probes.model.targets import Target, build
 
+    if "target_b" in args:  # compare: two runs of one model
+        from attn_ledger.probes.model.pair import setup as pair_setup
+
+        return pair_setup(args, model_facts)  # type: ignore[return-value]
     t = Target.from_json(args["target"])
     model, given = build(t)
     facts = model_facts(model, given, t.label)
@@ -206,9 +210,20 @@ def serve(loaded: Loaded, kind: str, meta: dict[str, Any], tensors: dict[str, "T
 
     if torch.get_num_threads() != meta["threads"]:
         torch.set_num_threads(meta["threads"])
+    if kind == "compare":
+        from attn_ledger.probes.model.pair import run_compare
+
+        return run_compare(loaded, *split_sides(tensors), send), {}  # type: ignore[arg-type]
     if kind != "scan":
         raise ValueError(f"the model driver has no request {kind!r}")
     return run_scan(loaded, tensors if meta.get("inputs") == "sent" else None, send), {}
+
+
+def split_sides(tensors: Mapping[str, "Tensor"]) -> tuple[dict[str, "Tensor"], dict[str, "Tensor"]]:
+    """``compare``'s two runs' inputs, sent as one dict with ``a.`` and ``b.`` before each name."""
+    a = {k[2:]: v for k, v in tensors.items() if k.startswith("a.")}
+    b = {k[2:]: v for k, v in tensors.items() if k.startswith("b.")}
+    return a, b
 
 
 # --- the tool's side ---------------------------------------------------------------------------------
@@ -223,6 +238,11 @@ class LocalModel:
 
     def scan(self, inputs: "Mapping[str, Tensor] | None", sink: Sink) -> dict[str, Any]:
         return run_scan(self.loaded, inputs, sink)
+
+    def compare(self, inputs_a: "Mapping[str, Tensor]", inputs_b: "Mapping[str, Tensor]", sink: Sink) -> dict[str, Any]:
+        from attn_ledger.probes.model.pair import run_compare
+
+        return run_compare(self.loaded, inputs_a, inputs_b, sink)  # type: ignore[arg-type]
 
 
 class RemoteModel:
@@ -243,4 +263,18 @@ class RemoteModel:
         meta = {"what": f"the forward of {self.facts['label']}", "threads": torch.get_num_threads(),
                 "inputs": "sent" if inputs is not None else "given"}
         facts, _ = self.sup.call_model("scan", meta, pack(dict(inputs or {})), part)
+        return facts
+
+    def compare(self, inputs_a: "Mapping[str, Tensor]", inputs_b: "Mapping[str, Tensor]", sink: Sink) -> dict[str, Any]:
+        """Both runs and their replays as one request, each block's rows streamed back to ``sink``."""
+        import torch
+
+        from attn_ledger.probes.common.driver import pack, unpack
+
+        def part(facts: dict[str, Any], blob: bytes) -> None:
+            sink(facts, unpack(blob))
+
+        meta = {"what": f"the forwards of {self.facts['label']}", "threads": torch.get_num_threads()}
+        sent = {**{f"a.{k}": v for k, v in inputs_a.items()}, **{f"b.{k}": v for k, v in inputs_b.items()}}
+        facts, _ = self.sup.call_model("compare", meta, pack(sent), part)
         return facts

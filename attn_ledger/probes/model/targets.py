@@ -246,20 +246,27 @@ def register_implementation(t: Target) -> None:
         AttentionMaskInterface.register(t.implementation, sdpa_mask if t.mask_format == "sdpa" else eager_mask)
 
 
-def build(t: Target) -> tuple["nn.Module", Any]:
-    """The model (in eval mode) and the inputs its factory gave (None for a transformers target)."""
+def build(t: Target, head: bool = False) -> tuple["nn.Module", Any]:
+    """The model (in eval mode) and the inputs its factory gave (None for a transformers target).
+
+    ``head``: a transformers decoder is built with its language-model head (``AutoModelForCausalLM``), so its
+    forward gives logits (``compare``); other architectures are built as without it.
+    """
     import torch
 
     from attn_ledger.seeding import manual_seed
 
     register_implementation(t)
     if t.kind == "transformers":
-        from transformers import AutoModel
+        from transformers import AutoModel, AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         config = model_config(t)
+        causal_lm = head and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.is_encoder_decoder
+        auto = AutoModelForCausalLM if causal_lm else AutoModel
         manual_seed(t.seed)
         try:
-            model = AutoModel.from_config(config, attn_implementation=t.implementation)
+            model = auto.from_config(config, attn_implementation=t.implementation)
         except (ValueError, ImportError, KeyError) as exc:
             raise InputError(f"--attn-implementation: {config.model_type} cannot be built with "
                              f"{t.implementation!r}: {first_line(exc)}") from None

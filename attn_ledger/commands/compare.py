@@ -1,0 +1,114 @@
+"""``attn-ledger compare``: two runs of one model, layer by layer, and the first block that adds error."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from attn_ledger.commands import options as opt
+from attn_ledger.commands.common import Format, Progress, execute, spec_path
+from attn_ledger.commands.options import INT
+
+MODEL = "Model"
+INPUTS = "Inputs"
+
+Padding = opt.choices("ComparePadding", "none", "left", "right")
+MaskFormat = opt.choices("CompareMaskFormat", "sdpa", "eager", "none")
+Dtype = opt.choices("CompareDtype", "float32", "bfloat16", "float16", "float64")
+
+SeedOption = opt.seed_option("Seed for the random weights and the token ids, 0..2^63-1. Default: 0.")
+TimeoutOption = opt.timeout_option(
+    "Limit on each call into the models (building them, the forwards), in seconds. Default 60; with --in-process, "
+    "none unless given.")
+
+
+def compare(  # long by its options (typer reads them from the signature); the body hands them to compare_args
+    transformers: Annotated[
+        str,
+        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL,
+                     help="A transformers model built from its config with random weights (never downloaded): a "
+                          "model type (llama, mistral, gemma2, ...) gets small defaults; a config.json keeps its sizes."),
+    ],
+    vary: Annotated[
+        str,
+        typer.Option("--vary", metavar="WHAT",
+                     help="What differs between run A and run B: attn-implementation=A,B (eager, sdpa, "
+                          "flex_attention, or the name given with --register), dtype=A,B (float32, bfloat16, "
+                          "float16, float64), or padding-side (left against right, positions aligned)."),
+    ],
+    set_: Annotated[
+        Optional[list[str]],
+        typer.Option("--set", metavar="KEY=VALUE", rich_help_panel=MODEL,
+                     help="Override a config value (repeatable), e.g. --set num_hidden_layers=4."),
+    ] = None,
+    attn_implementation: Annotated[
+        Optional[str],
+        typer.Option("--attn-implementation", metavar="NAME", rich_help_panel=MODEL,
+                     help="Both runs' attention implementation, where it is not what --vary changes."),
+    ] = None,
+    register: Annotated[
+        Optional[str],
+        typer.Option("--register", metavar="FILE:FN", rich_help_panel=MODEL,
+                     help="Register FN(module, query, key, value, attention_mask, ...) in transformers' "
+                          "AttentionInterface under the name of your own that --vary (or --attn-implementation) gives."),
+    ] = None,
+    mask_format: Annotated[
+        Optional[MaskFormat],
+        typer.Option("--mask-format", rich_help_panel=MODEL,
+                     help="The mask function registered with --register: sdpa, eager, or none. Default: sdpa."),
+    ] = None,
+    dtype: Annotated[Optional[Dtype], typer.Option("--dtype", rich_help_panel=MODEL, help="Both runs' dtype, where --vary does not set it. Default: float32.")] = None,
+    batch: Annotated[Optional[str], typer.Option("--batch", metavar=INT, rich_help_panel=INPUTS, help="B, examples in the batch. Default: 2.")] = None,
+    seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, rich_help_panel=INPUTS, help="T, tokens per example. Default: 24.")] = None,
+    padding: Annotated[Optional[Padding], typer.Option("--padding", rich_help_panel=INPUTS, help="Pad the examples after the first: left (as decoders generate), right or none. Default: left (with --vary padding-side, A is left and B right).")] = None,
+    seed: SeedOption = None,
+    timeout: TimeoutOption = None,
+    in_process: Annotated[bool, typer.Option("--in-process", help="Build and run the models in this process, for debugging; without it, they run in a worker process.")] = False,
+    output_format: opt.FormatOption = Format.table,
+    detail: opt.DetailOption = False,
+    output: opt.OutputOption = None,
+) -> None:
+    """Run one model two ways and compare them block by block: each block's total error (B against A) and the
+    error it adds (B's block replayed on A's input, with B's own mask and positions), against a bound that is a
+    factor times what a plain computation adds at that block in the runs' dtype (A's block with eager attention,
+    against float64). Model-level rows come first (embeddings, masks, position ids and position embeddings as
+    the blocks receive them); the logits last, by the same ratio rule and by token agreement (each run's top
+    token among the other's top 5). The first block that adds error is the headline. Exit 0 the runs agree, 1 a
+    finding, 2 bad input or setup, 3 an internal error.
+    """
+    def build():
+        from attn_ledger.runner.worker import run_user_task, show_output
+
+        args = compare_args(transformers, vary, overrides=set_, implementation=attn_implementation,
+                            register=register, mask_format=mask_format.value if mask_format else None,
+                            dtype=dtype.value if dtype else None, batch=batch, seq_len=seq_len,
+                            padding=padding.value if padding else None, seed=seed)
+        with Progress("comparing") as bar:
+            outcome = run_user_task("model_compare", args, in_process=in_process, timeout=timeout, progress=bar)
+        show_output(outcome.output)
+        return outcome.report
+
+    inputs = {"--register": spec_path(register), "--transformers": transformers if transformers.endswith(".json") else None}
+    execute(build, output_format, output, command="compare", detail=detail, inputs=inputs)
+
+
+def compare_args(transformers: str, vary: str, *, overrides: Optional[list[str]], implementation: Optional[str],
+                 register: Optional[str], mask_format: Optional[str], dtype: Optional[str], batch: Optional[str],
+                 seq_len: Optional[str], padding: Optional[str], seed: Optional[str]) -> dict:
+    """The compare task's arguments as plain data, everything that can be validated without the model validated."""
+    from attn_ledger.errors import InputError
+    from attn_ledger.probes.model.compare import parse_vary, runs
+    from attn_ledger.probes.model.inputs import InputPlan
+
+    v = parse_vary(vary)
+    if v.kind == "dtype" and dtype is not None:
+        raise InputError("--dtype: cannot be given with --vary dtype=A,B")
+    seed_value = opt.seed(seed) or 0
+    given_padding = padding if padding is not None else ("none" if v.kind == "padding-side" else "left")
+    plan = InputPlan(opt.integer(batch, "--batch", 1) or 2, opt.integer(seq_len, "--seq-len", 2) or 24,
+                     given_padding, seed_value)
+    if v.kind == "padding-side" and padding is not None:
+        raise InputError("--padding: cannot be given with --vary padding-side (run A is left padded, run B right)")
+    return runs(v, transformers, overrides=overrides, implementation=implementation, register=register,
+                mask_format=mask_format, dtype=dtype or "float32", plan=plan).args()

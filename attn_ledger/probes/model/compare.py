@@ -1,0 +1,378 @@
+"""Two runs of one model, judged layer by layer: what each block adds, apart from what it inherited.
+
+:func:`runs` turns ``--vary WHAT`` into the two runs (targets, dtypes, input plans); :func:`compare` asks the
+model's handle to run them (:func:`attn_ledger.probes.model.pair.run_compare`, in the worker) and judges what
+streams back, here, in the tool's process. Rows, in order:
+
+* model-level rows: ``embeddings`` (block 0's input), ``masks`` (which real keys each real query may read, as
+  each block received its mask), ``position_ids`` and ``position_embeddings`` as the blocks received them;
+* one row per block: its total error (B's output against A's) and its added error (B's block replayed on A's
+  input, with B's own mask and positions, against A's output), judged by the ratio rule against the plain
+  error at that block (:func:`attn_ledger.tolerance.compare_bound`);
+* ``logits``: the ratio rule on the whole run, and token agreement: each run's top token among the other's
+  top :data:`attn_ledger.tolerance.TOP_K`.
+
+Only real rows are compared; under ``padding-side`` they are aligned by their order among the example's real
+tokens. The first failing row is the headline, so a block that adds error is named where it first acts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from attn_ledger.errors import InputError, shown
+from attn_ledger.report import Check, Note, Report, Row, bounded, counted, row_status, unjudged
+from attn_ledger.tolerance import COMPARE_FACTOR, TOP_K, compare_bound, eps
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+VARY_KINDS = ("attn-implementation", "dtype", "padding-side")
+LATER_KINDS = ("target", "batch", "cache", "packing")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+BUILTIN = ("eager", "sdpa", "flex_attention")
+
+
+@dataclass(frozen=True)
+class Vary:
+    """What differs between run A and run B: ``kind`` and each run's value."""
+
+    kind: str
+    a: str
+    b: str
+
+    @property
+    def words(self) -> str:
+        return f"{self.kind}={self.a},{self.b}"
+
+
+def parse_vary(text: str) -> Vary:
+    """``--vary WHAT``: ``attn-implementation=A,B``, ``dtype=A,B`` or ``padding-side`` (left against right).
+
+    Raises:
+        InputError: an unknown kind, a kind not available yet, or values that are not two distinct names.
+    """
+    kind, eq, values = text.partition("=")
+    kind = kind.strip()
+    expected = "attn-implementation=A,B, dtype=A,B or padding-side"
+    if kind in LATER_KINDS:
+        raise InputError(f"--vary: got {shown(text)}; {kind} is not available yet, expected {expected}")
+    if kind not in VARY_KINDS:
+        raise InputError(f"--vary: got {shown(text)}, expected {expected}")
+    if kind == "padding-side":
+        if eq and values.replace(" ", "") not in ("left,right", ""):
+            raise InputError(f"--vary: got {shown(text)}, expected padding-side (left against right)")
+        return Vary(kind, "left", "right")
+    names = [v.strip() for v in values.split(",")]
+    if not eq or len(names) != 2 or not all(names) or names[0] == names[1]:
+        raise InputError(f"--vary: got {shown(text)}, expected {kind}=A,B with two different values")
+    if kind == "dtype":
+        for name in names:
+            if name not in DTYPES:
+                raise InputError(f"--vary: got dtype {name!r}, expected two of {', '.join(DTYPES)}")
+    return Vary(kind, names[0], names[1])
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The two runs as plain data: each one's target (as JSON), dtype and input plan (as JSON)."""
+
+    vary: Vary
+    target_a: dict[str, Any]
+    target_b: dict[str, Any]
+    dtypes: tuple[str, str]
+    plan_a: dict[str, Any]
+    plan_b: dict[str, Any]
+
+    def args(self) -> dict[str, Any]:
+        return {"target": self.target_a, "target_b": self.target_b, "dtypes": list(self.dtypes),
+                "plan": self.plan_a, "plan_b": self.plan_b, "vary": [self.vary.kind, self.vary.a, self.vary.b],
+                "field": "target"}
+
+
+def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str | None = None,
+         register: str | None = None, mask_format: str | None = None, dtype: str = "float32",
+         plan: Any) -> Runs:
+    """Run A and run B of ``--transformers source`` under ``vary`` (validated here, built in the worker).
+
+    Raises:
+        InputError: ``--register`` where neither implementation is a name of one's own, both are, or the varied
+            kind is also given as an option.
+    """
+    from dataclasses import replace
+
+    from attn_ledger.probes.model.targets import target
+
+    def make(impl: str | None, reg: str | None) -> dict[str, Any]:
+        return target("transformers", source, overrides=overrides, implementation=impl, register=reg,
+                      mask_format=mask_format if reg else None, seed=plan.seed).to_json()
+
+    if vary.kind == "attn-implementation":
+        if implementation is not None:
+            raise InputError("--attn-implementation: cannot be given with --vary attn-implementation=A,B")
+        own = [n for n in (vary.a, vary.b) if n not in BUILTIN]
+        if len(own) > 1:
+            raise InputError(f"--vary: got {vary.words}, expected at most one name of your own (registered with --register)")
+        if own and register is None:
+            raise InputError(f"--vary: got {own[0]!r}, expected eager, sdpa, flex_attention, or a name given "
+                             "with --register FILE:FN")
+        if register is not None and not own:
+            raise InputError(f"--register: got {shown(register)} with --vary {vary.words}, expected one of the two "
+                             "implementations to be a name of your own to register it under")
+        ta = make(vary.a, register if vary.a in own else None)
+        tb = make(vary.b, register if vary.b in own else None)
+        return Runs(vary, ta, tb, (dtype, dtype), plan.to_json(), plan.to_json())
+    t = make(implementation, register)
+    if vary.kind == "dtype":
+        return Runs(vary, t, t, (vary.a, vary.b), plan.to_json(), plan.to_json())
+    if plan.padding != "none":
+        raise InputError("--padding: cannot be given with --vary padding-side (run A is left padded, run B right)")
+    return Runs(vary, t, t, (dtype, dtype), replace(plan, padding="left").to_json(),
+                replace(plan, padding="right").to_json())
+
+
+def aligned_inputs(inputs_a: Mapping[str, "Tensor"], valid_b: "Tensor") -> dict[str, "Tensor"]:
+    """Run B's inputs: A's tokens in the same order among the real positions ``valid_b``, position ids as
+    ``generate()`` makes them from B's mask."""
+    from attn_ledger.probes.model.inputs import generate_positions
+
+    valid_a = inputs_a["attention_mask"].bool()
+    ids = inputs_a["input_ids"].clone()
+    ids[valid_b] = inputs_a["input_ids"][valid_a]
+    ids[~valid_b] = inputs_a["input_ids"][~valid_a]
+    out = {**inputs_a, "input_ids": ids, "attention_mask": valid_b.long()}
+    if "position_ids" in inputs_a:
+        out["position_ids"] = generate_positions(valid_b.long())
+    return out
+
+
+# --- judging what streams back -------------------------------------------------------------------------
+
+
+def max_err(x: "Tensor", ref: "Tensor") -> float:
+    """``max |x - ref|`` in float64 (NaN where either holds a NaN)."""
+    d = (x.double() - ref.double()).abs()
+    return float("nan") if d.isnan().any() else float(d.max()) if d.numel() else 0.0
+
+
+def _where(d: "Tensor", rows: Mapping[str, Any]) -> dict[str, Any]:
+    """Where the largest difference of ``d`` [N, ...] sits: its real row's example and position."""
+    flat = int(d.reshape(d.shape[0], -1).abs().nan_to_num(float("inf")).amax(-1).argmax())
+    return {"example": rows["example"][flat], "token": rows["token"][flat]}
+
+
+def ratio_check(name: str, x: "Tensor", ref: "Tensor", plains: list[tuple["Tensor", "Tensor"]], dtypes: tuple[str, str],
+                rows: Mapping[str, Any], measure: str) -> tuple[Check, dict[str, float]]:
+    """``max |x - ref| <= factor * plain + floor``, ``plain`` the largest ``max |plain - exact|`` of ``plains``."""
+    value = max_err(x, ref)
+    errs = [max_err(p, e) for p, e in plains]
+    plain = float("nan") if any(e != e for e in errs) else max(errs, default=0.0)
+    scale = max((float(e.double().abs().max()) for _, e in plains if e.numel()), default=0.0)
+    bound, parts = compare_bound(plain, scale, dtypes)
+    loc = _where(x.double() - ref.double(), rows) if x.numel() else None
+    if parts.get("fallback"):  # no plain error to scale: the rule cannot say what noise is here
+        check = Check(4, name, "inconclusive", measure, value, reason="the plain or the float64 run is not finite "
+                      "at a real token, so the bound has nothing to scale", data=parts)
+        return check, {"error": value, "bound": bound, "plain": plain}
+    check = bounded(4, name, measure, value, bound, location=loc, data=parts)
+    return check, {"error": value, "bound": bound, "plain": plain}
+
+
+class Judge:
+    """Takes the parts the worker streams (``take`` is the sink) and keeps the rows they make."""
+
+    def __init__(self, facts: Mapping[str, Any], dtypes: tuple[str, str], token_rows: Mapping[str, Any]) -> None:
+        self.facts, self.dtypes, self.token_rows = facts, dtypes, token_rows
+        self.model_rows: list[Row] = []
+        self.logits_row: Row | None = None
+        self.blocks: list[Row] = []
+
+    def take(self, facts: dict[str, Any], tensors: dict[str, "Tensor"]) -> None:
+        if facts["part"] == "model":
+            self.model_rows = model_rows(tensors, facts, self.dtypes, self.token_rows)
+            self.logits_row = logits_row(tensors, self.dtypes, self.token_rows)
+        else:
+            self.blocks.append(block_row(facts, tensors, self.dtypes, self.token_rows))
+
+
+def _plains(tensors: Mapping[str, "Tensor"], key: str = "", exact: str = "exact") -> list[tuple["Tensor", "Tensor"]]:
+    return [(v, tensors[exact + key]) for k, v in tensors.items()
+            if k.startswith("plain_") and k.endswith(key) and k.count("_") == 1 + key.count("_")]
+
+
+def block_row(facts: Mapping[str, Any], t: Mapping[str, "Tensor"], dtypes: tuple[str, str],
+              rows: Mapping[str, Any]) -> Row:
+    """A block's row: ``added_error`` judged; the total error beside it."""
+    added, nums = ratio_check("added_error", t["b_replay"], t["a_out"], _plains(t), dtypes, rows,
+                              "max |B's block on A's input - A| (added error)")
+    total = max_err(t["b_out"], t["a_out"])
+    fields = {"layer": int(facts["index"]), **_numbers(total, nums["error"], nums["bound"])}
+    return Row(str(facts["path"]), row_status((added,)), (added,), fields=fields)
+
+
+def model_rows(t: Mapping[str, "Tensor"], facts: Mapping[str, Any], dtypes: tuple[str, str],
+               rows: Mapping[str, Any]) -> list[Row]:
+    """``embeddings``, ``masks``, ``position_ids`` and ``position_embeddings``, in that order."""
+    emb, nums = ratio_check("embeddings", t["b_embed"], t["a_embed"], _plains(t, "_embed", "exact"), dtypes, rows,
+                            "max |B - A| of block 0's input")
+    out = [Row("embeddings", row_status((emb,)), (emb,), fields=_numbers(nums["error"], nums["error"], nums["bound"]))]  # nothing inherited: added is total
+    out.append(_one_check_row("masks", mask_check(t, facts["masks"], rows)))
+    out.append(_one_check_row("position_ids", positions_check(t, len(facts["masks"]), rows)))
+    out.append(_one_check_row("position_embeddings", rotary_check(t, len(facts["masks"]), dtypes, rows)))
+    return out
+
+
+def _numbers(total: float | None = None, added: float | None = None, bound: float | None = None) -> dict[str, Any]:
+    """The columns every row has (None where a row has no such number), so that the table lines them up."""
+    room = (bound / added) if (added and bound is not None and added > 0) else None
+    return {"total": total, "added": added, "bound": bound, "room": room}
+
+
+def _one_check_row(name: str, check: Check) -> Row:
+    return Row(name, row_status((check,)), (check,), fields=_numbers())
+
+
+def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], rows: Mapping[str, Any]) -> Check:
+    """Which real keys each real query may read, run B against run A, at every block where both runs' blocks
+    received a mask. A block given none applies its implementation's own rule (causal, its window), which only
+    its output shows: such blocks are not compared here, and their added error judges them."""
+    differ, first, compared = 0, None, []
+    per_block: list[int | None] = []
+    for i in range(len(kinds)):
+        a, b = (t.get(f"{s}_mask_{i}") for s in ("a", "b"))
+        if a is None or b is None:
+            per_block.append(None)
+            continue
+        compared.append(i)
+        d = a != b
+        n = int(d.sum())
+        per_block.append(n)
+        if n and first is None:
+            r, k = (int(x) for x in d.nonzero()[0])
+            first = {"block": i, "example": rows["example"][r], "token": rows["token"][r], "key": k,
+                     "a": bool(a[r, k]), "b": bool(b[r, k])}
+        differ += n
+    data = {"per_block": per_block, "given": [[k or "none" for k in pair] for pair in kinds]}
+    if not compared:
+        return Check(2, "masks", "not_applicable", reason="no block received a mask in both runs (each applied "
+                     "its implementation's own rule, judged by its added error)", data=data)
+    return counted(2, "masks", "real (query, key) pairs allowed in one run only", differ, location=first, data=data)
+
+
+def positions_check(t: Mapping[str, "Tensor"], blocks: int, rows: Mapping[str, Any]) -> Check:
+    """Position ids as each block received them, at real tokens: equal in both runs."""
+    differ, first, seen = 0, None, 0
+    for i in range(blocks):
+        a, b = t.get(f"a_pos_{i}"), t.get(f"b_pos_{i}")
+        if a is None or b is None:
+            continue
+        seen += 1
+        d = a != b
+        differ += int(d.sum())
+        if first is None and d.any():
+            r = int(d.nonzero()[0, 0])
+            first = {"block": i, "example": rows["example"][r], "token": rows["token"][r], "a": int(a[r]), "b": int(b[r])}
+    if not seen:
+        return unjudged(2, "position_ids", "not_applicable", "the blocks receive no position ids")
+    return counted(2, "position_ids", "real tokens whose position ids differ", differ, location=first)
+
+
+def rotary_check(t: Mapping[str, "Tensor"], blocks: int, dtypes: tuple[str, str], rows: Mapping[str, Any]) -> Check:
+    """cos and sin as each block received them, at real tokens: within twice the coarser dtype's eps."""
+    worst, where, seen = 0.0, None, 0
+    for i in range(blocks):
+        for part in ("cos", "sin"):
+            a, b = t.get(f"a_{part}_{i}"), t.get(f"b_{part}_{i}")
+            if a is None or b is None:
+                continue
+            seen += 1
+            err = max_err(b, a)
+            if not err <= worst:
+                worst, where = err, {"block": i, "part": part, **_where(b.double() - a.double(), rows)}
+    if not seen:
+        return unjudged(4, "position_embeddings", "not_applicable", "the blocks receive no position embeddings")
+    limit = 2 * max(eps(d) for d in dtypes)
+    return bounded(4, "position_embeddings", "max |B - A| of cos and sin", worst, limit, location=where)
+
+
+def logits_row(t: Mapping[str, "Tensor"], dtypes: tuple[str, str], rows: Mapping[str, Any]) -> Row | None:
+    """The ratio rule on the logits, and token agreement: each run's top token in the other's top k."""
+    if "a_logits" not in t or "b_logits" not in t:
+        return None
+    a, b = t["a_logits"], t["b_logits"]
+    check, nums = ratio_check("logits", b, a, _plains(t, "_logits", "exact"), dtypes, rows, "max |B - A| of the logits")
+    k = min(TOP_K, a.shape[-1])
+    top_a, top_b = a.topk(k, -1).indices, b.topk(k, -1).indices  # [N, k]
+    miss = ~(top_b == top_a[:, :1]).any(-1) | ~(top_a == top_b[:, :1]).any(-1)  # [N]
+    loc = None
+    if miss.any():
+        r = int(miss.nonzero()[0, 0])
+        loc = {"example": rows["example"][r], "token": rows["token"][r], "a": int(top_a[r, 0]), "b": int(top_b[r, 0])}
+    agree = counted(4, "top_k", f"real tokens where a run's top token is not in the other's top {k}", int(miss.sum()),
+                    location=loc, data={"k": k, "top1_differ": int((top_a[:, 0] != top_b[:, 0]).sum())})
+    status = row_status((check, agree))
+    return Row("logits", status, (check, agree), fields=_numbers(nums["error"], None, nums["bound"]))
+
+
+# --- a whole compare ----------------------------------------------------------------------------------------
+
+
+def token_rows(valid_b: "Tensor") -> dict[str, Any]:
+    """For each real row as sent (run B's order): its example and its index among the example's real tokens."""
+    example, token, counts = [], [], []
+    for bi in range(valid_b.shape[0]):
+        n = int(valid_b[bi].sum())
+        counts.append(n)
+        example += [bi] * n
+        token += list(range(n))
+    return {"example": example, "token": token, "counts": counts}
+
+
+def compare(handle: Any, runs_: Runs) -> Report:
+    """Run both runs through ``handle`` (a :class:`~attn_ledger.probes.model.driver.LocalModel` or ``RemoteModel``
+    built from :meth:`Runs.args`) and judge them."""
+    from attn_ledger.probes.model.inputs import InputPlan, make_inputs, valid_positions, pad_counts
+
+    facts = handle.facts
+    plan_a, plan_b = InputPlan(**runs_.plan_a), InputPlan(**runs_.plan_b)
+    inputs_a = make_inputs(plan_a, facts)
+    valid_b = valid_positions(pad_counts(plan_b.batch, plan_b.seq_len, plan_b.padding), plan_b.seq_len, plan_b.padding)
+    inputs_b = aligned_inputs(inputs_a, valid_b) if plan_b.padding != plan_a.padding else inputs_a
+    judge = Judge(facts, runs_.dtypes, token_rows(valid_b))
+    run = handle.compare(inputs_a, inputs_b, judge.take)
+    return compare_report(facts, runs_, judge, run)
+
+
+def compare_report(facts: Mapping[str, Any], runs_: Runs, judge: Judge, run: Mapping[str, Any]) -> Report:
+    """Model-level rows, then one row per block, then the logits; the first failing row is the headline."""
+    rows: list[Row] = [*judge.model_rows, *sorted(judge.blocks, key=lambda r: r.fields["layer"])]
+    if judge.logits_row is not None:
+        rows.append(judge.logits_row)
+    if run.get("error"):
+        rows.append(Row("forward", "fail", (Check(1, "forward", "fail", reason=str(run["error"])),)))
+    first = next((r for r in rows if r.fields.get("layer") is not None and r.status == "fail"), None)
+    if first is not None:
+        rows = [r if r is not first else Row(r.name, r.status, r.checks, r.shape, r.axes,
+                                             fields={**r.fields, "mark": "first adder"}) for r in rows]
+    b = facts.get("b", {})
+    plan = runs_.plan_a
+    title = (f"compare {facts['label']} ({facts['class']}, {len(judge.blocks)} blocks) --vary {runs_.vary.words}: "
+             f"A {facts.get('implementation')} {runs_.dtypes[0]}, B {b.get('implementation')} {runs_.dtypes[1]}, "
+             f"B={plan['batch']} T={plan['seq_len']}")
+    note = Note("compare_runs", {"vary": runs_.vary.words, "dtypes": list(runs_.dtypes), "factor": COMPARE_FACTOR,
+                                 "padding": [runs_.plan_a["padding"], runs_.plan_b["padding"]]})
+    details = {"vary": {"kind": runs_.vary.kind, "a": runs_.vary.a, "b": runs_.vary.b},
+               "dtypes": list(runs_.dtypes), "inputs": {"a": runs_.plan_a, "b": runs_.plan_b},
+               "model": {k: facts.get(k) for k in ("label", "class", "model_type", "architecture", "layers")},
+               "implementations": [facts.get("implementation"), b.get("implementation")],
+               "first_adder": None if first is None else {"block": first.name, "layer": first.fields["layer"]}}
+    return Report("compare", title, tuple(rows), notes=(note,), details=details, unit="row", row_label="layer")
+
+
+def stopped_report(args: Mapping[str, Any], reason: str, data: Mapping[str, Any]) -> Report:
+    """The report of a compare whose forwards never came back (a crash or the time limit)."""
+    label = f"--transformers {args['target']['source']}"
+    check = Check(1, "forward", "fail", reason=reason, data=dict(data))
+    return Report("compare", f"compare {label}", (Row("forward", "fail", (check,)),), unit="row", row_label="layer",
+                  details={"model": {"label": label}})

@@ -1,0 +1,328 @@
+"""Two runs of one model in the worker, block by block, and the replays that localise what each block adds.
+
+The worker builds run A and run B from their targets (:func:`setup`), copies A's weights into B (so both see
+the same weights, whatever B's dtype), and keeps beside them the plain computations the bound is made of: A's
+model with transformers' eager attention in each run's dtype, and in float64 with SDPA (A's weights, never B's,
+which may be rounded already; eager takes its softmax in float32). A ``compare`` request (:func:`run_compare`) runs:
+
+* A's forward on A's inputs, keeping each block's input and output;
+* B's forward on B's inputs, keeping the same, and inside each block's ``forward_pre_hook(with_kwargs=True)``
+  replaying the block once more on A's input (its real rows moved to B's positions, cast to B's dtype) with
+  B's own keyword arguments: B's mask, position ids and position embeddings;
+* each plain model's forward on B's inputs, replaying its blocks on the same A input the same way. A padded
+  query row that reads no key is not finite in eager attention at float64 (its softmax, taken in float32, sees
+  only -inf); the plain runs set such rows to 0 after each block, so that their padded keys carry no NaN into
+  the real rows (a real row never reads them) and the whole run stays a reference for the logits.
+
+Every run also keeps the keyword arguments its blocks received (masks, position ids, position embeddings) and
+its logits. Only real rows are sent back (``valid`` masks, one per run, the same count per example), one part
+per block and one for the model, as plain facts and raw tensors; nothing here judges.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from attn_ledger.errors import InputError, first_line
+from attn_ledger.guard import UserCodeError, user_call
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+Sink = Callable[[dict[str, Any], dict[str, "Tensor"]], None]
+
+
+@dataclass
+class Pair:
+    """The worker's state: run A's and run B's models, the plain models by dtype name, and the float64 model."""
+
+    a: Any
+    b: Any
+    plain: dict[str, Any]
+    exact: Any
+    blocks: list[str]
+    facts: dict[str, Any]
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def blocks_of(model: "nn.Module") -> list[str]:
+    """The paths of the blocks that hold the attention modules: the items of the first ``ModuleList`` above each."""
+    from torch import nn
+
+    from attn_ledger.probes.model.capture import attention_modules
+
+    lists = {name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)}
+    out: list[str] = []
+    for path in attention_modules(model):
+        parts = path.split(".")
+        for j in range(1, len(parts)):
+            if ".".join(parts[:j]) in lists:
+                block = ".".join(parts[:j + 1])
+                if block not in out:
+                    out.append(block)
+                break
+    return out
+
+
+def _plain_copy(model: "nn.Module", dtype: str, implementations: tuple[str, ...] = ("eager",)) -> "nn.Module":
+    """A's model in ``dtype`` with the first of ``implementations`` transformers sets on it (its own otherwise)."""
+    import torch
+
+    twin = copy.deepcopy(model)
+    setter = getattr(twin, "set_attn_implementation", None)
+    for name in implementations if setter is not None else ():
+        try:
+            with torch.no_grad():
+                setter(name)
+            break
+        except (ValueError, ImportError, KeyError):
+            continue
+    return twin.to(_dtype(dtype)).eval()
+
+
+def setup(args: dict[str, Any], model_facts: Callable[..., dict[str, Any]]) -> tuple[Pair, dict[str, Any]]:
+    """Build both runs (user code runs here only), B with A's weights, and the plain models; say what they are
+    (``model_facts``: :func:`attn_ledger.probes.model.driver.model_facts`, which imports this module)."""
+    import torch
+
+    from attn_ledger.probes.model.targets import Target, build
+
+    ta, tb = Target.from_json(args["target"]), Target.from_json(args["target_b"])
+    a, _ = build(ta, head=True)
+    b, _ = build(tb, head=True)
+    missing = set(a.state_dict()) ^ set(b.state_dict())
+    if missing:
+        raise InputError(f"--vary: the two runs' models differ in their weights ({sorted(missing)[0]} ...); "
+                         "expected one model run two ways")
+    with torch.no_grad():
+        b.load_state_dict(a.state_dict())
+    da, db = args["dtypes"]
+    a, b = a.to(_dtype(da)).eval(), b.to(_dtype(db)).eval()
+    plain = {d: _plain_copy(a, d) for d in dict.fromkeys((da, db))}
+    # transformers' eager attention takes its softmax in float32; SDPA computes in float64 throughout
+    exact = _plain_copy(a, "float64", ("sdpa", "eager"))
+    facts = model_facts(a, None, ta.label)
+    facts["b"] = model_facts(b, None, tb.label)
+    blocks = blocks_of(a)
+    facts["blocks"] = blocks
+    if not blocks:
+        raise InputError(f"target: {ta.label} has no list of blocks holding its attention modules to compare")
+    return Pair(a, b, plain, exact, blocks, facts), {"units": [0], "model": facts}
+
+
+# --- one forward, watched block by block ------------------------------------------------------------------
+
+
+def _first(x: Any) -> Any:
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def _hidden_of(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _with_hidden(args: tuple, kwargs: dict, h: Any) -> tuple[tuple, dict]:
+    if args:
+        return (h, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": h}
+
+
+@dataclass
+class Seen:
+    """What one forward kept: per block its input, output, replay output and keyword arguments; the logits."""
+
+    inputs: list[Any]
+    outputs: list[Any]
+    replays: list[Any]
+    kwargs: list[dict[str, Any]]
+    logits: Any = None
+
+
+class Watch:
+    """Hooks on a model's blocks while entered: keep what :class:`Seen` holds; where ``replay_on`` gives A's
+    inputs, run each block once more on them (``moved(h_a, h_own)`` places A's rows among the block's own)."""
+
+    def __init__(self, model: "nn.Module", blocks: list[str], replay_on: list[Any] | None = None,
+                 moved: Callable[[Any, Any], Any] | None = None, padded: Any = None) -> None:
+        n = len(blocks)
+        self.model, self.blocks, self.replay_on, self.moved, self.padded = model, blocks, replay_on, moved, padded
+        self.seen = Seen([None] * n, [None] * n, [None] * n, [{} for _ in range(n)])
+        self.handles: list[Any] = []
+        self.replaying = False
+
+    def __enter__(self) -> "Watch":
+        modules = dict(self.model.named_modules())
+        for i, path in enumerate(self.blocks):
+            m = modules[path]
+            self.handles.append(m.register_forward_pre_hook(self._pre(i, m), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post(i)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _pre(self, i: int, module: Any) -> Callable[..., None]:
+        def hook(mod: Any, args: tuple, kwargs: dict) -> None:
+            if self.replaying:
+                return
+            h = _hidden_of(args, kwargs)
+            self.seen.inputs[i] = h.detach().clone()
+            self.seen.kwargs[i] = {k: kwargs.get(k) for k in ("attention_mask", "position_ids", "position_embeddings")}
+            if self.replay_on is not None:
+                ha = self.moved(self.replay_on[i], h)  # A's real rows at this run's positions, in its dtype
+                self.replaying = True
+                try:
+                    r_args, r_kwargs = _with_hidden(args, kwargs, ha)
+                    self.seen.replays[i] = _first(module(*r_args, **r_kwargs)).detach().clone()
+                finally:
+                    self.replaying = False
+        return hook
+
+    def _post(self, i: int) -> Callable[..., Any]:
+        def hook(mod: Any, args: tuple, out: Any) -> Any:
+            if self.replaying:
+                return None
+            h = _first(out)
+            if self.padded is not None and not h[self.padded].isfinite().all():
+                h = h.clone()  # [B, T, E]
+                h[self.padded] = h[self.padded].nan_to_num(0.0, 0.0, 0.0)
+                out = (h, *out[1:]) if isinstance(out, tuple) else h
+            self.seen.outputs[i] = h.detach().clone()
+            return out
+        return hook
+
+
+def _forward(model: Any, watch: Watch, inputs: Mapping[str, Any], label: str) -> Seen:
+    import torch
+
+    kwargs = {**inputs, "use_cache": False}
+    try:
+        with torch.no_grad(), watch, user_call(f"the forward of {label}"):
+            out = model(**kwargs)
+    except UserCodeError as exc:
+        raise InputError(f"the forward of {label} {exc}") from None
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:  # the model's or a registered function's
+        raise _Raised(f"the forward of {label} raised {type(exc).__name__}: {first_line(exc)}") from None
+    logits = getattr(out, "logits", None)
+    watch.seen.logits = None if logits is None else logits.detach()
+    return watch.seen
+
+
+class _Raised(Exception):
+    """A run's forward raised: a finding of the compare, not a setup error."""
+
+
+def mover(valid_a: "Tensor", valid_b: "Tensor") -> Callable[[Any, Any], Any]:
+    """``moved(h_a, h_own)``: A's hidden states laid out as this run's, in its dtype: A's real rows at this run's
+    real positions, A's padded rows at its padded ones (both runs have as many of each per example)."""
+    def moved(h_a: "Tensor", h_own: "Tensor") -> "Tensor":
+        out = h_own.clone()
+        out[valid_b] = h_a[valid_a].to(out.dtype)
+        out[~valid_b] = h_a[~valid_a].to(out.dtype)
+        return out
+    return moved
+
+
+def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, Any], sink: Sink) -> dict[str, Any]:
+    """The runs (see the module docstring); each block's real rows and the model's rows go to ``sink``."""
+    valid_a, valid_b = inputs_a["attention_mask"].bool(), inputs_b["attention_mask"].bool()
+    blocks, label = pair.blocks, pair.facts["label"]
+    try:
+        seen_a = _forward(pair.a, Watch(pair.a, blocks), inputs_a, f"{label} (run A)")
+        moved = mover(valid_a, valid_b)
+        seen_b = _forward(pair.b, Watch(pair.b, blocks, seen_a.inputs, moved), inputs_b, f"{label} (run B)")
+        plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved, ~valid_b), inputs_b, f"plain {d} {label}")
+                 for d, m in pair.plain.items()}
+        exact = _forward(pair.exact, Watch(pair.exact, blocks, seen_a.inputs, moved, ~valid_b), inputs_b,
+                         f"float64 {label}")
+    except _Raised as exc:
+        return {"error": str(exc)}
+    _send_model(sink, seen_a, seen_b, plain, exact, valid_a, valid_b)
+    for i in range(len(blocks)):
+        rows = {"a_out": seen_a.outputs[i][valid_a], "b_out": seen_b.outputs[i][valid_b],
+                "b_replay": seen_b.replays[i][valid_b], "exact": exact.replays[i][valid_b]}
+        rows.update({f"plain_{d}": s.replays[i][valid_b] for d, s in plain.items()})
+        sink({"part": "block", "index": i, "path": blocks[i]}, _float(rows))
+    return {"blocks": len(blocks)}
+
+
+def _float(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Half tensors as float32 (exactly), to travel; float32 and float64 as they are."""
+    import torch
+
+    return {k: (v.float() if v.dtype in (torch.bfloat16, torch.float16) else v).contiguous()
+            for k, v in tensors.items() if v is not None}
+
+
+def allowed(mask: Any, valid: "Tensor") -> Any:
+    """A mask as a block receives it, as bool ``[B, Tq, Tk]`` (True: the key may be read), or None where the
+    block got none (the implementation applies its own rule). An additive mask allows what is not near its
+    dtype's lowest value; a flex BlockMask is evaluated."""
+    import torch
+
+    from attn_ledger.probes.model.capture import _dense_mask
+
+    if isinstance(mask, dict):  # per layer type
+        mask = next(iter(mask.values()), None)
+    b, t = valid.shape
+    mask = _dense_mask(mask, b, t, t)
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask.expand(b, mask.shape[1], t, t)[:, 0]  # [B, Tq, Tk]
+
+
+def _send_model(sink: Sink, a: Seen, b: Seen, plain: Mapping[str, Seen], exact: Seen, valid_a: "Tensor",
+                valid_b: "Tensor") -> None:
+    """The model-level part: embeddings (block 0's input), each block's mask, position ids and position
+    embeddings as the blocks received them, and the logits, each run's real rows only."""
+    tensors: dict[str, Any] = {"a_embed": a.inputs[0][valid_a], "b_embed": b.inputs[0][valid_b],
+                               "exact_embed": exact.inputs[0][valid_b]}
+    tensors.update({f"plain_{d}_embed": s.inputs[0][valid_b] for d, s in plain.items()})
+    masks: list[list[Any]] = []
+    for i in range(len(a.inputs)):
+        kinds = []
+        for side, seen, valid in (("a", a, valid_a), ("b", b, valid_b)):
+            kw = seen.kwargs[i]
+            m = allowed(kw.get("attention_mask"), valid)
+            kinds.append(None if m is None else "tensor")
+            if m is not None:
+                tensors[f"{side}_mask_{i}"] = _real_square(m, valid)
+            pos = kw.get("position_ids")
+            if pos is not None:
+                tensors[f"{side}_pos_{i}"] = pos.expand(valid.shape)[valid]
+            emb = kw.get("position_embeddings")
+            if isinstance(emb, (tuple, list)) and len(emb) == 2:
+                tensors[f"{side}_cos_{i}"] = emb[0].expand(*valid.shape, emb[0].shape[-1])[valid]
+                tensors[f"{side}_sin_{i}"] = emb[1].expand(*valid.shape, emb[1].shape[-1])[valid]
+        masks.append(kinds)
+    for side, seen, valid in (("a", a, valid_a), ("b", b, valid_b), ("exact", exact, valid_b)):
+        if seen.logits is not None:
+            tensors[f"{side}_logits"] = seen.logits[valid]
+    for d, s in plain.items():
+        if s.logits is not None:
+            tensors[f"plain_{d}_logits"] = s.logits[valid_b]
+    sink({"part": "model", "masks": masks, "valid_a": valid_a.tolist(), "valid_b": valid_b.tolist()}, _float(tensors))
+
+
+def _real_square(m: "Tensor", valid: "Tensor") -> "Tensor":
+    """``[B, Tq, Tk]`` bool restricted to real queries and real keys, per example, as ``[N, n_b]`` rows padded with
+    False to the longest example: row ``r`` of example ``b`` holds which of its real keys the real query reads."""
+    import torch
+
+    rows = []
+    width = int(valid.sum(-1).max())
+    for bi in range(valid.shape[0]):
+        sub = m[bi][valid[bi]][:, valid[bi]]  # [n_b, n_b]
+        rows.append(torch.nn.functional.pad(sub, (0, width - sub.shape[1]), value=False))
+    return torch.cat(rows)  # [N, n_max]

@@ -1,0 +1,176 @@
+"""``attn-ledger compare``'s parts that need no transformers: --vary and its runs, the aligned inputs, and each
+model-level check and the ratio rule on tensors built here, passing and failing; bad input on the command line.
+
+The real models are in tests/test_compare_real.py (the ``real`` extra).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attn_ledger.cli import app
+from attn_ledger.errors import InputError
+from attn_ledger.probes.model.compare import (
+    aligned_inputs,
+    block_row,
+    logits_row,
+    mask_check,
+    parse_vary,
+    positions_check,
+    rotary_check,
+    runs,
+    token_rows,
+)
+from attn_ledger.probes.model.inputs import InputPlan, valid_positions
+from attn_ledger.tolerance import COMPARE_FACTOR, compare_bound, eps
+
+runner = CliRunner()
+ROWS = token_rows(torch.tensor([[True, True, True], [True, True, False]]))  # 5 real rows: 3 and 2
+
+
+@pytest.mark.parametrize("text, kind, a, b", [
+    ("attn-implementation=eager,sdpa", "attn-implementation", "eager", "sdpa"),
+    ("dtype=float32, bfloat16", "dtype", "float32", "bfloat16"),
+    ("padding-side", "padding-side", "left", "right"),
+], ids=["implementation", "dtype", "padding"])
+def test_vary_parses_each_kind(text, kind, a, b):
+    v = parse_vary(text)
+    assert (v.kind, v.a, v.b) == (kind, a, b)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("attn-implementation=eager", "with two different values"),
+    ("attn-implementation=sdpa,sdpa", "with two different values"),
+    ("dtype=float32,int8", "dtype 'int8', expected two of float32"),
+    ("cache", "cache is not available yet"),
+    ("speed=1,2", "expected attn-implementation=A,B, dtype=A,B or padding-side"),
+], ids=["one", "same", "int8", "later", "unknown"])
+def test_bad_vary_is_a_one_line_error(text, words):
+    with pytest.raises(InputError, match=words):
+        parse_vary(text)
+
+
+def test_runs_refuse_what_does_not_pair():
+    plan = InputPlan(2, 8, "left", 0)
+    with pytest.raises(InputError, match="name given with --register"):
+        runs(parse_vary("attn-implementation=eager,mine"), "llama", plan=plan)
+    with pytest.raises(InputError, match="--register: .* expected one of the two"):
+        runs(parse_vary("attn-implementation=eager,sdpa"), "llama", register="f.py:fn", plan=plan)
+    with pytest.raises(InputError, match="--padding: cannot be given"):
+        runs(parse_vary("padding-side"), "llama", plan=plan)
+    r = runs(parse_vary("padding-side"), "llama", plan=InputPlan(2, 8, "none", 0))
+    assert (r.plan_a["padding"], r.plan_b["padding"]) == ("left", "right") and r.target_a == r.target_b
+    d = runs(parse_vary("dtype=float32,bfloat16"), "llama", plan=plan)
+    assert d.dtypes == ("float32", "bfloat16")
+
+
+def test_right_padded_inputs_hold_the_same_tokens_in_the_same_order():
+    a = {"input_ids": torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]]), "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
+         "position_ids": torch.tensor([[0, 1, 2, 3], [1, 1, 0, 1]])}
+    b = aligned_inputs(a, valid_positions([0, 2], 4, "right"))
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert b["position_ids"][1, :2].tolist() == [0, 1]
+
+
+# --- each check, passing and failing ---------------------------------------------------------------------
+
+
+def _causal() -> torch.Tensor:
+    return torch.cat([torch.ones(3, 3).tril(), torch.nn.functional.pad(torch.ones(2, 2).tril(), (0, 1))]).bool()
+
+
+def test_masks_pass_when_both_runs_allow_the_same_keys_and_fail_naming_the_first_pair():
+    a = _causal()
+    good = mask_check({"a_mask_0": a, "b_mask_0": a.clone()}, [["tensor", "tensor"]], ROWS)
+    assert good.passed and good.value == 0
+    wide = a.clone()
+    wide[3, 1] = True  # example 1's first real token reads its second
+    bad = mask_check({"a_mask_0": a, "b_mask_0": wide}, [["tensor", "tensor"]], ROWS)
+    assert bad.failed and bad.value == 1
+    assert dict(bad.location) == {"block": 0, "example": 1, "token": 0, "key": 1, "a": False, "b": True}
+    none = mask_check({"a_mask_0": a}, [["tensor", None]], ROWS)
+    assert none.status == "not_applicable"
+
+
+def test_position_ids_must_be_equal_where_the_blocks_receive_them():
+    pos = torch.tensor([0, 1, 2, 0, 1])
+    assert positions_check({"a_pos_0": pos, "b_pos_0": pos.clone()}, 1, ROWS).passed
+    bad = positions_check({"a_pos_0": pos, "b_pos_0": pos + torch.tensor([0, 0, 0, 1, 1])}, 1, ROWS)
+    assert bad.failed and bad.value == 2 and dict(bad.location)["example"] == 1
+    assert positions_check({}, 1, ROWS).status == "not_applicable"
+
+
+def test_position_embeddings_may_differ_by_the_coarser_dtypes_rounding_only():
+    cos = torch.rand(5, 4)
+    t = {"a_cos_0": cos, "b_cos_0": cos.bfloat16().float(), "a_sin_0": cos, "b_sin_0": cos}
+    assert rotary_check(t, 1, ("float32", "bfloat16"), ROWS).passed
+    assert rotary_check(t, 1, ("float32", "float32"), ROWS).failed  # bfloat16 rounding is not float32's
+    t["b_sin_0"] = cos + 0.05
+    bad = rotary_check(t, 1, ("float32", "bfloat16"), ROWS)
+    assert bad.failed and dict(bad.location)["part"] == "sin"
+
+
+def _block(delta: float, plain: float = 1e-6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 8, generator=g)
+    exact = a.double()
+    return {"a_out": a, "b_out": a + 2 * delta, "b_replay": a + delta, "exact": exact,
+            "plain_float32": (exact + plain).float()}
+
+
+def test_a_block_passes_within_the_factor_of_the_plain_error_and_fails_beyond_it():
+    good = block_row({"index": 0, "path": "layers.0"}, _block(2e-6), ("float32", "float32"), ROWS)
+    assert good.status == "pass" and good.fields["added"] == pytest.approx(2e-6, rel=0.1)
+    limit = good.check("added_error").limit
+    assert limit == pytest.approx(COMPARE_FACTOR * 1e-6 + eps("float32") * 4, rel=0.5)
+    bad = block_row({"index": 1, "path": "layers.1"}, _block(1e-4), ("float32", "float32"), ROWS)
+    assert bad.status == "fail" and bad.fields["total"] > bad.fields["added"]
+    nan = _block(0.0)
+    nan["b_replay"][2, 3] = float("nan")
+    assert block_row({"index": 0, "path": "x"}, nan, ("float32", "float32"), ROWS).status == "fail"
+
+
+def test_a_block_whose_float64_replay_is_not_finite_is_inconclusive_not_failed():
+    t = _block(2e-6)
+    t["exact"][0, 0] = float("nan")
+    row = block_row({"index": 0, "path": "layers.0"}, t, ("float32", "float32"), ROWS)
+    assert row.status == "inconclusive" and row.check("added_error").status == "inconclusive"
+
+
+def test_the_bound_has_a_floor_of_one_eps_and_never_divides_by_a_zero_plain_error():
+    bound, parts = compare_bound(0.0, 10.0, ("float32", "bfloat16"))
+    assert bound == pytest.approx(10 * eps("bfloat16")) and parts["floor"] == bound
+    assert compare_bound(float("nan"), 1.0, ("float32", "float32"))[1]["fallback"]
+
+
+def test_logits_fail_by_the_ratio_rule_or_by_a_top_token_outside_the_others_top_k():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(5, 50, generator=g)
+    t = {"a_logits": a, "b_logits": a + 1e-7, "exact_logits": a.double(), "plain_float32_logits": a + 1e-6}
+    row = logits_row(t, ("float32", "float32"), ROWS)
+    assert row.status == "pass" and row.check("top_k").value == 0
+    swapped = a.clone()
+    swapped[4] = -a[4]  # the last token's ranking reversed
+    t2 = {**t, "b_logits": swapped, "plain_float32_logits": a + 10.0}  # a plain error so large the ratio holds
+    row2 = logits_row(t2, ("float32", "float32"), ROWS)
+    assert row2.check("logits").passed and row2.check("top_k").failed
+    assert dict(row2.check("top_k").location)["example"] == 1
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--vary", "cache"], "--vary: got 'cache'; cache is not available yet"),
+    (["--vary", "dtype=float32"], "--vary: got 'dtype=float32', expected dtype=A,B"),
+    (["--vary", "padding-side", "--padding", "left"], "--padding: cannot be given with --vary padding-side"),
+    (["--vary", "dtype=float32,bfloat16", "--dtype", "float16"], "--dtype: cannot be given with --vary dtype"),
+], ids=["later", "one-dtype", "padding", "dtype"])
+def test_bad_input_is_one_line_and_exit_2(args, words):
+    result = runner.invoke(app, ["compare", "--transformers", "llama", *args])
+    assert result.exit_code == 2, result.output
+    assert words in result.output and "Traceback" not in result.output
+    assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1

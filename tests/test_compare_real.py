@@ -1,0 +1,88 @@
+"""``attn-ledger compare`` on real transformers models built from small configs with random weights (the ``real``
+extra; skipped without transformers).
+
+The command line runs through its worker once (eager against SDPA on Llama exits 0 with a table of blocks); the
+other pairings run in this process, the same code the worker runs: each correct pairing passes, and each broken
+one is named at the first block where it acts. More pairings (bfloat16 under eager against sdpa, other families,
+two CPU capabilities) are measured by scripts/compare_margins.py, which set the bound's factor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("transformers")
+
+from attn_ledger.cli import app  # noqa: E402
+from attn_ledger.probes.model.compare import compare, parse_vary, runs  # noqa: E402
+from attn_ledger.probes.model.driver import LocalModel, setup  # noqa: E402
+from attn_ledger.probes.model.inputs import InputPlan  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CUSTOM = ROOT / "fixtures" / "interface" / "custom.py"
+runner = CliRunner()
+_NAMES = iter(range(1 << 30))
+
+
+def _compare(model_type: str, vary: str, *, fn: str | None = None, padding: str = "left", **kw):
+    if fn is not None:  # a fresh name: registrations are global to the process
+        name = f"custom{next(_NAMES)}"
+        vary = vary.replace("custom", name)
+        if "attn-implementation" not in vary:
+            kw["implementation"] = name
+        kw["register"] = f"{CUSTOM}:{fn}"
+    r = runs(parse_vary(vary), model_type, plan=InputPlan(2, 20, padding, 0), **kw)
+    loaded, _ = setup(r.args())
+    return compare(LocalModel(loaded), r)
+
+
+def _blocks(report) -> dict[str, str]:
+    return {r.name: r.status for r in report.rows if r.fields.get("layer") is not None}
+
+
+def test_eager_against_sdpa_on_llama_exits_0_with_a_table_of_blocks():
+    result = runner.invoke(app, ["compare", "--transformers", "llama", "--vary", "attn-implementation=eager,sdpa"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("PASS: 7 layers")
+    names = [ln.split()[0] for ln in lines if ln[:1].strip() and ln.split()[1:2] == ["pass"]]
+    assert names == ["embeddings", "masks", "position_ids", "position_embeddings", "model.layers.0", "model.layers.1",
+                     "logits"]
+
+
+def test_a_registered_function_with_tiled_kv_heads_is_named_at_block_0_in_json_exit_1():
+    result = runner.invoke(app, ["compare", "--transformers", "llama", "--vary", "attn-implementation=eager,tiled",
+                                 "--register", f"{CUSTOM}:kv_tiled", "--in-process", "--format", "json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.output)
+    assert doc["command"] == "compare" and doc["first_finding"]["row"] == "model.layers.0"
+    assert doc["details"]["first_adder"] == {"block": "model.layers.0", "layer": 0}
+    block = next(r for r in doc["rows"] if r["name"] == "model.layers.0")
+    assert block["fields"]["added"] > block["fields"]["bound"] and block["fields"]["mark"] == "first adder"
+    assert next(r for r in doc["rows"] if r["name"] == "embeddings")["status"] == "pass"
+
+
+def test_a_window_one_too_wide_is_named_at_gemma2s_first_sliding_layer():
+    report = _compare("gemma2", "attn-implementation=eager,custom", fn="window_too_wide", mask_format="none",
+                      padding="none")
+    assert report.first_finding.row == "model.layers.0" and report.first_finding.name == "added_error"
+    assert dict(report.first_finding.check.location)["token"] >= 16  # only where the window binds
+    assert _blocks(report)["model.layers.1"] == "pass"  # a full-attention layer: the function is right there
+
+
+def test_padding_side_on_llama_passes_and_a_function_that_ignores_padding_fails_at_block_0():
+    good = _compare("llama", "padding-side", padding="none")
+    assert good.verdict == "pass", [(r.name, r.status) for r in good.rows]
+    assert good.row("position_ids").status == "pass" and good.row("masks").status == "pass"
+    bad = _compare("llama", "padding-side", fn="my_attention", mask_format="none", padding="none")
+    assert bad.first_finding.row == "model.layers.0"  # left padded, it reads the padding; right padded, it cannot
+
+
+def test_rounding_is_not_a_finding():
+    report = _compare("llama", "dtype=float32,bfloat16")
+    assert report.verdict == "pass", [(r.name, r.fields) for r in report.rows if r.status != "pass"]
+    assert all(r.fields["added"] > 0 for r in report.rows if r.fields.get("layer") is not None)
