@@ -229,3 +229,28 @@ def test_a_model_that_cannot_be_built_is_one_line_and_exit_2(args, words):
     assert result.exit_code == 2, result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.output
+
+
+def test_a_layer_that_bypasses_the_interface_is_watched_while_the_others_are_seen_once():
+    import types
+
+    import torch
+    from transformers.models.llama import modeling_llama as ml
+
+    loaded, _ = setup({"target": target("transformers", "llama", implementation="eager").to_json()})
+    attn = loaded.model.layers[1].self_attn
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        b, t, _ = hidden_states.shape
+        q, k, v = (proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = ml.apply_rotary_pos_emb(q, k, *position_embeddings)
+        k, v = ml.repeat_kv(k, self.num_key_value_groups), ml.repeat_kv(v, self.num_key_value_groups)
+        w = torch.softmax(q @ k.transpose(2, 3) * self.scaling + attention_mask, dim=-1)
+        return self.o_proj((w @ v).transpose(1, 2).reshape(b, t, -1)), w
+
+    attn.forward = types.MethodType(forward, attn)  # the same computation, written without the interface
+    report = scan(LocalModel(loaded), InputPlan(2, 12, "left", 0))
+    assert [(r.name, r.fields["via"]) for r in report.rows] == [("layers.0.self_attn", "eager"),
+                                                                 ("layers.1.self_attn", "observer")]
+    assert report.exit_code == 0 and report.details["passes"] == 2

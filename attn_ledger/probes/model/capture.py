@@ -244,8 +244,8 @@ class Capture:
         else:
             frame.calls += 1
             entry, path = frame.entry, frame.path
-            if path in self.watched:
-                return
+        if self.watched:  # a second forward, for the modules the first did not see: the others' calls were sent
+            return
         facts: dict[str, Any] = {
             "entry": entry, "call": 0 if frame is None else frame.calls - 1, "path": path, "via": via,
             "implementation": self.implementation, "cross": bool(frame.cross) if frame else False,
