@@ -27,7 +27,7 @@ from attn_ledger.probes.kernel.check import (
 )
 from attn_ledger.render import render
 from attn_ledger.render.jsondoc import report_json, schema
-from attn_ledger.render.notes import call_text
+from attn_ledger.render.notes import call_text, note_text
 from attn_ledger.inputs.userload import load_object
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -616,7 +616,7 @@ def test_index_inputs_say_where_a_wrong_value_came_from():
     assert ref.location == {"example": 0, "head": 0, "query": 0}
     assert ref.data["index_decode"] == {"source": {"example": 0, "kv_head": 0, "key": 0.0},
                                         "may_mix": {"example": 0, "kv_head": 0, "keys": [0, 4]}}
-    assert "index decode" in r.row(case).note  # the table shows it beside the case
+    assert "index decode" in note_text(r.row(case).note)  # the table shows it beside the case
     r = check_kernel(catalogue.causal_top_left, [parse_case("b2-h4kv2-tq5tk9-dh8dv4-causal-flag-rand-f32")])
     assert "index_decode" not in r.rows[0].check("reference").data
 
