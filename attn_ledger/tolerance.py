@@ -76,6 +76,12 @@ ROUNDING_QUANTITIES = ("out", "dq", "dk", "dv", "scores", "weights", "context", 
                        "grad_scores", "grad_q", "grad_k", "grad_values", "grad_sinks", "grad_projections",
                        "grad_input")
 
+
+def _every_dtype(c: float) -> dict[str, float]:
+    """One ``c`` for every dtype, in :data:`ROUNDING_C`'s order."""
+    return {dtype: c for dtype in ("float64", "float32", "float16", "bfloat16")}
+
+
 # c per (quantity, dtype) in ``|err| <= c * eps(dtype) * M``. Each is at least twice the worst
 # error / (eps * M) measured on correct kernels, so that a correct kernel stays within half its
 # bound. Measured on torch 2.13.0+cpu, AMD EPYC, with the rule as it stands: default tier at
@@ -90,8 +96,8 @@ ROUNDING_QUANTITIES = ("out", "dq", "dk", "dv", "scores", "weights", "context", 
 # of the two imprecise half kernels (fixtures/kernels/precision), which the bound lets through to the
 # precision bar (default tier, seeds 0-2, AVX512).
 ROUNDING_C: dict[str, dict[str, float]] = {
-    "out": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},  # 0.09, 0.12, 0.29 (1.82), 0.23
-    "dq": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},  # 0.03, 0.05, 0.06 (0.37), 0.08
+    "out": _every_dtype(2.0),  # 0.09, 0.12, 0.29 (1.82), 0.23
+    "dq": _every_dtype(2.0),  # 0.03, 0.05, 0.06 (0.37), 0.08
     "dk": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 4.0},  # 0.03, 0.21, 0.42 (0.58), 0.17
     # half dv: the upstream gradient is rounded to the dtype before the kernel sees it, the result rounds
     # again, and the imprecise kernels reach 3.8 (bfloat16 softmax) and 3.7 (float16 sum): c stays at 8
@@ -103,8 +109,8 @@ ROUNDING_C: dict[str, dict[str, float]] = {
     # 0.49 (the default config), weights 0.30 (padding), context 0.93 (GQA, window 4, seed 0); float64 runs
     # agree exactly. Each c is at least twice that: the context's 4, so the worst correct ratio is 0.25.
     # Every `run --fault` keeps its first finding (stage and check) over those configurations and capabilities.
-    "scores": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
-    "weights": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
+    "scores": _every_dtype(2.0),
+    "weights": _every_dtype(2.0),
     # Half-precision runs (sums counted as accumulated in float32, subnormal weights' spacing allowed):
     # 9 configurations (the default; padding with an empty row; GQA causal; rotary interleaved with a
     # soft-cap of 5; scale 1.5, where weights go subnormal in float16; Tq = Tk = 256; Dh = 128), seeds 0-2,
@@ -121,18 +127,18 @@ ROUNDING_C: dict[str, dict[str, float]] = {
     # (0.02; 0.04; 0.04), grad_k 0.35 (0.03; 0.12; 0.12). Each c is at least twice that: the worst
     # correct ratio is 0.34 (grad_weights). A gradient scaled by 1 + 256 float32 eps fails at its own
     # stage (tests/test_ledger_rounding.py); SDPA's autograd comparisons keep the reference tolerance.
-    "grad_context": {"float64": 1.0, "float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
-    "grad_weights": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
-    "grad_scores": {"float64": 1.0, "float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
-    "grad_q": {"float64": 1.0, "float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
-    "grad_k": {"float64": 2.0, "float32": 2.0, "float16": 2.0, "bfloat16": 2.0},
-    "grad_values": {"float64": 4.0, "float32": 4.0, "float16": 4.0, "bfloat16": 4.0},
+    "grad_context": _every_dtype(1.0),
+    "grad_weights": _every_dtype(2.0),
+    "grad_scores": _every_dtype(1.0),
+    "grad_q": _every_dtype(1.0),
+    "grad_k": _every_dtype(2.0),
+    "grad_values": _every_dtype(4.0),
     # The sinks' gradient (``run --sinks ... --grad``: rounding.sinks_magnitude). Measured with c = 1 over 6
     # configurations (the default; float64; padding with valid lengths 5 and 2; T=33 E=32 Nh=4 Nkv=2; bfloat16;
     # float16), sinks 0.5, seeds 0-2, at ATEN_CPU_CAPABILITY unset (AVX2 on that machine): the worst
     # err / (eps * M) was 0.015 (float32; float64 0.0088, float16 0.011, bfloat16 0.0075), so c = 1 leaves a
     # correct gradient within 1/60 of its bound; the fault grad-sinks-no-share fails it (tests/test_run_sinks.py).
-    "grad_sinks": {"float64": 1.0, "float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
+    "grad_sinks": _every_dtype(1.0),
     # The built-in pipeline's last backward rows (``run --grad`` on a config): the projection weights' gradients
     # and the input's (attn_ledger.engine.rounding.chain_magnitudes), from Q-bar, K-bar and V-bar carrying their
     # own error (within their rows' bounds) and the merged context its own. Where one carried error dominates a
@@ -146,8 +152,8 @@ ROUNDING_C: dict[str, dict[str, float]] = {
     # bfloat16 cross), grad_input 0.65 (0.12; 0.21; 0.50; temperature 0.05, bfloat16 cross), so the worst
     # correct ratio is 0.25. A gradient 256 float32 (32 float16) rounding units off fails at its row
     # (tests/test_ledger_rounding.py); the comparison with SDPA's autograd keeps the reference tolerance.
-    "grad_projections": {"float64": 4.0, "float32": 4.0, "float16": 4.0, "bfloat16": 4.0},
-    "grad_input": {"float64": 4.0, "float32": 4.0, "float16": 4.0, "bfloat16": 4.0},
+    "grad_projections": _every_dtype(4.0),
+    "grad_input": _every_dtype(4.0),
 }
 
 # The kernel suites' view, kept beside the rule as data (each finding reports their limits too):
