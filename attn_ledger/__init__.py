@@ -20,30 +20,33 @@ from typing import Any
 
 from attn_ledger._version import __version__
 
-# public name -> the module that defines it
-_PUBLIC = {
+# the module that defines them -> public names, in the order __all__ lists them
+_PUBLIC_BY_MODULE = (
     # reports
-    "Report": "attn_ledger.report", "Row": "attn_ledger.report", "Check": "attn_ledger.report",
-    "Finding": "attn_ledger.report", "Coverage": "attn_ledger.report",
+    ("report", ("Report", "Row", "Check", "Finding", "Coverage")),
     # the ledger
-    "load_config": "attn_ledger.inputs.config", "run_ledger": "attn_ledger.ledger",
-    "ledger_on_qkv": "attn_ledger.ledger", "run_ledger_tensors": "attn_ledger.ledger",
+    ("inputs.config", ("load_config",)),
+    ("ledger", ("run_ledger", "ledger_on_qkv", "run_ledger_tensors")),
     # checking a kernel or module
-    "check_kernel": "attn_ledger.probes.kernel.check", "select_cases": "attn_ledger.probes.kernel.check",
-    "case_inputs": "attn_ledger.probes.kernel.check", "check_case": "attn_ledger.probes.kernel.check",
-    "check_module": "attn_ledger.probes.module.check", "check_built_module": "attn_ledger.probes.module.check",
-    "load_object": "attn_ledger.inputs.userload",
-    "assert_attention_matches": "attn_ledger.testing", "assert_module_matches": "attn_ledger.testing",
+    ("probes.kernel.check", ("check_kernel", "select_cases", "case_inputs", "check_case")),
+    ("probes.module.check", ("check_module", "check_built_module")),
+    ("inputs.userload", ("load_object",)),
+    ("testing", ("assert_attention_matches", "assert_module_matches")),
     # a whole model's attention calls
-    "scan_model": "attn_ledger.probes.model.scan", "assert_model_attention_ok": "attn_ledger.testing",
+    ("probes.model.scan", ("scan_model",)),
+    ("testing", ("assert_model_attention_ok",)),
     # experiments
-    "run_catalogue": "attn_ledger.probes.catalogue", "sweep_scale": "attn_ledger.experiments.scale",
-    "temperature_lab": "attn_ledger.experiments.scale", "polarity": "attn_ledger.experiments.polarity",
-    "run_intervene": "attn_ledger.experiments.intervene", "causal_intervention": "attn_ledger.probes.common.forward",
+    ("probes.catalogue", ("run_catalogue",)),
+    ("experiments.scale", ("sweep_scale", "temperature_lab")),
+    ("experiments.polarity", ("polarity",)),
+    ("experiments.intervene", ("run_intervene",)),
+    ("probes.common.forward", ("causal_intervention",)),
     # rendering and lower-level pieces
-    "reference_attention": "attn_ledger.maths.reference",
-    "retain_freed_memory": "attn_ledger.alloc",
-}
+    ("maths.reference", ("reference_attention",)),
+    ("alloc", ("retain_freed_memory",)),
+)
+# public name -> the module that defines it
+_PUBLIC = {name: f"attn_ledger.{module}" for module, names in _PUBLIC_BY_MODULE for name in names}
 
 __all__ = ["__version__", *_PUBLIC]
 

@@ -149,8 +149,9 @@ def _defined(path: Path) -> set[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
     if path.parent == PACKAGE:  # the root's lazy public names
-        public = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "_PUBLIC")
-        names |= {k.value for k in public.value.keys}
+        public = next(n for n in tree.body
+                      if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "_PUBLIC_BY_MODULE")
+        names |= {name.value for _, listed in (entry.elts for entry in public.value.elts) for name in listed.elts}
     return names
 
 
