@@ -244,6 +244,34 @@ def find_check(checks: Iterable[Check], name: str) -> Check:
     raise KeyError(name)
 
 
+def carry_diagnosis(checks: Iterable[Check], position: Mapping[str, int], matches: str, *,
+                    keep_own: bool = False) -> tuple[Check, ...]:
+    """The ``reference`` check's diagnosis, where it has one, carried to the first failing check too.
+
+    Args:
+        checks: one call's or case's checks.
+        position: check name -> its place in the family's check order; the first failing check is
+            the lowest level, then the lowest place.
+        matches: what the diagnosis is said of, as the reason reads it: ``"the output matches"``.
+        keep_own: leave a first failing check that holds a diagnosis of its own as it is.
+
+    Returns:
+        The checks in their order, the first failing one (where it is not the reference check) with
+        the diagnosis in its data and ``"{matches} {diagnosis}"`` after its reason.
+    """
+    checks = tuple(checks)
+    ref = next((c for c in checks if c.name == "reference"), None)
+    failing = [c for c in checks if c.failed]
+    if ref is None or "diagnosis" not in ref.data or not failing:
+        return checks
+    first = min(failing, key=lambda c: (c.level, position[c.name]))
+    if first is ref or (keep_own and "diagnosis" in first.data):
+        return checks
+    said = "; ".join(r for r in (first.reason, f"{matches} {ref.data['diagnosis']}") if r)
+    return tuple(replace(c, reason=said, data={**c.data, "diagnosis": ref.data["diagnosis"]}) if c is first else c
+                 for c in checks)
+
+
 def first_finding_of(rows: Iterable[Row]) -> Finding | None:
     """The first row (in order) with a failing check; within it, the lowest failing level."""
     for row in rows:

@@ -295,3 +295,38 @@ def test_the_kernel_summary_lines_read_as_before():
 def test_a_report_with_words_for_notes_is_caught():
     assert prose_notes(Report("run", "t", (Row("scores", "pass", note="words"),), notes=("more words",))) == [
         "more words", "words"]
+
+
+def _diagnosis_case():
+    from attn_ledger.report import Check
+
+    position = {"layout": 0, "finite": 1, "reference": 2}
+    ref = Check(4, "reference", "fail", data={"diagnosis": "kv heads tiled"})
+    layout = Check(1, "layout", "fail", reason="transposed")
+    own = Check(1, "layout", "fail", reason="transposed", data={"diagnosis": "heads first"})
+    return position, ref, layout, own
+
+
+def test_the_reference_diagnosis_is_carried_to_the_first_failing_check():
+    from attn_ledger.report import Check, carry_diagnosis
+
+    position, ref, layout, own = _diagnosis_case()
+    finite = Check(3, "finite", "pass")
+    carried = carry_diagnosis([layout, finite, ref], position, "the output matches")
+    assert carried[0].reason == "transposed; the output matches kv heads tiled"
+    assert carried[0].data["diagnosis"] == "kv heads tiled"
+    assert carried[1:] == (finite, ref)
+    # a first failing check with a diagnosis of its own keeps it only where asked
+    assert carry_diagnosis([own, ref], position, "the context matches", keep_own=True) == (own, ref)
+    assert carry_diagnosis([own, ref], position, "x")[0].data["diagnosis"] == "kv heads tiled"
+
+
+def test_no_diagnosis_is_carried_where_there_is_none_to_carry():
+    from attn_ledger.report import Check, carry_diagnosis
+
+    position, ref, layout, _ = _diagnosis_case()
+    plain_ref = Check(4, "reference", "fail")
+    assert carry_diagnosis([layout, plain_ref], position, "x") == (layout, plain_ref)  # no diagnosis
+    assert carry_diagnosis([ref], position, "x") == (ref,)  # the reference is the first failing check
+    passing = Check(1, "layout", "pass")
+    assert carry_diagnosis([passing], position, "x") == (passing,)  # nothing failing, no reference

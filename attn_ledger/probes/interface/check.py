@@ -48,7 +48,9 @@ from attn_ledger.probes.interface.cases import (
     parse_icase,
     perturbed,
 )
-from attn_ledger.report import Check, Finding, Note, Report, Row, bounded, counted, row_status, unjudged
+from attn_ledger.report import (
+    Check, Finding, Note, Report, Row, bounded, carry_diagnosis, counted, row_status, unjudged,
+)
 from attn_ledger.tolerance import EPS, kernel_bound
 
 if TYPE_CHECKING:
@@ -316,7 +318,7 @@ def _check(target: Any, case: ICase, t: dict[str, "Tensor"], passes: list[str], 
     else:
         checks.append(_reference(case, t, o, ref, live, tol, facts))
     checks.sort(key=lambda c: _POSITION[c.name])
-    return ICaseResult(case, _diagnosed(checks))
+    return ICaseResult(case, carry_diagnosis(checks, _POSITION, "the output matches"))
 
 
 @dataclass(frozen=True)
@@ -417,20 +419,6 @@ def _leak_words(case: ICase, unit: str, index: int, feeds: list[int], reached: l
         said += (f": kv heads tiled (repeat) instead of repeated per group (repeat_kv), so query head x reads "
                  f"kv head x % {case.hkv}, not x // {case.groups}")
     return said
-
-
-def _diagnosed(checks: list[Check]) -> tuple[Check, ...]:
-    """The reference check's diagnosis, where it has one, carried to the first failing check too."""
-    ref = next((c for c in checks if c.name == "reference"), None)
-    failing = [c for c in checks if c.failed]
-    if ref is None or "diagnosis" not in ref.data or not failing:
-        return tuple(checks)
-    first = min(failing, key=lambda c: (c.level, _POSITION[c.name]))
-    if first is ref:
-        return tuple(checks)
-    said = "; ".join(r for r in (first.reason, f"the output matches {ref.data['diagnosis']}") if r)
-    return tuple(replace(c, reason=said, data={**c.data, "diagnosis": ref.data["diagnosis"]}) if c is first else c
-                 for c in checks)
 
 
 def _first(mask: "Tensor") -> dict[str, int] | None:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from attn_ledger import tolerance
 from attn_ledger.probes.model.expect import Expected
 from attn_ledger.probes.model.reference import attend64
-from attn_ledger.report import Check, bounded, counted, unjudged
+from attn_ledger.report import Check, bounded, carry_diagnosis, counted, unjudged
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -535,8 +535,8 @@ def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_
                                     _variants(call, exp, s, seen, seen_bias, valid_k, width))
     checks.append(ref)
     sampled = {"rows": tq if rows is None else int(rows.numel()), "of": tq}
-    verdict = Verdict(_diagnosed(checks), allow, real, scale, exp.softcap, sampled, example)
-    return verdict
+    return Verdict(carry_diagnosis(checks, _POSITION, "the context matches", keep_own=True), allow, real, scale,
+                   exp.softcap, sampled, example)
 
 
 def _side(sides: Sides, name: str, b: int, t: int) -> "Tensor":
@@ -547,17 +547,3 @@ def _side(sides: Sides, name: str, b: int, t: int) -> "Tensor":
     if v is None or tuple(v.shape) != (b, t):
         return torch.ones(b, t, dtype=torch.bool)
     return v.bool()
-
-
-def _diagnosed(checks: list[Check]) -> tuple[Check, ...]:
-    """The reference's diagnosis carried to the call's first failing check, where that is another check."""
-    ref = next((c for c in checks if c.name == "reference"), None)
-    failing = [c for c in checks if c.failed]
-    if ref is None or "diagnosis" not in ref.data or not failing:
-        return tuple(checks)
-    first = min(failing, key=lambda c: (c.level, _POSITION[c.name]))
-    if first is ref or "diagnosis" in first.data:
-        return tuple(checks)
-    said = "; ".join(r for r in (first.reason, f"the context matches {ref.data['diagnosis']}") if r)
-    return tuple(replace(c, reason=said, data={**c.data, "diagnosis": ref.data["diagnosis"]}) if c is first else c
-                 for c in checks)
