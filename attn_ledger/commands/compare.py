@@ -8,15 +8,17 @@ import typer
 
 from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute, spec_path
-from attn_ledger.commands.options import INT
-
-MODEL = "Model"
-INPUTS = "Inputs"
+from attn_ledger.commands.options import INPUTS_PANEL, INT, MODEL_PANEL
 
 Padding = opt.choices("ComparePadding", "none", "left", "right")
 MaskFormat = opt.choices("CompareMaskFormat", "sdpa", "eager", "none")
 Dtype = opt.choices("CompareDtype", "float32", "bfloat16", "float16", "float64")
 
+SetOption = opt.set_option("Override a config value (repeatable), e.g. --set num_hidden_layers=4.")
+ImplementationOption = opt.attn_implementation_option("Both runs' attention implementation, where it is not what --vary changes.")
+RegisterOption = opt.register_option("Register FN(module, query, key, value, attention_mask, ...) in transformers' "
+                                    "AttentionInterface under the name of your own that --vary (or --attn-implementation) gives.")
+MaskFormatOption = opt.mask_format_option(MaskFormat, "The mask function registered with --register: sdpa, eager, or none. Default: sdpa.")
 SeedOption = opt.seed_option("Seed for the random weights and the token ids, 0..2^63-1. Default: 0.")
 TimeoutOption = opt.timeout_option(
     "Limit on each call into the models (building them, the forwards), in seconds. Default 60; with --in-process, "
@@ -26,7 +28,7 @@ TimeoutOption = opt.timeout_option(
 def compare(  # long by its options (typer reads them from the signature); the body hands them to compare_args
     transformers: Annotated[
         str,
-        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL,
+        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL_PANEL,
                      help="A transformers model built from its config with random weights (never downloaded): a "
                           "model type (llama, mistral, gemma2, ...) gets small defaults; a config.json keeps its sizes."),
     ],
@@ -37,31 +39,14 @@ def compare(  # long by its options (typer reads them from the signature); the b
                           "flex_attention, or the name given with --register), dtype=A,B (float32, bfloat16, "
                           "float16, float64), or padding-side (left against right, positions aligned)."),
     ],
-    set_: Annotated[
-        Optional[list[str]],
-        typer.Option("--set", metavar="KEY=VALUE", rich_help_panel=MODEL,
-                     help="Override a config value (repeatable), e.g. --set num_hidden_layers=4."),
-    ] = None,
-    attn_implementation: Annotated[
-        Optional[str],
-        typer.Option("--attn-implementation", metavar="NAME", rich_help_panel=MODEL,
-                     help="Both runs' attention implementation, where it is not what --vary changes."),
-    ] = None,
-    register: Annotated[
-        Optional[str],
-        typer.Option("--register", metavar="FILE:FN", rich_help_panel=MODEL,
-                     help="Register FN(module, query, key, value, attention_mask, ...) in transformers' "
-                          "AttentionInterface under the name of your own that --vary (or --attn-implementation) gives."),
-    ] = None,
-    mask_format: Annotated[
-        Optional[MaskFormat],
-        typer.Option("--mask-format", rich_help_panel=MODEL,
-                     help="The mask function registered with --register: sdpa, eager, or none. Default: sdpa."),
-    ] = None,
-    dtype: Annotated[Optional[Dtype], typer.Option("--dtype", rich_help_panel=MODEL, help="Both runs' dtype, where --vary does not set it. Default: float32.")] = None,
-    batch: Annotated[Optional[str], typer.Option("--batch", metavar=INT, rich_help_panel=INPUTS, help="B, examples in the batch. Default: 2.")] = None,
-    seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, rich_help_panel=INPUTS, help="T, tokens per example. Default: 24.")] = None,
-    padding: Annotated[Optional[Padding], typer.Option("--padding", rich_help_panel=INPUTS, help="Pad the examples after the first: left (as decoders generate), right or none. Default: left (with --vary padding-side, A is left and B right).")] = None,
+    set_: SetOption = None,
+    attn_implementation: ImplementationOption = None,
+    register: RegisterOption = None,
+    mask_format: MaskFormatOption = None,
+    dtype: Annotated[Optional[Dtype], typer.Option("--dtype", rich_help_panel=MODEL_PANEL, help="Both runs' dtype, where --vary does not set it. Default: float32.")] = None,
+    batch: opt.BatchOption = None,
+    seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, rich_help_panel=INPUTS_PANEL, help="T, tokens per example. Default: 24.")] = None,
+    padding: Annotated[Optional[Padding], typer.Option("--padding", rich_help_panel=INPUTS_PANEL, help="Pad the examples after the first: left (as decoders generate), right or none. Default: left (with --vary padding-side, A is left and B right).")] = None,
     seed: SeedOption = None,
     timeout: TimeoutOption = None,
     in_process: Annotated[bool, typer.Option("--in-process", help="Build and run the models in this process, for debugging; without it, they run in a worker process.")] = False,

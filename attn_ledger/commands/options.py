@@ -181,3 +181,34 @@ def switch_option(flags: str, help: str, panel: str | None = None) -> Any:
 def timeout_option(help: str) -> Any:
     """``--timeout SECONDS``: the limit on each call into the user's code."""
     return Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS", help=help)]
+
+
+# --- a transformers model built from its config (``scan``, ``compare``) ------------------------
+# The options that name the model and how its attention is registered sit in one help panel, the
+# sizes of its inputs in another; each command gives its own help text.
+
+MODEL_PANEL = "Model"
+INPUTS_PANEL = "Inputs"
+
+BatchOption = Annotated[Optional[str], typer.Option("--batch", metavar=INT, rich_help_panel=INPUTS_PANEL, help="B, examples in the batch. Default: 2.")]
+"""``--batch``: B, taken as text and parsed by :func:`integer`."""
+
+
+def set_option(help: str) -> Any:
+    """``--set KEY=VALUE`` (repeatable): a config value overridden."""
+    return Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", rich_help_panel=MODEL_PANEL, help=help)]
+
+
+def attn_implementation_option(help: str) -> Any:
+    """``--attn-implementation NAME``: transformers' attention implementation."""
+    return Annotated[Optional[str], typer.Option("--attn-implementation", metavar="NAME", rich_help_panel=MODEL_PANEL, help=help)]
+
+
+def register_option(help: str) -> Any:
+    """``--register FILE:FN``: a function registered in transformers' AttentionInterface."""
+    return Annotated[Optional[str], typer.Option("--register", metavar="FILE:FN", rich_help_panel=MODEL_PANEL, help=help)]
+
+
+def mask_format_option(formats: Any, help: str) -> Any:
+    """``--mask-format``: one of ``formats`` (a :func:`choices` enum), the mask function registered with ``--register``."""
+    return Annotated[Optional[formats], typer.Option("--mask-format", rich_help_panel=MODEL_PANEL, help=help)]

@@ -9,15 +9,17 @@ import typer
 
 from attn_ledger.commands import options as opt
 from attn_ledger.commands.common import Format, Progress, execute, spec_path
-from attn_ledger.commands.options import INT
+from attn_ledger.commands.options import INPUTS_PANEL, INT, MODEL_PANEL
 
-MODEL = "Model"
-INPUTS = "Inputs"
 DECLARE = "Declaration (a model that is not transformers')"
 
 Padding = opt.choices("Padding", "none", "left", "right")
 MaskFormat = opt.choices("MaskFormat", "sdpa", "eager", "none")
 
+SetOption = opt.set_option("Override a config value (repeatable), e.g. --set num_hidden_layers=4; the value reads as JSON where it is JSON.")
+ImplementationOption = opt.attn_implementation_option("transformers' attention implementation: eager, sdpa, flex_attention, or a name registered with --register. Default: the model's own.")
+RegisterOption = opt.register_option("Register FN(module, query, key, value, attention_mask, ...) in transformers' AttentionInterface under --attn-implementation's name.")
+MaskFormatOption = opt.mask_format_option(MaskFormat, "The mask function registered with --register: sdpa (bool masks, or None with is_causal), eager (additive), or none (no mask function: the function gets no mask). Default: sdpa.")
 SeedOption = opt.seed_option("Seed for the random weights and the token ids, 0..2^63-1. Default: 0.")
 TimeoutOption = opt.timeout_option(
     "Limit on each call into the model (building it, its forward), in seconds. Default 60; with --in-process, "
@@ -32,36 +34,20 @@ def scan(  # long by its options (typer reads them from the signature); the body
     ] = None,
     transformers: Annotated[
         Optional[str],
-        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL,
+        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL_PANEL,
                      help="A transformers model built from its config with random weights (never downloaded): a "
                           "model type (llama, mistral, gemma2, gpt2, bert, t5, ...) gets small defaults; a "
                           "config.json keeps its sizes unless --tiny."),
     ] = None,
-    tiny: Annotated[bool, typer.Option("--tiny", rich_help_panel=MODEL, help="With a config.json: use the small defaults of its model type (2 layers, width 64, windows of 16).")] = False,
-    set_: Annotated[
-        Optional[list[str]],
-        typer.Option("--set", metavar="KEY=VALUE", rich_help_panel=MODEL,
-                     help="Override a config value (repeatable), e.g. --set num_hidden_layers=4; the value reads as JSON where it is JSON."),
-    ] = None,
-    attn_implementation: Annotated[
-        Optional[str],
-        typer.Option("--attn-implementation", metavar="NAME", rich_help_panel=MODEL,
-                     help="transformers' attention implementation: eager, sdpa, flex_attention, or a name registered with --register. Default: the model's own."),
-    ] = None,
-    register: Annotated[
-        Optional[str],
-        typer.Option("--register", metavar="FILE:FN", rich_help_panel=MODEL,
-                     help="Register FN(module, query, key, value, attention_mask, ...) in transformers' AttentionInterface under --attn-implementation's name."),
-    ] = None,
-    mask_format: Annotated[
-        Optional[MaskFormat],
-        typer.Option("--mask-format", rich_help_panel=MODEL,
-                     help="The mask function registered with --register: sdpa (bool masks, or None with is_causal), eager (additive), or none (no mask function: the function gets no mask). Default: sdpa."),
-    ] = None,
-    batch: Annotated[Optional[str], typer.Option("--batch", metavar=INT, rich_help_panel=INPUTS, help="B, examples in the batch. Default: 2.")] = None,
-    seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, rich_help_panel=INPUTS, help="T, tokens per example (the encoder's, for T5). Default: 24.")] = None,
-    padding: Annotated[Optional[Padding], typer.Option("--padding", rich_help_panel=INPUTS, help="Pad the examples after the first: left (as decoders generate) or right, with the matching attention_mask. Default: none.")] = None,
-    decoder_len: Annotated[Optional[str], typer.Option("--decoder-len", metavar=INT, rich_help_panel=INPUTS, help="The decoder's tokens, for an encoder-decoder (T5). Default: --seq-len.")] = None,
+    tiny: Annotated[bool, typer.Option("--tiny", rich_help_panel=MODEL_PANEL, help="With a config.json: use the small defaults of its model type (2 layers, width 64, windows of 16).")] = False,
+    set_: SetOption = None,
+    attn_implementation: ImplementationOption = None,
+    register: RegisterOption = None,
+    mask_format: MaskFormatOption = None,
+    batch: opt.BatchOption = None,
+    seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, rich_help_panel=INPUTS_PANEL, help="T, tokens per example (the encoder's, for T5). Default: 24.")] = None,
+    padding: Annotated[Optional[Padding], typer.Option("--padding", rich_help_panel=INPUTS_PANEL, help="Pad the examples after the first: left (as decoders generate) or right, with the matching attention_mask. Default: none.")] = None,
+    decoder_len: Annotated[Optional[str], typer.Option("--decoder-len", metavar=INT, rich_help_panel=INPUTS_PANEL, help="The decoder's tokens, for an encoder-decoder (T5). Default: --seq-len.")] = None,
     seed: SeedOption = None,
     causal: Annotated[Optional[bool], typer.Option("--causal/--no-causal", rich_help_panel=DECLARE, help="Whether its attention is meant to be causal.")] = None,
     window: Annotated[Optional[str], typer.Option("--window", metavar=INT, rich_help_panel=DECLARE, help="A causal sliding window of W keys, the query included.")] = None,
