@@ -174,3 +174,34 @@ def test_bad_input_is_one_line_and_exit_2(args, words):
     assert result.exit_code == 2, result.output
     assert words in result.output and "Traceback" not in result.output
     assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1
+
+
+def test_the_first_adders_calls_are_kept_with_the_mask_another_blocks_call_sent_first():
+    from attn_ledger.probes.model.pair import _BlockCalls
+
+    got = []
+    keep = _BlockCalls("model.layers.1.", "b", lambda f, t: got.append((f, t)))
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    keep({"path": "model.layers.0.self_attn", "mask": {"key": "mask0", "new": True}}, {"q": torch.zeros(1), "mask": mask})
+    keep({"path": "model.layers.1.self_attn", "mask": {"key": "mask0", "new": False}}, {"q": torch.ones(1)})
+    assert keep.sent == 1 and len(got) == 1
+    facts, tensors = got[0]
+    assert facts["side"] == "b" and facts["mask"] == {"key": "b.mask0", "new": True} and tensors["mask"] is mask
+
+
+@pytest.mark.parametrize("calls, words", [
+    ([{"run": "A", "call": "l.0.attn", "status": "pass"}, {"run": "B", "call": "l.0.attn", "status": "pass"}],
+     "agrees with its float64 reference in runs A, B (2 calls): the error it adds comes from outside"),
+    ([{"run": "A", "call": "l.0.attn", "status": "pass"},
+      {"run": "B", "call": "l.0.attn", "status": "fail", "check": "reference", "reason": "r", "diagnosis": "a window of 17",
+       "stage": "weights", "stage_check": "matches_reference"}],
+     "run B's l.0.attn fails reference (it matches a window of 17); its stage ledger first fails at stage weights "
+     "(matches_reference); run A agrees with its reference there"),
+    ([], "no stage ledger of l.0's attention: no attention call inside it was captured"),
+], ids=["both-agree", "b-fails", "none-captured"])
+def test_the_first_adders_attention_in_words(calls, words):
+    from attn_ledger.render.notes import note_text
+    from attn_ledger.report import Note
+
+    why = None if calls else "no attention call inside it was captured"
+    assert words in note_text(Note("compare_attention", {"block": "l.0", "calls": calls, "why": why}))

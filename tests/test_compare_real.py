@@ -60,7 +60,9 @@ def test_a_registered_function_with_tiled_kv_heads_is_named_at_block_0_in_json_e
     assert result.exit_code == 1, result.output
     doc = json.loads(result.output)
     assert doc["command"] == "compare" and doc["first_finding"]["row"] == "model.layers.0"
-    assert doc["details"]["first_adder"] == {"block": "model.layers.0", "layer": 0}
+    first = doc["details"]["first_adder"]
+    assert (first["block"], first["layer"]) == ("model.layers.0", 0)
+    assert [c["status"] for c in first["attention"]["calls"]] == ["pass", "fail"]
     block = next(r for r in doc["rows"] if r["name"] == "model.layers.0")
     assert block["fields"]["added"] > block["fields"]["bound"] and block["fields"]["mark"] == "first adder"
     assert next(r for r in doc["rows"] if r["name"] == "embeddings")["status"] == "pass"
@@ -86,3 +88,42 @@ def test_rounding_is_not_a_finding():
     report = _compare("llama", "dtype=float32,bfloat16")
     assert report.verdict == "pass", [(r.name, r.fields) for r in report.rows if r.status != "pass"]
     assert all(r.fields["added"] > 0 for r in report.rows if r.fields.get("layer") is not None)
+
+
+def _attention(report) -> dict:
+    return {c["run"]: c for c in report.details["first_adder"]["attention"]["calls"]}
+
+
+def test_the_first_adders_attention_names_run_bs_call_its_diagnosis_and_its_ledgers_stage():
+    report = _compare("llama", "attn-implementation=eager,custom", fn="kv_tiled")
+    calls = _attention(report)
+    assert calls["A"]["status"] == "pass" and calls["A"]["check"] is None
+    assert calls["B"]["call"] == "model.layers.0.self_attn" and calls["B"]["check"] == "reference"
+    assert "kv heads tiled" in calls["B"]["diagnosis"]
+    assert report.ledger is not None and report.ledger.first_finding.row == calls["B"]["stage"]
+    assert set(report.ledgers) == {"A: model.layers.0.self_attn", "B: model.layers.0.self_attn"}
+    assert report.ledgers["A: model.layers.0.self_attn"].verdict == "pass"
+    assert "kv heads tiled" in report.first_finding.check.reason
+
+
+def test_a_window_one_too_wide_is_diagnosed_in_the_first_adders_attention():
+    report = _compare("gemma2", "attn-implementation=eager,custom", fn="window_too_wide", mask_format="none",
+                      padding="none")
+    calls = _attention(report)
+    assert calls["B"]["status"] == "fail" and calls["A"]["status"] == "pass"
+    assert "one wider than sliding_window" in (calls["B"]["diagnosis"] or calls["B"]["reason"])
+
+
+def test_a_block_that_adds_error_outside_attention_says_its_attention_agrees_in_both_runs():
+    import torch
+
+    r = runs(parse_vary("attn-implementation=eager,sdpa"), "llama", plan=InputPlan(2, 20, "left", 0))
+    pair, _ = setup(r.args())
+    with torch.no_grad():
+        pair.b.get_submodule("model.layers.1.mlp.down_proj").weight.mul_(1.01)  # B's MLP, not its attention
+    report = compare(LocalModel(pair), r)
+    assert report.first_finding.row == "model.layers.1"
+    calls = _attention(report)
+    assert {c["status"] for c in calls.values()} == {"pass"}
+    assert "comes from outside its attention calls" in report.first_finding.check.reason
+    assert compare(LocalModel(setup(r.args())[0]), r).details["first_adder"] is None  # untouched: nothing to ledger

@@ -341,7 +341,34 @@ def compare(handle: Any, runs_: Runs) -> Report:
     inputs_b = aligned_inputs(inputs_a, valid_b) if plan_b.padding != plan_a.padding else inputs_a
     judge = Judge(facts, runs_.dtypes, token_rows(valid_b))
     run = handle.compare(inputs_a, inputs_b, judge.take)
-    return compare_report(facts, runs_, judge, run)
+    report = compare_report(facts, runs_, judge, run)
+    first = report.details.get("first_adder")
+    if first is None or not hasattr(handle, "compare_calls"):
+        return report
+    from attn_ledger.probes.model.adder import attention_of
+
+    return with_attention(report, attention_of(handle, facts, inputs_a, inputs_b, first["layer"], first["block"]))
+
+
+def with_attention(report: Report, attention: Any) -> Report:
+    """The report with the first adder's attention (:class:`~attn_ledger.probes.model.adder.Attention`): its words
+    on the first adder's ``added_error`` check (and so on the headline), the details, and the stage ledgers, the
+    report opening onto the failing call's."""
+    from dataclasses import replace
+
+    from attn_ledger.render.notes import note_text
+    from attn_ledger.report import first_finding_of
+
+    words = note_text(Note("compare_attention", attention.as_json()))
+    rows = []
+    for r in report.rows:
+        if r.name == attention.block and r.fields.get("mark") == "first adder":
+            checks = tuple(replace(c, reason=words, data={**c.data, "attention": attention.as_json()})
+                           if c.name == "added_error" else c for c in r.checks)
+            r = Row(r.name, r.status, checks, r.shape, r.axes, fields=r.fields)
+        rows.append(r)
+    details = {**report.details, "first_adder": {**report.details["first_adder"], "attention": attention.as_json()}}
+    return replace(report, rows=tuple(rows), first_finding=first_finding_of(rows), details=details, ledger=attention.ledger, ledgers=dict(attention.ledgers))
 
 
 def compare_report(facts: Mapping[str, Any], runs_: Runs, judge: Judge, run: Mapping[str, Any]) -> Report:

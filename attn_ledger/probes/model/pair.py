@@ -326,3 +326,48 @@ def _real_square(m: "Tensor", valid: "Tensor") -> "Tensor":
         sub = m[bi][valid[bi]][:, valid[bi]]  # [n_b, n_b]
         rows.append(torch.nn.functional.pad(sub, (0, width - sub.shape[1]), value=False))
     return torch.cat(rows)  # [N, n_max]
+
+
+# --- the first adder's attention, as scan captures it ----------------------------------------------------
+
+
+class _BlockCalls:
+    """A capture sink that passes on only the calls inside one block, each with the mask and bias it shares with
+    other blocks' calls resent (the capture sends a shared tensor once, perhaps with a call this sink drops)."""
+
+    def __init__(self, prefix: str, side: str, sink: Sink) -> None:
+        self.prefix, self.side, self.sink = prefix, side, sink
+        self.shared: dict[str, Any] = {}
+        self.sent = 0
+
+    def __call__(self, facts: dict[str, Any], tensors: dict[str, "Tensor"]) -> None:
+        for role in ("mask", "bias"):
+            ref = facts.get(role)
+            if ref is not None and ref.get("new"):
+                self.shared[ref["key"]] = tensors[role]
+        if not str(facts.get("path") or "").startswith(self.prefix):
+            return
+        facts, tensors = {**facts, "side": self.side}, dict(tensors)
+        for role in ("mask", "bias"):
+            ref = facts.get(role)
+            if ref is not None:
+                facts[role] = {"key": f"{self.side}.{ref['key']}", "new": True}
+                tensors[role] = self.shared[ref["key"]]
+        self.sent += 1
+        self.sink(facts, tensors)
+
+
+def run_calls(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, Any], index: int,
+              sink: Sink) -> dict[str, Any]:
+    """Each run's own forward once more under scan's capture (:func:`attn_ledger.probes.model.driver.run_scan`),
+    sending only the attention calls inside block ``index``, ``side`` ("a" or "b") added to their facts."""
+    from attn_ledger.probes.model.driver import Loaded, run_scan
+
+    prefix = pair.blocks[index] + "."
+    out: dict[str, Any] = {}
+    for side, model, inputs, facts in (("a", pair.a, inputs_a, pair.facts), ("b", pair.b, inputs_b, pair.facts["b"])):
+        keep = _BlockCalls(prefix, side, sink)
+        run = run_scan(Loaded(model, None, facts), inputs, keep)
+        out[side] = {"calls": keep.sent, "error": (run.get("error") or {}).get("text"),
+                     "unseen": [p for _, p in run.get("unseen", []) if str(p).startswith(prefix)]}
+    return out
