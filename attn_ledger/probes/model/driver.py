@@ -143,6 +143,11 @@ def run_scan(loaded: Loaded, inputs: "Mapping[str, Tensor] | None", sink: Sink) 
     return out
 
 
+def scan_forward(model: Any, facts: dict[str, Any], inputs: "Mapping[str, Tensor]", sink: Sink) -> dict[str, Any]:
+    """:func:`run_scan` of a model built elsewhere (a compare's run) on the inputs given."""
+    return run_scan(Loaded(model, None, facts), inputs, sink)
+
+
 def _forward_args(loaded: Loaded, inputs: "Mapping[str, Tensor] | None") -> tuple[tuple, dict]:
     import torch
 
@@ -217,7 +222,7 @@ def serve(loaded: Loaded, kind: str, meta: dict[str, Any], tensors: dict[str, "T
     if kind == "compare_calls":
         from attn_ledger.probes.model.pair import run_calls
 
-        return run_calls(loaded, *split_sides(tensors), int(meta["block"]), send), {}  # type: ignore[arg-type]
+        return run_calls(loaded, *split_sides(tensors), int(meta["block"]), send, scan_forward), {}  # type: ignore[arg-type]
     if kind != "scan":
         raise ValueError(f"the model driver has no request {kind!r}")
     return run_scan(loaded, tensors if meta.get("inputs") == "sent" else None, send), {}
@@ -252,7 +257,7 @@ class LocalModel:
                       sink: Sink) -> dict[str, Any]:
         from attn_ledger.probes.model.pair import run_calls
 
-        return run_calls(self.loaded, inputs_a, inputs_b, block, sink)  # type: ignore[arg-type]
+        return run_calls(self.loaded, inputs_a, inputs_b, block, sink, scan_forward)  # type: ignore[arg-type]
 
 
 class RemoteModel:

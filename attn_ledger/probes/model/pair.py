@@ -357,17 +357,16 @@ class _BlockCalls:
         self.sink(facts, tensors)
 
 
-def run_calls(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, Any], index: int,
-              sink: Sink) -> dict[str, Any]:
-    """Each run's own forward once more under scan's capture (:func:`attn_ledger.probes.model.driver.run_scan`),
-    sending only the attention calls inside block ``index``, ``side`` ("a" or "b") added to their facts."""
-    from attn_ledger.probes.model.driver import Loaded, run_scan
-
+def run_calls(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, Any], index: int, sink: Sink,
+              scan_forward: Callable[[Any, dict[str, Any], Mapping[str, Any], Sink], dict[str, Any]]) -> dict[str, Any]:
+    """Each run's own forward once more under scan's capture (``scan_forward(model, facts, inputs, sink)``:
+    :func:`attn_ledger.probes.model.driver.run_scan`, which imports this module), sending only the attention calls
+    inside block ``index``, ``side`` ("a" or "b") added to their facts."""
     prefix = pair.blocks[index] + "."
     out: dict[str, Any] = {}
     for side, model, inputs, facts in (("a", pair.a, inputs_a, pair.facts), ("b", pair.b, inputs_b, pair.facts["b"])):
         keep = _BlockCalls(prefix, side, sink)
-        run = run_scan(Loaded(model, None, facts), inputs, keep)
+        run = scan_forward(model, facts, inputs, keep)
         out[side] = {"calls": keep.sent, "error": (run.get("error") or {}).get("text"),
                      "unseen": [p for _, p in run.get("unseen", []) if str(p).startswith(prefix)]}
     return out
