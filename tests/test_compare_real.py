@@ -127,3 +127,21 @@ def test_a_block_that_adds_error_outside_attention_says_its_attention_agrees_in_
     assert {c["status"] for c in calls.values()} == {"pass"}
     assert "comes from outside its attention calls" in report.first_finding.check.reason
     assert compare(LocalModel(setup(r.args())[0]), r).details["first_adder"] is None  # untouched: nothing to ledger
+
+
+@pytest.mark.parametrize("implementation, padding", [("sdpa", "left"), ("eager", "left"), ("sdpa", "right"),
+                                                     ("eager", "none")])
+def test_each_example_alone_against_the_batch_passes_on_llama(implementation, padding):
+    report = _compare("llama", "batch", padding=padding, implementation=implementation)
+    assert report.verdict == "pass", [(r.name, r.status, r.fields) for r in report.rows if r.status != "pass"]
+    assert report.row("position_ids").status == "pass"
+
+
+def test_attention_that_reads_across_the_batch_is_named_at_block_0_and_its_call_in_the_batch():
+    report = _compare("llama", "batch", fn="batch_end_to_end", mask_format="none", padding="none")
+    assert report.first_finding.row == "model.layers.0" and report.first_finding.name == "added_error"
+    assert dict(report.first_finding.check.location)["example"] == 1  # example 0 reads nothing before it
+    assert report.row("embeddings").status == "pass" and report.row("position_ids").status == "pass"
+    calls = {c["run"]: c for c in report.details["first_adder"]["attention"]["calls"]}
+    assert calls["A (example 1 alone)"]["status"] == "pass"
+    assert calls["B"]["status"] == "fail" and calls["B"]["check"] == "reference"

@@ -59,7 +59,7 @@ class Attention:
 
     @property
     def ledger(self) -> Report | None:
-        shown = self.failing or next((c for c in self.calls if c.run == "B"), None)
+        shown = self.failing or next((c for c in self.calls if c.run.startswith("B")), None)
         return None if shown is None else self.ledgers.get(shown.ledger or "")
 
     def as_json(self) -> dict[str, Any]:
@@ -88,23 +88,26 @@ def _summary(run: str, judge: Any, entry: Any, ledgers: dict[str, Report]) -> Ca
 
 
 def attention_of(handle: Any, facts: Mapping[str, Any], inputs_a: Mapping[str, "Tensor"],
-                 inputs_b: Mapping[str, "Tensor"], index: int, block: str) -> Attention:
-    """Block ``index``'s attention calls in both runs (through ``handle.compare_calls``), judged and ledgered."""
+                 inputs_b: Mapping[str, "Tensor"], index: int, block: str, alone: int | None = None) -> Attention:
+    """Block ``index``'s attention calls in both runs (through ``handle.compare_calls``), judged and ledgered;
+    ``alone``: run A is that example alone (``--vary batch``)."""
+    from attn_ledger.probes.model.pair import alone_inputs
     from attn_ledger.probes.model.scan import Judge, ScanOptions, sides_of
 
     options = ScanOptions(keep_going=True, every_ledger=True)
-    judges = {"a": Judge(facts, sides_of(inputs_a), options), "b": Judge(facts.get("b", facts), sides_of(inputs_b),
-                                                                         options)}
+    sides_a = sides_of(inputs_a if alone is None else alone_inputs(inputs_a, inputs_a["attention_mask"].bool(), alone))
+    judges = {"a": Judge(facts, sides_a, options), "b": Judge(facts.get("b", facts), sides_of(inputs_b), options)}
+    names = dict(RUNS) if alone is None else {"a": f"A (example {alone} alone)", "b": "B"}
 
     def take(f: dict[str, Any], t: dict[str, "Tensor"]) -> None:
         judges[f["side"]].take(f, t)
 
     try:
-        run = handle.compare_calls(inputs_a, inputs_b, index, take)
+        run = handle.compare_calls(inputs_a, inputs_b, index, take, alone or 0)
     except CallStopped as stop:
         return Attention(block, (), {}, why=f"the forwards that capture its attention stopped: {stop.detail}")
     ledgers: dict[str, Report] = {}
-    calls = tuple(_summary(name, judges[side], e, ledgers) for side, name in RUNS for e in judges[side].entries)
-    errors = [f"run {name}: {run[side]['error']}" for side, name in RUNS if (run.get(side) or {}).get("error")]
+    calls = tuple(_summary(names[side], judges[side], e, ledgers) for side, _ in RUNS for e in judges[side].entries)
+    errors = [f"run {names[side]}: {run[side]['error']}" for side, _ in RUNS if (run.get(side) or {}).get("error")]
     why = "; ".join(errors) if errors else ("" if calls else "no attention call inside it was captured")
     return Attention(block, calls, ledgers, why)

@@ -28,8 +28,8 @@ from attn_ledger.tolerance import COMPARE_FACTOR, TOP_K, compare_bound, eps
 if TYPE_CHECKING:
     from torch import Tensor
 
-VARY_KINDS = ("attn-implementation", "dtype", "padding-side")
-LATER_KINDS = ("target", "batch", "cache", "packing")
+VARY_KINDS = ("attn-implementation", "dtype", "padding-side", "batch")
+LATER_KINDS = ("target", "cache", "packing")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BUILTIN = ("eager", "sdpa", "flex_attention")
 
@@ -48,14 +48,15 @@ class Vary:
 
 
 def parse_vary(text: str) -> Vary:
-    """``--vary WHAT``: ``attn-implementation=A,B``, ``dtype=A,B`` or ``padding-side`` (left against right).
+    """``--vary WHAT``: ``attn-implementation=A,B``, ``dtype=A,B``, ``padding-side`` (left against right) or
+    ``batch`` (each example alone against the batch).
 
     Raises:
         InputError: an unknown kind, a kind not available yet, or values that are not two distinct names.
     """
     kind, eq, values = text.partition("=")
     kind = kind.strip()
-    expected = "attn-implementation=A,B, dtype=A,B or padding-side"
+    expected = "attn-implementation=A,B, dtype=A,B, padding-side or batch"
     if kind in LATER_KINDS:
         raise InputError(f"--vary: got {shown(text)}; {kind} is not available yet, expected {expected}")
     if kind not in VARY_KINDS:
@@ -64,6 +65,10 @@ def parse_vary(text: str) -> Vary:
         if eq and values.replace(" ", "") not in ("left,right", ""):
             raise InputError(f"--vary: got {shown(text)}, expected padding-side (left against right)")
         return Vary(kind, "left", "right")
+    if kind == "batch":
+        if eq and values.replace(" ", "") not in ("alone,batched", ""):
+            raise InputError(f"--vary: got {shown(text)}, expected batch (each example alone against the batch)")
+        return Vary(kind, "alone", "batched")
     names = [v.strip() for v in values.split(",")]
     if not eq or len(names) != 2 or not all(names) or names[0] == names[1]:
         raise InputError(f"--vary: got {shown(text)}, expected {kind}=A,B with two different values")
@@ -126,6 +131,10 @@ def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str 
     t = make(implementation, register)
     if vary.kind == "dtype":
         return Runs(vary, t, t, (vary.a, vary.b), plan.to_json(), plan.to_json())
+    if vary.kind == "batch":
+        if plan.batch < 2:
+            raise InputError(f"--batch: got {plan.batch} with --vary batch, expected at least 2 examples to batch")
+        return Runs(vary, t, t, (dtype, dtype), plan.to_json(), plan.to_json())
     if plan.padding != "none":
         raise InputError("--padding: cannot be given with --vary padding-side (run A is left padded, run B right)")
     return Runs(vary, t, t, (dtype, dtype), replace(plan, padding="left").to_json(),
@@ -347,7 +356,12 @@ def compare(handle: Any, runs_: Runs) -> Report:
         return report
     from attn_ledger.probes.model.adder import attention_of
 
-    return with_attention(report, attention_of(handle, facts, inputs_a, inputs_b, first["layer"], first["block"]))
+    alone = None
+    if runs_.vary.kind == "batch":
+        where = report.row(first["block"]).check("added_error").location or {}
+        alone = int(where.get("example", 0))
+    return with_attention(report, attention_of(handle, facts, inputs_a, inputs_b, first["layer"], first["block"],
+                                               alone))
 
 
 def with_attention(report: Report, attention: Any) -> Report:

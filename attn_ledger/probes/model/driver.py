@@ -222,7 +222,8 @@ def serve(loaded: Loaded, kind: str, meta: dict[str, Any], tensors: dict[str, "T
     if kind == "compare_calls":
         from attn_ledger.probes.model.pair import run_calls
 
-        return run_calls(loaded, *split_sides(tensors), int(meta["block"]), send, scan_forward), {}  # type: ignore[arg-type]
+        return run_calls(loaded, *split_sides(tensors), int(meta["block"]), send, scan_forward,  # type: ignore[arg-type]
+                         int(meta.get("example", 0))), {}
     if kind != "scan":
         raise ValueError(f"the model driver has no request {kind!r}")
     return run_scan(loaded, tensors if meta.get("inputs") == "sent" else None, send), {}
@@ -254,10 +255,10 @@ class LocalModel:
         return run_compare(self.loaded, inputs_a, inputs_b, sink)  # type: ignore[arg-type]
 
     def compare_calls(self, inputs_a: "Mapping[str, Tensor]", inputs_b: "Mapping[str, Tensor]", block: int,
-                      sink: Sink) -> dict[str, Any]:
+                      sink: Sink, example: int = 0) -> dict[str, Any]:
         from attn_ledger.probes.model.pair import run_calls
 
-        return run_calls(self.loaded, inputs_a, inputs_b, block, sink, scan_forward)  # type: ignore[arg-type]
+        return run_calls(self.loaded, inputs_a, inputs_b, block, sink, scan_forward, example)  # type: ignore[arg-type]
 
 
 class RemoteModel:
@@ -295,7 +296,7 @@ class RemoteModel:
         return facts
 
     def compare_calls(self, inputs_a: "Mapping[str, Tensor]", inputs_b: "Mapping[str, Tensor]", block: int,
-                      sink: Sink) -> dict[str, Any]:
+                      sink: Sink, example: int = 0) -> dict[str, Any]:
         """Each run's attention calls inside one block, as scan captures them, streamed back to ``sink``."""
         import torch
 
@@ -305,7 +306,7 @@ class RemoteModel:
             sink(facts, unpack(blob))
 
         meta = {"what": f"the forwards of {self.facts['label']} (block {block}'s attention)",
-                "threads": torch.get_num_threads(), "block": block}
+                "threads": torch.get_num_threads(), "block": block, "example": example}
         sent = {**{f"a.{k}": v for k, v in inputs_a.items()}, **{f"b.{k}": v for k, v in inputs_b.items()}}
         facts, _ = self.sup.call_model("compare_calls", meta, pack(sent), part)
         return facts
