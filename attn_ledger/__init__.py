@@ -36,6 +36,7 @@ _PUBLIC = {
     "assert_attention_matches": "attn_ledger.testing", "assert_module_matches": "attn_ledger.testing",
     # a whole model's attention calls
     "scan_model": "attn_ledger.probes.model.scan", "assert_model_attention_ok": "attn_ledger.testing",
+    "assert_models_agree": "attn_ledger.testing",
     # experiments
     "run_catalogue": "attn_ledger.probes.catalogue", "sweep_scale": "attn_ledger.experiments.scale",
     "temperature_lab": "attn_ledger.experiments.scale", "polarity": "attn_ledger.experiments.polarity",

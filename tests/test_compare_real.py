@@ -145,3 +145,53 @@ def test_attention_that_reads_across_the_batch_is_named_at_block_0_and_its_call_
     calls = {c["run"]: c for c in report.details["first_adder"]["attention"]["calls"]}
     assert calls["A (example 1 alone)"]["status"] == "pass"
     assert calls["B"]["status"] == "fail" and calls["B"]["check"] == "reference"
+
+
+def _llama_pair():
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attn_ledger.probes.model.targets import tiny_defaults
+
+    torch.manual_seed(0)
+    a = LlamaForCausalLM(LlamaConfig(**tiny_defaults("llama")))
+    a.set_attn_implementation("eager")
+    b = copy.deepcopy(a)
+    b.set_attn_implementation("sdpa")
+    return a, b
+
+
+def test_assert_models_agree_passes_on_eager_against_sdpa_and_names_the_block_a_changed_weight_breaks():
+    import torch
+
+    from attn_ledger import assert_models_agree
+
+    a, b = _llama_pair()
+    was = a.training
+    assert_models_agree(a, b)
+    assert_models_agree(a, b, {"input_ids": torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]]),
+                               "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
+                               "position_ids": torch.tensor([[0, 1, 2, 3], [1, 1, 0, 1]])})
+    with torch.no_grad():
+        b.model.layers[1].self_attn.o_proj.weight.mul_(1.01)  # outside the attention call
+    with pytest.raises(AssertionError, match="first finding model.layers.1: L4 added_error") as raised:
+        assert_models_agree(a, b)
+    assert "comes from outside its attention calls" in str(raised.value)
+    assert "(first adder)" in str(raised.value)
+    assert a.training is was and b.training is was  # each model's mode given back
+
+
+def test_assert_models_agree_refuses_inputs_or_models_it_cannot_pair():
+    import torch
+
+    from attn_ledger.errors import InputError
+    from attn_ledger.testing import assert_models_agree
+
+    a, b = _llama_pair()
+    with pytest.raises(InputError, match="inputs: got \\['input_ids'\\], expected input_ids and attention_mask"):
+        assert_models_agree(a, b, {"input_ids": torch.ones(1, 4, dtype=torch.long)})
+    b.lm_head.register_parameter("extra", torch.nn.Parameter(torch.zeros(1)))
+    with pytest.raises(InputError, match="b: its weights' names differ from a's"):
+        assert_models_agree(a, b)

@@ -180,7 +180,8 @@ def _scan_inputs(d: Mapping[str, Any]) -> str:
 def _compare_runs(d: Mapping[str, Any]) -> str:
     a, b = d["padding"]
     padding = ("no padding" if a == "none" else f"{a} padding in both") if a == b else f"run A {a} padded, run B {b} padded, real tokens aligned"
-    return (f"--vary {d['vary']}: {padding}; only real tokens compared; bound = {d['factor']:g} x the plain "
+    vary = d["vary"] if d["vary"].startswith("two models") else f"--vary {d['vary']}"
+    return (f"{vary}: {padding}; only real tokens compared; bound = {d['factor']:g} x the plain "
             f"error at each block (eager in each run's dtype against float64) + one eps")
 
 

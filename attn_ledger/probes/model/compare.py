@@ -44,6 +44,8 @@ class Vary:
 
     @property
     def words(self) -> str:
+        if self.kind == "models":  # two models given to compare_models
+            return f"two models ({self.a} against {self.b})"
         return f"{self.kind}={self.a},{self.b}"
 
 
@@ -338,16 +340,22 @@ def token_rows(valid_b: "Tensor") -> dict[str, Any]:
     return {"example": example, "token": token, "counts": counts}
 
 
-def compare(handle: Any, runs_: Runs) -> Report:
+def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = None) -> Report:
     """Run both runs through ``handle`` (a :class:`~attn_ledger.probes.model.driver.LocalModel` or ``RemoteModel``
-    built from :meth:`Runs.args`) and judge them."""
+    built from :meth:`Runs.args`) and judge them; on ``given`` inputs (both runs), else on inputs made from the
+    runs' plans."""
     from attn_ledger.probes.model.inputs import InputPlan, make_inputs, valid_positions, pad_counts
 
     facts = handle.facts
-    plan_a, plan_b = InputPlan(**runs_.plan_a), InputPlan(**runs_.plan_b)
-    inputs_a = make_inputs(plan_a, facts)
-    valid_b = valid_positions(pad_counts(plan_b.batch, plan_b.seq_len, plan_b.padding), plan_b.seq_len, plan_b.padding)
-    inputs_b = aligned_inputs(inputs_a, valid_b) if plan_b.padding != plan_a.padding else inputs_a
+    if given is not None:
+        inputs_a = inputs_b = dict(given)
+        valid_b = given["attention_mask"].bool()
+    else:
+        plan_a, plan_b = InputPlan(**runs_.plan_a), InputPlan(**runs_.plan_b)
+        inputs_a = make_inputs(plan_a, facts)
+        valid_b = valid_positions(pad_counts(plan_b.batch, plan_b.seq_len, plan_b.padding), plan_b.seq_len,
+                                  plan_b.padding)
+        inputs_b = aligned_inputs(inputs_a, valid_b) if plan_b.padding != plan_a.padding else inputs_a
     judge = Judge(facts, runs_.dtypes, token_rows(valid_b))
     run = handle.compare(inputs_a, inputs_b, judge.take)
     report = compare_report(facts, runs_, judge, run)
@@ -398,7 +406,8 @@ def compare_report(facts: Mapping[str, Any], runs_: Runs, judge: Judge, run: Map
                                              fields={**r.fields, "mark": "first adder"}) for r in rows]
     b = facts.get("b", {})
     plan = runs_.plan_a
-    title = (f"compare {facts['label']} ({facts['class']}, {len(judge.blocks)} blocks) --vary {runs_.vary.words}: "
+    vary = runs_.vary.words if runs_.vary.kind == "models" else f"--vary {runs_.vary.words}"
+    title = (f"compare {facts['label']} ({facts['class']}, {len(judge.blocks)} blocks) {vary}: "
              f"A {facts.get('implementation')} {runs_.dtypes[0]}, B {b.get('implementation')} {runs_.dtypes[1]}, "
              f"B={plan['batch']} T={plan['seq_len']}")
     note = Note("compare_runs", {"vary": runs_.vary.words, "dtypes": list(runs_.dtypes), "factor": COMPARE_FACTOR,
@@ -417,3 +426,48 @@ def stopped_report(args: Mapping[str, Any], reason: str, data: Mapping[str, Any]
     check = Check(1, "forward", "fail", reason=reason, data=dict(data))
     return Report("compare", f"compare {label}", (Row("forward", "fail", (check,)),), unit="row", row_label="layer",
                   details={"model": {"label": label}})
+
+
+def compare_models(a: Any, b: Any, inputs: "Mapping[str, Tensor] | None" = None, *, batch: int = 2, seq_len: int = 24,
+                   padding: str = "left", seed: int = 0, label: str | None = None) -> Report:
+    """Compare two runs of one transformers model in this process, block by block (see :func:`compare`).
+
+    Args:
+        a: run A, the reference: a transformers model (its weights, dtype and attention implementation as given).
+        b: run B: the same model run another way (another attention implementation, dtype, a registered function),
+            holding the same weights (``b = copy.deepcopy(a)`` then ``b.set_attn_implementation("sdpa")``, say).
+            Neither model is changed: the plain models the bound is made of are copies of ``a``.
+        inputs: the forward's ``input_ids`` and ``attention_mask`` (and ``position_ids``), ``[B, T]``, both runs'; None
+            makes token ids from ``batch``, ``seq_len``, ``padding`` and ``seed``.
+        label: how the report names the model (default: A's class).
+
+    Raises:
+        InputError: inputs without ``input_ids`` and ``attention_mask`` of one shape ``[B, T]``; models that differ
+            in their weights' names; a model with no list of blocks.
+    """
+    from attn_ledger.probes.model.driver import LocalModel, model_facts
+    from attn_ledger.probes.model.inputs import InputPlan
+    from attn_ledger.probes.model.pair import pair_of
+
+    name = label or type(a).__name__
+    if set(a.state_dict()) != set(b.state_dict()):
+        missing = sorted(set(a.state_dict()) ^ set(b.state_dict()))
+        raise InputError(f"b: its weights' names differ from a's ({missing[0]} ...); expected one model run two ways")
+    if inputs is not None:
+        ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+        if ids is None or mask is None or ids.dim() != 2 or tuple(ids.shape) != tuple(mask.shape):
+            raise InputError(f"inputs: got {sorted(inputs)}, expected input_ids and attention_mask of one shape [B, T]")
+        batch, seq_len = (int(n) for n in ids.shape)
+    was = a.training, b.training
+    a.eval(), b.eval()
+    try:
+        pair = pair_of(a, b, name, name, model_facts)
+        dtypes = (pair.facts["dtype"], pair.facts["b"]["dtype"])
+        impls = (pair.facts.get("implementation"), pair.facts["b"].get("implementation"))
+        plan = InputPlan(batch, seq_len, "none" if inputs is not None else padding, seed).to_json()
+        if inputs is not None:
+            plan["padding"] = "given"  # whatever the given mask pads
+        r = Runs(Vary("models", f"{impls[0]} {dtypes[0]}", f"{impls[1]} {dtypes[1]}"), {}, {}, dtypes, plan, plan)
+        return compare(LocalModel(pair), r, inputs)  # type: ignore[arg-type]
+    finally:
+        a.train(was[0]), b.train(was[1])

@@ -106,17 +106,29 @@ def setup(args: dict[str, Any], model_facts: Callable[..., dict[str, Any]]) -> t
         b.load_state_dict(a.state_dict())
     da, db = args["dtypes"]
     a, b = a.to(_dtype(da)).eval(), b.to(_dtype(db)).eval()
+    pair = pair_of(a, b, ta.label, tb.label, model_facts, alone=(args.get("vary") or [""])[0] == "batch")
+    return pair, {"units": [0], "model": pair.facts}
+
+
+def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_facts: Callable[..., dict[str, Any]],
+            alone: bool = False) -> Pair:
+    """Two built runs (in eval mode, each in its dtype) and the plain models beside them: A's model with eager
+    attention in each run's dtype, and in float64.
+
+    Raises:
+        InputError: A has no list of blocks holding its attention modules.
+    """
+    da, db = (str(next(m.parameters()).dtype).removeprefix("torch.") for m in (a, b))
     plain = {d: _plain_copy(a, d) for d in dict.fromkeys((da, db))}
     # transformers' eager attention takes its softmax in float32; SDPA computes in float64 throughout
     exact = _plain_copy(a, "float64", ("sdpa", "eager"))
-    facts = model_facts(a, None, ta.label)
-    facts["b"] = model_facts(b, None, tb.label)
+    facts = model_facts(a, None, label_a)
+    facts["b"] = model_facts(b, None, label_b)
     blocks = blocks_of(a)
     facts["blocks"] = blocks
     if not blocks:
-        raise InputError(f"target: {ta.label} has no list of blocks holding its attention modules to compare")
-    alone = (args.get("vary") or [""])[0] == "batch"
-    return Pair(a, b, plain, exact, blocks, facts, alone), {"units": [0], "model": facts}
+        raise InputError(f"target: {label_a} has no list of blocks holding its attention modules to compare")
+    return Pair(a, b, plain, exact, blocks, facts, alone)
 
 
 # --- one forward, watched block by block ------------------------------------------------------------------
