@@ -195,3 +195,40 @@ def test_assert_models_agree_refuses_inputs_or_models_it_cannot_pair():
     b.lm_head.register_parameter("extra", torch.nn.Parameter(torch.zeros(1)))
     with pytest.raises(InputError, match="b: its weights' names differ from a's"):
         assert_models_agree(a, b)
+
+
+# --- JUnit and GitHub: one case per row, the first adder annotated --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_window():
+    """Gemma 2 with a window one too wide: block 0 (sliding) adds error, block 1 (full attention) adds none."""
+    return _compare("gemma2", "attn-implementation=eager,custom", fn="window_too_wide", mask_format="none",
+                    padding="none")
+
+
+def test_junit_has_one_case_per_row_and_fails_only_the_rows_that_fail(wide_window):
+    import xml.etree.ElementTree as ET
+
+    from attn_ledger.render.junit import render_junit
+
+    suite = ET.fromstring(render_junit(wide_window)).find("testsuite")
+    cases = suite.findall("testcase")
+    assert [c.get("name") for c in cases] == [r.name for r in wide_window.rows]
+    failed = {c.get("name"): c.find("failure") for c in cases if c.find("failure") is not None}
+    assert set(failed) == {"model.layers.0", "logits"}  # block 1 inherits error and adds none: it passes
+    assert int(suite.get("tests")) == len(wide_window.rows) and int(suite.get("failures")) == 2
+    assert failed["model.layers.0"].get("message").startswith("model.layers.0: L4 added_error")
+    assert "one wider than sliding_window" in failed["model.layers.0"].text
+
+
+def test_github_annotates_the_first_adder_first_with_its_attention_and_no_passing_row(wide_window):
+    from attn_ledger.render.github import render_github
+
+    errors = [ln for ln in render_github(wide_window).splitlines() if ln.startswith("::error")]
+    assert errors[0].startswith("::error title=attn-ledger compare%3A model.layers.0 L4 added_error (first adder)::")
+    assert "one wider than sliding_window" in errors[0]
+    named = [ln.split("%3A ", 1)[1].split(" ", 1)[0] for ln in errors]
+    assert set(named) == {"model.layers.0", "logits"}
+    good = _compare("llama", "attn-implementation=eager,sdpa")
+    assert not [ln for ln in render_github(good).splitlines() if ln.startswith(("::error", "::warning"))]
