@@ -385,8 +385,7 @@ def with_attention(report: Report, attention: Any) -> Report:
     rows = []
     for r in report.rows:
         if r.name == attention.block and r.fields.get("mark") == "first adder":
-            checks = tuple(replace(c, reason=words, data={**c.data, "attention": attention.as_json()})
-                           if c.name == "added_error" else c for c in r.checks)
+            checks = tuple(replace(c, reason=words) if c.name == "added_error" else c for c in r.checks)
             r = Row(r.name, r.status, checks, r.shape, r.axes, fields=r.fields)
         rows.append(r)
     details = {**report.details, "first_adder": {**report.details["first_adder"], "attention": attention.as_json()}}
