@@ -226,3 +226,21 @@ def test_the_first_adders_attention_in_words(calls, words):
 
     why = None if calls else "no attention call inside it was captured"
     assert words in note_text(Note("compare_attention", {"block": "l.0", "calls": calls, "why": why}))
+
+
+def test_a_capture_of_the_first_adder_that_never_comes_back_says_why_and_opens_no_ledger():
+    from attn_ledger.guard import CallStopped
+    from attn_ledger.probes.model.adder import attention_of
+    from attn_ledger.render.notes import note_text
+    from attn_ledger.report import Note
+
+    class Stopped:
+        def compare_calls(self, *args):
+            raise CallStopped("the worker ran past 60 s", {"timeout_s": 60})
+
+    inputs = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    att = attention_of(Stopped(), {"label": "m"}, inputs, inputs, 0, "model.layers.0")
+    assert att.calls == () and att.ledger is None and att.failing is None
+    assert note_text(Note("compare_attention", att.as_json())) == (
+        "no stage ledger of model.layers.0's attention: the forwards that capture its attention stopped: "
+        "the worker ran past 60 s")
