@@ -82,6 +82,9 @@ def test_padding_side_on_llama_passes_and_a_function_that_ignores_padding_fails_
     assert good.row("position_ids").status == "pass" and good.row("masks").status == "pass"
     bad = _compare("llama", "padding-side", fn="my_attention", mask_format="none", padding="none")
     assert bad.first_finding.row == "model.layers.0"  # left padded, it reads the padding; right padded, it cannot
+    calls = _attention(bad)  # the run whose call is wrong is named: A, left padded
+    assert calls["A"]["status"] == "fail" and "padding ignored" in calls["A"]["diagnosis"]
+    assert calls["B"]["status"] == "pass"
 
 
 def test_rounding_is_not_a_finding():
