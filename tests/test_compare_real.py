@@ -153,6 +153,7 @@ def test_attention_that_reads_across_the_batch_is_named_at_block_0_and_its_call_
     calls = {c["run"]: c for c in report.details["first_adder"]["attention"]["calls"]}
     assert calls["A (example 1 alone)"]["status"] == "pass"
     assert calls["B"]["status"] == "fail" and calls["B"]["check"] == "reference"
+    assert calls["B"]["diagnosis"].startswith("the batch read as one sequence")
 
 
 def _llama_pair():
@@ -240,3 +241,17 @@ def test_github_annotates_the_first_adder_first_with_its_attention_and_no_passin
     assert set(named) == {"model.layers.0", "logits"}
     good = _compare("llama", "attn-implementation=eager,sdpa")
     assert not [ln for ln in render_github(good).splitlines() if ln.startswith(("::error", "::warning"))]
+
+
+def test_a_name_registered_again_without_a_mask_function_gets_no_mask():
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from attn_ledger.probes.model.targets import register_implementation, target
+
+    def registered(mask_format):
+        register_implementation(target("transformers", "llama", implementation="registered_twice",
+                                       register=f"{CUSTOM}:my_attention", mask_format=mask_format))
+        return AttentionMaskInterface._global_mapping.get("registered_twice")
+
+    assert registered("sdpa") is not None
+    assert registered("none") is None  # else the function would still be given the sdpa mask
