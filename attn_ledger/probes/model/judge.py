@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from attn_ledger import tolerance
 from attn_ledger.probes.model.expect import Expected
@@ -427,7 +427,8 @@ def _agreement(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor",
 
 
 def _reference_check(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor", dtype: str,
-                     variants: list[tuple[str, _Setting]]) -> tuple[Check, int]:
+                     variants: Callable[[], list[tuple[str, _Setting]]]) -> tuple[Check, int]:
+    """L4 ``reference``; ``variants`` are made only where it fails (a passing call builds none of their masks)."""
     diff, ratio, at, _ = _agreement(call, s, rows, judged, dtype)
     c, eps = tolerance.rounding("out", dtype)
     limit = diff / ratio if 0 < ratio < math.inf else (0.0 if ratio == math.inf else max(diff, c * eps))
@@ -435,7 +436,7 @@ def _reference_check(call: Call, s: _Setting, rows: "Tensor | None", judged: "Te
     if ratio <= 1.0:
         return bounded(4, "reference", "max |context - float64 reference| (real queries)", diff, max(limit, diff),
                        data=data), 0
-    for text, variant in variants:
+    for text, variant in variants():
         _, r, _, share = _agreement(call, variant, rows, judged, dtype)
         if r <= 1.0 and share >= 0.5:  # a variant that leaves most rows no key explains nothing
             data["diagnosis"] = text
@@ -556,7 +557,7 @@ def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_
     rows = sample_rows(b, nh, tq, tk, budget)
     judged = real if rows is None else real[:, rows]
     ref, example = _reference_check(call, s, rows, judged, dtype,
-                                    _variants(call, exp, s, seen, seen_bias, valid_k, width))
+                                    lambda: _variants(call, exp, s, seen, seen_bias, valid_k, width))
     checks.append(ref)
     sampled = {"rows": tq if rows is None else int(rows.numel()), "of": tq}
     verdict = Verdict(_diagnosed(checks), allow, real, scale, exp.softcap, sampled, example)
