@@ -34,7 +34,7 @@ _PUBLIC_BY_MODULE = (
     ("testing", ("assert_attention_matches", "assert_module_matches")),
     # a whole model's attention calls
     ("probes.model.scan", ("scan_model",)),
-    ("testing", ("assert_model_attention_ok",)),
+    ("testing", ("assert_model_attention_ok", "assert_models_agree")),
     # experiments
     ("probes.catalogue", ("run_catalogue",)),
     ("experiments.scale", ("sweep_scale", "temperature_lab")),

@@ -14,6 +14,9 @@ Example::
     def test_every_attention_call_of_my_model():
         assert_model_attention_ok(model, {"input_ids": ids, "attention_mask": mask})
 
+    def test_my_attention_function_agrees_with_eager():
+        assert_models_agree(eager_model, model_with_my_function)
+
 A function is checked under the kernel protocol
 (``attention(q, k, v, *, allow_mask=None, is_causal=False, scale=None)``, see
 :mod:`attn_ledger.probes.kernel.check`), on the default tier unless told otherwise, with what the
@@ -44,8 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 if TYPE_CHECKING:
     from attn_ledger.report import Report
 
-__all__ = ["InconclusiveCases", "assert_attention_matches", "assert_model_attention_ok", "assert_module_matches",
-           "diagnosis", "model_diagnosis", "module_diagnosis", "rootdir"]
+__all__ = ["InconclusiveCases", "assert_attention_matches", "assert_model_attention_ok", "assert_models_agree",
+           "assert_module_matches", "compare_diagnosis", "diagnosis", "model_diagnosis", "module_diagnosis", "rootdir"]
 
 
 class InconclusiveCases(UserWarning):
@@ -418,4 +421,52 @@ def model_diagnosis(report: "Report") -> str:
         lines.append(f"  coverage: {report.coverage.scope}: {report.coverage.reason}")
     if report.ledger is not None:
         lines.append(f"  stage ledger of {first.row if first else 'the call'}: {finding_line(report.ledger.first_finding)}")
+    return "\n".join(lines)
+
+
+def assert_models_agree(a: Any, b: Any, inputs: Any = None, *, timeout: float | None = None, **options: Any) -> None:
+    """Assert that two runs of one transformers model agree block by block, as ``attn-ledger compare`` judges them.
+
+    Args:
+        a: run A, the reference model.
+        b: run B: the same model, with the same weights, run another way (another attention implementation, a
+            registered function, another dtype).
+        inputs: ``input_ids`` and ``attention_mask`` (and ``position_ids``) for both runs; None makes token ids.
+        timeout: seconds for the forwards (None: no limit; needs the main thread).
+        options: :func:`attn_ledger.probes.model.compare.compare_models`'s: ``batch``, ``seq_len``, ``padding``,
+            ``seed``, ``label``.
+
+    Raises:
+        AssertionError: a row fails; the message names the first block that adds error beyond its bound (or the
+            model-level row), the numbers, and what the stage ledger of that block's attention found in each run.
+    """
+    from attn_ledger.guard import in_process
+    from attn_ledger.probes.model.compare import compare_models
+    from attn_ledger.runner.worker import check_timeout
+
+    __tracebackhide__ = True  # pytest shows the diagnosis, not this frame
+    check_timeout(timeout, "timeout")
+    with in_process(timeout):
+        report = compare_models(a, b, inputs, **options)
+    if report.exit_code:
+        raise AssertionError(compare_diagnosis(report))
+
+
+def compare_diagnosis(report: "Report") -> str:
+    """Plain text from a ``compare`` report: the first failing row and why, every row's numbers, the notes, and the
+    stage ledger's first finding on the first adder's attention."""
+    from attn_ledger.render.notes import notes_text
+    from attn_ledger.render.text import STATUS_WORD, describe, finding_line, fmt_value
+
+    first = report.first_finding
+    lines = [f"{report.title}: " + ("the runs agree" if first is None else
+                                     f"first finding {first.row}: L{first.level} {first.name}: {describe(first.check)}")]
+    for row in report.rows:
+        nums = "  ".join(f"{k} {fmt_value(row.fields[k])}" for k in ("total", "added", "bound")
+                         if row.fields.get(k) is not None)
+        mark = f"  ({row.fields['mark']})" if row.fields.get("mark") else ""
+        lines.append(f"  {row.name:<24} {STATUS_WORD[row.status]:<12} {nums}{mark}")
+    lines += [f"  {n}" for n in notes_text(report)]
+    if report.ledger is not None and report.ledger.first_finding is not None:
+        lines.append(f"  stage ledger of the first adder's attention: {finding_line(report.ledger.first_finding)}")
     return "\n".join(lines)

@@ -34,7 +34,8 @@ ROWS = token_rows(torch.tensor([[True, True, True], [True, True, False]]))  # 5 
     ("attn-implementation=eager,sdpa", "attn-implementation", "eager", "sdpa"),
     ("dtype=float32, bfloat16", "dtype", "float32", "bfloat16"),
     ("padding-side", "padding-side", "left", "right"),
-], ids=["implementation", "dtype", "padding"])
+    ("batch", "batch", "alone", "batched"),
+], ids=["implementation", "dtype", "padding", "batch"])
 def test_vary_parses_each_kind(text, kind, a, b):
     v = parse_vary(text)
     assert (v.kind, v.a, v.b) == (kind, a, b)
@@ -45,8 +46,9 @@ def test_vary_parses_each_kind(text, kind, a, b):
     ("attn-implementation=sdpa,sdpa", "with two different values"),
     ("dtype=float32,int8", "dtype 'int8', expected two of float32"),
     ("cache", "cache is not available yet"),
-    ("speed=1,2", "expected attn-implementation=A,B, dtype=A,B or padding-side"),
-], ids=["one", "same", "int8", "later", "unknown"])
+    ("speed=1,2", "expected attn-implementation=A,B, dtype=A,B, padding-side or batch"),
+    ("batch=2", "expected batch \\(each example alone against the batch\\)"),
+], ids=["one", "same", "int8", "later", "unknown", "batch-value"])
 def test_bad_vary_is_a_one_line_error(text, words):
     with pytest.raises(InputError, match=words):
         parse_vary(text)
@@ -64,6 +66,24 @@ def test_runs_refuse_what_does_not_pair():
     assert (r.plan_a["padding"], r.plan_b["padding"]) == ("left", "right") and r.target_a == r.target_b
     d = runs(parse_vary("dtype=float32,bfloat16"), "llama", plan=plan)
     assert d.dtypes == ("float32", "bfloat16")
+
+
+def test_each_example_alone_holds_its_real_tokens_and_lays_back_out_as_the_batch():
+    from attn_ledger.probes.model.pair import _placed, _placed_mask, alone_inputs
+
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]]), "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
+              "position_ids": torch.tensor([[0, 1, 2, 3], [1, 1, 0, 1]])}
+    valid = inputs["attention_mask"].bool()
+    one = alone_inputs(inputs, valid, 1)
+    assert one["input_ids"].tolist() == [[9, 10]] and one["attention_mask"].tolist() == [[1, 1]]
+    assert one["position_ids"].tolist() == [[0, 1]]
+    h = [torch.arange(4.0).reshape(1, 4, 1), torch.tensor([[[7.0], [8.0]]])]
+    assert _placed(h, valid)[..., 0].tolist() == [[0, 1, 2, 3], [0, 0, 7, 8]]
+    assert _placed([h[0], None], valid) is None  # an example whose block got nothing: nothing to place
+    causal = [torch.ones(4, 4, dtype=torch.bool).tril()[None, None], torch.ones(2, 2, dtype=torch.bool).tril()[None, None]]
+    m = _placed_mask(causal, valid)[:, 0]  # [B, T, T]
+    assert m[1].tolist() == [[False] * 4, [False] * 4, [False, False, True, False], [False, False, True, True]]
+    assert _placed_mask([causal[0], None], valid) is None
 
 
 def test_right_padded_inputs_hold_the_same_tokens_in_the_same_order():
@@ -168,9 +188,59 @@ def test_logits_fail_by_the_ratio_rule_or_by_a_top_token_outside_the_others_top_
     (["--vary", "dtype=float32"], "--vary: got 'dtype=float32', expected dtype=A,B"),
     (["--vary", "padding-side", "--padding", "left"], "--padding: cannot be given with --vary padding-side"),
     (["--vary", "dtype=float32,bfloat16", "--dtype", "float16"], "--dtype: cannot be given with --vary dtype"),
-], ids=["later", "one-dtype", "padding", "dtype"])
+    (["--vary", "batch", "--batch", "1"], "--batch: got 1 with --vary batch, expected at least 2"),
+], ids=["later", "one-dtype", "padding", "dtype", "batch-of-one"])
 def test_bad_input_is_one_line_and_exit_2(args, words):
     result = runner.invoke(app, ["compare", "--transformers", "llama", *args])
     assert result.exit_code == 2, result.output
     assert words in result.output and "Traceback" not in result.output
     assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1
+
+
+def test_the_first_adders_calls_are_kept_with_the_mask_another_blocks_call_sent_first():
+    from attn_ledger.probes.model.pair import _BlockCalls
+
+    got = []
+    keep = _BlockCalls("model.layers.1.", "b", lambda f, t: got.append((f, t)))
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    keep({"path": "model.layers.0.self_attn", "mask": {"key": "mask0", "new": True}}, {"q": torch.zeros(1), "mask": mask})
+    keep({"path": "model.layers.1.self_attn", "mask": {"key": "mask0", "new": False}}, {"q": torch.ones(1)})
+    assert keep.sent == 1 and len(got) == 1
+    facts, tensors = got[0]
+    assert facts["side"] == "b" and facts["mask"] == {"key": "b.mask0", "new": True} and tensors["mask"] is mask
+
+
+@pytest.mark.parametrize("calls, words", [
+    ([{"run": "A", "call": "l.0.attn", "status": "pass"}, {"run": "B", "call": "l.0.attn", "status": "pass"}],
+     "agrees with its float64 reference in runs A, B (2 calls): the error it adds comes from outside"),
+    ([{"run": "A", "call": "l.0.attn", "status": "pass"},
+      {"run": "B", "call": "l.0.attn", "status": "fail", "check": "reference", "reason": "r", "diagnosis": "a window of 17",
+       "stage": "weights", "stage_check": "matches_reference"}],
+     "run B's l.0.attn fails reference (it matches a window of 17); its stage ledger first fails at stage weights "
+     "(matches_reference); run A agrees with its reference there"),
+    ([], "no stage ledger of l.0's attention: no attention call inside it was captured"),
+], ids=["both-agree", "b-fails", "none-captured"])
+def test_the_first_adders_attention_in_words(calls, words):
+    from attn_ledger.render.notes import note_text
+    from attn_ledger.report import Note
+
+    why = None if calls else "no attention call inside it was captured"
+    assert words in note_text(Note("compare_attention", {"block": "l.0", "calls": calls, "why": why}))
+
+
+def test_a_capture_of_the_first_adder_that_never_comes_back_says_why_and_opens_no_ledger():
+    from attn_ledger.guard import CallStopped
+    from attn_ledger.probes.model.adder import attention_of
+    from attn_ledger.render.notes import note_text
+    from attn_ledger.report import Note
+
+    class Stopped:
+        def compare_calls(self, *args):
+            raise CallStopped("the worker ran past 60 s", {"timeout_s": 60})
+
+    inputs = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    att = attention_of(Stopped(), {"label": "m"}, inputs, inputs, 0, "model.layers.0")
+    assert att.calls == () and att.ledger is None and att.failing is None
+    assert note_text(Note("compare_attention", att.as_json())) == (
+        "no stage ledger of model.layers.0's attention: the forwards that capture its attention stopped: "
+        "the worker ran past 60 s")

@@ -158,6 +158,11 @@ def _call(bug: str | None = None, *, window: int | None = None, side: str = "lef
     used = torch.where(~allow, 0.0, torch.finfo(torch.float32).min) if bug == "polarity" else mask
     w = torch.softmax(s + used, dim=-1)
     ctx = w @ vv  # [B, Nh, T, D]
+    if bug == "joined":  # the batch laid end to end under one causal mask, its own mask unused
+        flat = [x.transpose(0, 1).reshape(1, NH, B * T, D) for x in (q, kk, vv)]
+        one = torch.ones(B * T, B * T, dtype=torch.bool).tril()
+        wj = torch.softmax((flat[0] @ flat[1].transpose(-2, -1) * scale).masked_fill(~one, float("-inf")), dim=-1)
+        ctx = (wj @ flat[2]).reshape(NH, B, T, D).transpose(0, 1)
     if bug == "nan_padded":
         ctx[1, :, 0] = float("nan")
     if bug == "garbage_padded":  # rows nobody reads may hold anything finite
@@ -167,7 +172,7 @@ def _call(bug: str | None = None, *, window: int | None = None, side: str = "lef
         rel[None, None] & (j > i - window) & valid[:, None, None, :], 0.0, torch.finfo(torch.float32).min)
     facts = {"entry": 0, "call": 0, "path": "layers.0.self_attn", "via": "interface", "implementation": "eager",
              "kwargs": {"scaling": scale}, "context_layout": "bthd", "module": {"is_causal": True}}
-    call = Call(facts, q, k, v, returned, None, w, window_mask if bug != "wide" else mask, None, None, q_pre, k_pre)
+    call = Call(facts, q, k, v, returned, None, None if bug == "joined" else w, window_mask if bug != "wide" else mask, None, None, q_pre, k_pre)
     rot = {"pairing": "half", "base": 10000.0, "rotated_dim": None} if rotary is not None else None
     exp = Expected("causal", window, scale, "1/sqrt(head_dim 8)", rot, "", None, False, "input", "input", 0)
     return call, exp, Sides({"input": valid}, positions)
@@ -196,6 +201,7 @@ def test_a_correct_call_passes_and_its_padded_rows_are_judged_only_as_finite(sid
     ("padding", "forbidden_weight", "padding ignored"),
     ("heads_first", "layout", "transposed back"),
     ("nan_padded", "finite", ""),
+    ("joined", "reference", "the batch read as one sequence"),
 ])
 def test_each_bug_is_named_at_its_check_with_its_diagnosis(bug, check, words):
     _, first = _first(bug)

@@ -37,7 +37,8 @@ def compare(  # long by its options (typer reads them from the signature); the b
         typer.Option("--vary", metavar="WHAT",
                      help="What differs between run A and run B: attn-implementation=A,B (eager, sdpa, "
                           "flex_attention, or the name given with --register), dtype=A,B (float32, bfloat16, "
-                          "float16, float64), or padding-side (left against right, positions aligned)."),
+                          "float16, float64), padding-side (left against right, positions aligned), or batch (run A: "
+                          "each example alone, one forward each; run B: the batch)."),
     ],
     set_: SetOption = None,
     attn_implementation: ImplementationOption = None,

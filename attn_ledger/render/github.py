@@ -48,8 +48,10 @@ def render_github(report: Report) -> str:
             continue
         seen[key] = len(shown)
         shown.append((kind, row, [c, 0]))
+    marks = {r.name: r.fields.get("mark") for r in report.rows if r.fields.get("mark")}
     for kind, row, (c, more) in shown:
-        title = _prop(f"attn-ledger {report.command}: {row} L{c.level} {c.name}")
+        mark = f" ({marks[row]})" if row in marks else ""  # compare's first adder
+        title = _prop(f"attn-ledger {report.command}: {row} L{c.level} {c.name}{mark}")
         also = f" (and in {more} more {report.row_label}s)" if more else ""
         if firsts and kind == "error":
             others = sum(1 for r in report.rows if r.name == row for x in r.checks if x.failed) - 1

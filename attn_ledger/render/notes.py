@@ -180,8 +180,37 @@ def _scan_inputs(d: Mapping[str, Any]) -> str:
 def _compare_runs(d: Mapping[str, Any]) -> str:
     a, b = d["padding"]
     padding = ("no padding" if a == "none" else f"{a} padding in both") if a == b else f"run A {a} padded, run B {b} padded, real tokens aligned"
-    return (f"--vary {d['vary']}: {padding}; only real tokens compared; bound = {d['factor']:g} x the plain "
+    vary = d["vary"] if d["vary"].startswith("two models") else f"--vary {d['vary']}"
+    return (f"{vary}: {padding}; only real tokens compared; bound = {d['factor']:g} x the plain "
             f"error at each block (eager in each run's dtype against float64) + one eps")
+
+
+def _compare_attention(d: Mapping[str, Any]) -> str:
+    """The first adder's attention in both runs: the failing call's check, diagnosis and ledger stage, or that
+    every call agrees with its reference (the error was added outside attention)."""
+    calls = d.get("calls") or []
+    if not calls:
+        return f"no stage ledger of {d['block']}'s attention: {d.get('why') or 'no call was captured'}"
+    failing = [c for c in calls if c["status"] == "fail"]
+    if not failing:
+        runs = ", ".join(sorted({c["run"] for c in calls}))
+        return (f"the attention of {d['block']} agrees with its float64 reference in run{'s' if ',' in runs else ''} "
+                f"{runs} ({len(calls)} call{'s' if len(calls) != 1 else ''}): the error it adds comes from outside "
+                "its attention calls (projections, norms, MLP)")
+    parts = []
+    for c in failing:
+        text = f"run {c['run']}'s {c['call']} fails {c['check']}"
+        if c.get("diagnosis"):
+            text += f" (it matches {c['diagnosis']})"
+        elif c.get("reason"):
+            text += f" ({c['reason']})"
+        if c.get("stage"):
+            text += f"; its stage ledger first fails at stage {c['stage']} ({c['stage_check']})"
+        parts.append(text)
+    agree = sorted({c["run"] for c in calls} - {c["run"] for c in failing})
+    if agree:
+        parts.append(f"run {', '.join(agree)} agrees with its reference there")
+    return "; ".join(parts)
 
 
 def _scan_reference(d: Mapping[str, Any]) -> str:
@@ -443,6 +472,7 @@ TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "scan_inputs": _scan_inputs,
     "scan_reference": _scan_reference,
     "compare_runs": _compare_runs,
+    "compare_attention": _compare_attention,
     "scan_stopped": _scan_stopped,
     "scan_unreplayable": _scan_unreplayable,
     "scan_saved": _scan_saved,

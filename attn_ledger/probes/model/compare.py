@@ -28,8 +28,8 @@ from attn_ledger.tolerance import COMPARE_FACTOR, TOP_K, compare_bound, eps
 if TYPE_CHECKING:
     from torch import Tensor
 
-VARY_KINDS = ("attn-implementation", "dtype", "padding-side")
-LATER_KINDS = ("target", "batch", "cache", "packing")
+VARY_KINDS = ("attn-implementation", "dtype", "padding-side", "batch")
+LATER_KINDS = ("target", "cache", "packing")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BUILTIN = ("eager", "sdpa", "flex_attention")
 
@@ -44,18 +44,21 @@ class Vary:
 
     @property
     def words(self) -> str:
+        if self.kind == "models":  # two models given to compare_models
+            return f"two models ({self.a} against {self.b})"
         return f"{self.kind}={self.a},{self.b}"
 
 
 def parse_vary(text: str) -> Vary:
-    """``--vary WHAT``: ``attn-implementation=A,B``, ``dtype=A,B`` or ``padding-side`` (left against right).
+    """``--vary WHAT``: ``attn-implementation=A,B``, ``dtype=A,B``, ``padding-side`` (left against right) or
+    ``batch`` (each example alone against the batch).
 
     Raises:
         InputError: an unknown kind, a kind not available yet, or values that are not two distinct names.
     """
     kind, eq, values = text.partition("=")
     kind = kind.strip()
-    expected = "attn-implementation=A,B, dtype=A,B or padding-side"
+    expected = "attn-implementation=A,B, dtype=A,B, padding-side or batch"
     if kind in LATER_KINDS:
         raise InputError(f"--vary: got {shown(text)}; {kind} is not available yet, expected {expected}")
     if kind not in VARY_KINDS:
@@ -64,6 +67,10 @@ def parse_vary(text: str) -> Vary:
         if eq and values.replace(" ", "") not in ("left,right", ""):
             raise InputError(f"--vary: got {shown(text)}, expected padding-side (left against right)")
         return Vary(kind, "left", "right")
+    if kind == "batch":
+        if eq and values.replace(" ", "") not in ("alone,batched", ""):
+            raise InputError(f"--vary: got {shown(text)}, expected batch (each example alone against the batch)")
+        return Vary(kind, "alone", "batched")
     names = [v.strip() for v in values.split(",")]
     if not eq or len(names) != 2 or not all(names) or names[0] == names[1]:
         raise InputError(f"--vary: got {shown(text)}, expected {kind}=A,B with two different values")
@@ -126,6 +133,10 @@ def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str 
     t = make(implementation, register)
     if vary.kind == "dtype":
         return Runs(vary, t, t, (vary.a, vary.b), plan.to_json(), plan.to_json())
+    if vary.kind == "batch":
+        if plan.batch < 2:
+            raise InputError(f"--batch: got {plan.batch} with --vary batch, expected at least 2 examples to batch")
+        return Runs(vary, t, t, (dtype, dtype), plan.to_json(), plan.to_json())
     if plan.padding != "none":
         raise InputError("--padding: cannot be given with --vary padding-side (run A is left padded, run B right)")
     return Runs(vary, t, t, (dtype, dtype), replace(plan, padding="left").to_json(),
@@ -329,19 +340,56 @@ def token_rows(valid_b: "Tensor") -> dict[str, Any]:
     return {"example": example, "token": token, "counts": counts}
 
 
-def compare(handle: Any, runs_: Runs) -> Report:
+def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = None) -> Report:
     """Run both runs through ``handle`` (a :class:`~attn_ledger.probes.model.driver.LocalModel` or ``RemoteModel``
-    built from :meth:`Runs.args`) and judge them."""
+    built from :meth:`Runs.args`) and judge them; on ``given`` inputs (both runs), else on inputs made from the
+    runs' plans."""
     from attn_ledger.probes.model.inputs import InputPlan, make_inputs, valid_positions, pad_counts
 
     facts = handle.facts
-    plan_a, plan_b = InputPlan(**runs_.plan_a), InputPlan(**runs_.plan_b)
-    inputs_a = make_inputs(plan_a, facts)
-    valid_b = valid_positions(pad_counts(plan_b.batch, plan_b.seq_len, plan_b.padding), plan_b.seq_len, plan_b.padding)
-    inputs_b = aligned_inputs(inputs_a, valid_b) if plan_b.padding != plan_a.padding else inputs_a
+    if given is not None:
+        inputs_a = inputs_b = dict(given)
+        valid_b = given["attention_mask"].bool()
+    else:
+        plan_a, plan_b = InputPlan(**runs_.plan_a), InputPlan(**runs_.plan_b)
+        inputs_a = make_inputs(plan_a, facts)
+        valid_b = valid_positions(pad_counts(plan_b.batch, plan_b.seq_len, plan_b.padding), plan_b.seq_len,
+                                  plan_b.padding)
+        inputs_b = aligned_inputs(inputs_a, valid_b) if plan_b.padding != plan_a.padding else inputs_a
     judge = Judge(facts, runs_.dtypes, token_rows(valid_b))
     run = handle.compare(inputs_a, inputs_b, judge.take)
-    return compare_report(facts, runs_, judge, run)
+    report = compare_report(facts, runs_, judge, run)
+    first = report.details.get("first_adder")
+    if first is None or not hasattr(handle, "compare_calls"):
+        return report
+    from attn_ledger.probes.model.adder import attention_of
+
+    alone = None
+    if runs_.vary.kind == "batch":
+        where = report.row(first["block"]).check("added_error").location or {}
+        alone = int(where.get("example", 0))
+    return with_attention(report, attention_of(handle, facts, inputs_a, inputs_b, first["layer"], first["block"],
+                                               alone))
+
+
+def with_attention(report: Report, attention: Any) -> Report:
+    """The report with the first adder's attention (:class:`~attn_ledger.probes.model.adder.Attention`): its words
+    on the first adder's ``added_error`` check (and so on the headline), the details, and the stage ledgers, the
+    report opening onto the failing call's."""
+    from dataclasses import replace
+
+    from attn_ledger.render.notes import note_text
+    from attn_ledger.report import first_finding_of
+
+    words = note_text(Note("compare_attention", attention.as_json()))
+    rows = []
+    for r in report.rows:
+        if r.name == attention.block and r.fields.get("mark") == "first adder":
+            checks = tuple(replace(c, reason=words) if c.name == "added_error" else c for c in r.checks)
+            r = Row(r.name, r.status, checks, r.shape, r.axes, fields=r.fields)
+        rows.append(r)
+    details = {**report.details, "first_adder": {**report.details["first_adder"], "attention": attention.as_json()}}
+    return replace(report, rows=tuple(rows), first_finding=first_finding_of(rows), details=details, ledger=attention.ledger, ledgers=dict(attention.ledgers))
 
 
 def compare_report(facts: Mapping[str, Any], runs_: Runs, judge: Judge, run: Mapping[str, Any]) -> Report:
@@ -357,7 +405,8 @@ def compare_report(facts: Mapping[str, Any], runs_: Runs, judge: Judge, run: Map
                                              fields={**r.fields, "mark": "first adder"}) for r in rows]
     b = facts.get("b", {})
     plan = runs_.plan_a
-    title = (f"compare {facts['label']} ({facts['class']}, {len(judge.blocks)} blocks) --vary {runs_.vary.words}: "
+    vary = runs_.vary.words if runs_.vary.kind == "models" else f"--vary {runs_.vary.words}"
+    title = (f"compare {facts['label']} ({facts['class']}, {len(judge.blocks)} blocks) {vary}: "
              f"A {facts.get('implementation')} {runs_.dtypes[0]}, B {b.get('implementation')} {runs_.dtypes[1]}, "
              f"B={plan['batch']} T={plan['seq_len']}")
     note = Note("compare_runs", {"vary": runs_.vary.words, "dtypes": list(runs_.dtypes), "factor": COMPARE_FACTOR,
@@ -376,3 +425,48 @@ def stopped_report(args: Mapping[str, Any], reason: str, data: Mapping[str, Any]
     check = Check(1, "forward", "fail", reason=reason, data=dict(data))
     return Report("compare", f"compare {label}", (Row("forward", "fail", (check,)),), unit="row", row_label="layer",
                   details={"model": {"label": label}})
+
+
+def compare_models(a: Any, b: Any, inputs: "Mapping[str, Tensor] | None" = None, *, batch: int = 2, seq_len: int = 24,
+                   padding: str = "left", seed: int = 0, label: str | None = None) -> Report:
+    """Compare two runs of one transformers model in this process, block by block (see :func:`compare`).
+
+    Args:
+        a: run A, the reference: a transformers model (its weights, dtype and attention implementation as given).
+        b: run B: the same model run another way (another attention implementation, dtype, a registered function),
+            holding the same weights (``b = copy.deepcopy(a)`` then ``b.set_attn_implementation("sdpa")``, say).
+            Neither model is changed: the plain models the bound is made of are copies of ``a``.
+        inputs: the forward's ``input_ids`` and ``attention_mask`` (and ``position_ids``), ``[B, T]``, both runs'; None
+            makes token ids from ``batch``, ``seq_len``, ``padding`` and ``seed``.
+        label: how the report names the model (default: A's class).
+
+    Raises:
+        InputError: inputs without ``input_ids`` and ``attention_mask`` of one shape ``[B, T]``; models that differ
+            in their weights' names; a model with no list of blocks.
+    """
+    from attn_ledger.probes.model.driver import LocalModel, model_facts
+    from attn_ledger.probes.model.inputs import InputPlan
+    from attn_ledger.probes.model.pair import pair_of
+
+    name = label or type(a).__name__
+    if set(a.state_dict()) != set(b.state_dict()):
+        missing = sorted(set(a.state_dict()) ^ set(b.state_dict()))
+        raise InputError(f"b: its weights' names differ from a's ({missing[0]} ...); expected one model run two ways")
+    if inputs is not None:
+        ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+        if ids is None or mask is None or ids.dim() != 2 or tuple(ids.shape) != tuple(mask.shape):
+            raise InputError(f"inputs: got {sorted(inputs)}, expected input_ids and attention_mask of one shape [B, T]")
+        batch, seq_len = (int(n) for n in ids.shape)
+    was = a.training, b.training
+    a.eval(), b.eval()
+    try:
+        pair = pair_of(a, b, name, name, model_facts)
+        dtypes = (pair.facts["dtype"], pair.facts["b"]["dtype"])
+        impls = (pair.facts.get("implementation"), pair.facts["b"].get("implementation"))
+        plan = InputPlan(batch, seq_len, "none" if inputs is not None else padding, seed).to_json()
+        if inputs is not None:
+            plan["padding"] = "given"  # whatever the given mask pads
+        r = Runs(Vary("models", f"{impls[0]} {dtypes[0]}", f"{impls[1]} {dtypes[1]}"), {}, {}, dtypes, plan, plan)
+        return compare(LocalModel(pair), r, inputs)  # type: ignore[arg-type]
+    finally:
+        a.train(was[0]), b.train(was[1])

@@ -143,6 +143,11 @@ def run_scan(loaded: Loaded, inputs: "Mapping[str, Tensor] | None", sink: Sink) 
     return out
 
 
+def scan_forward(model: Any, facts: dict[str, Any], inputs: "Mapping[str, Tensor]", sink: Sink) -> dict[str, Any]:
+    """:func:`run_scan` of a model built elsewhere (a compare's run) on the inputs given."""
+    return run_scan(Loaded(model, None, facts), inputs, sink)
+
+
 def _forward_args(loaded: Loaded, inputs: "Mapping[str, Tensor] | None") -> tuple[tuple, dict]:
     import torch
 
@@ -214,6 +219,11 @@ def serve(loaded: Loaded, kind: str, meta: dict[str, Any], tensors: dict[str, "T
         from attn_ledger.probes.model.pair import run_compare
 
         return run_compare(loaded, *split_sides(tensors), send), {}  # type: ignore[arg-type]
+    if kind == "compare_calls":
+        from attn_ledger.probes.model.pair import run_calls
+
+        return run_calls(loaded, *split_sides(tensors), int(meta["block"]), send, scan_forward,  # type: ignore[arg-type]
+                         int(meta.get("example", 0))), {}
     if kind != "scan":
         raise ValueError(f"the model driver has no request {kind!r}")
     return run_scan(loaded, tensors if meta.get("inputs") == "sent" else None, send), {}
@@ -243,6 +253,12 @@ class LocalModel:
         from attn_ledger.probes.model.pair import run_compare
 
         return run_compare(self.loaded, inputs_a, inputs_b, sink)  # type: ignore[arg-type]
+
+    def compare_calls(self, inputs_a: "Mapping[str, Tensor]", inputs_b: "Mapping[str, Tensor]", block: int,
+                      sink: Sink, example: int = 0) -> dict[str, Any]:
+        from attn_ledger.probes.model.pair import run_calls
+
+        return run_calls(self.loaded, inputs_a, inputs_b, block, sink, scan_forward, example)  # type: ignore[arg-type]
 
 
 class RemoteModel:
@@ -277,4 +293,20 @@ class RemoteModel:
         meta = {"what": f"the forwards of {self.facts['label']}", "threads": torch.get_num_threads()}
         sent = {**{f"a.{k}": v for k, v in inputs_a.items()}, **{f"b.{k}": v for k, v in inputs_b.items()}}
         facts, _ = self.sup.call_model("compare", meta, pack(sent), part)
+        return facts
+
+    def compare_calls(self, inputs_a: "Mapping[str, Tensor]", inputs_b: "Mapping[str, Tensor]", block: int,
+                      sink: Sink, example: int = 0) -> dict[str, Any]:
+        """Each run's attention calls inside one block, as scan captures them, streamed back to ``sink``."""
+        import torch
+
+        from attn_ledger.probes.common.driver import pack, unpack
+
+        def part(facts: dict[str, Any], blob: bytes) -> None:
+            sink(facts, unpack(blob))
+
+        meta = {"what": f"the forwards of {self.facts['label']} (block {block}'s attention)",
+                "threads": torch.get_num_threads(), "block": block, "example": example}
+        sent = {**{f"a.{k}": v for k, v in inputs_a.items()}, **{f"b.{k}": v for k, v in inputs_b.items()}}
+        facts, _ = self.sup.call_model("compare_calls", meta, pack(sent), part)
         return facts

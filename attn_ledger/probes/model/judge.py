@@ -16,8 +16,8 @@ the call's finding):
   attention on the observed q, k, v under the implied relation, scale, soft-cap, bias and sinks,
   element by element within the rounding rule ``c * eps * M`` (:mod:`attn_ledger.probes.model.reference`).
   Where it fails, the variants a bug would compute (kv heads tiled, the scaling ignored, a window one
-  wider, the mask's polarity flipped, the soft-cap or sinks dropped, padding ignored, the call's own
-  mask) are computed too, and the one that matches is the diagnosis, carried to the call's finding.
+  wider, the mask's polarity flipped, the soft-cap or sinks dropped, padding ignored, the batch read as one
+  sequence, the call's own mask) are computed too, and the one that matches is the diagnosis, carried to the call's finding.
 
 Padded query rows (queries whose own token is padding: fully padded ones, and under right padding
 those that still see keys) are read by nobody, so they are judged only as finite.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from attn_ledger import tolerance
 from attn_ledger.probes.model.expect import Expected
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 CHECK_ORDER = ((1, "observed"), (1, "layout"), (3, "finite"), (3, "weights_sum"), (3, "forbidden_weight"),
                (4, "rotary"), (4, "scale"), (4, "relation"), (4, "softcap"), (4, "sinks"), (4, "reference"))
 _POSITION = {name: i for i, (_, name) in enumerate(CHECK_ORDER)}
+
+JOINED_MOST = 2048
+"""The batch-as-one-sequence variant is tried while ``B * T`` is at most this (its mask is ``(B*T)^2``)."""
 
 REFERENCE_BUDGET = 1 << 20
 """A call's float64 reference covers every query row while ``B * Nh * Tq * Tk`` is at most this; above it,
@@ -380,6 +383,15 @@ class _Setting:
     bias: "Tensor | None"
     sinks: "Tensor | None"
     tiled: bool = False
+    joined: bool = False  # the batch's examples laid end to end as one sequence (``allow`` is over it)
+
+
+def _joined(call: Call) -> Call:
+    """The call with its examples laid end to end: q, k, v and the context as ``[1, H, B*T, D]``."""
+    def flat(x: "Tensor") -> "Tensor":  # [B, H, T, D] -> [1, H, B*T, D], example after example
+        return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2], x.shape[3])
+
+    return replace(call, q=flat(call.q), k=flat(call.k), v=flat(call.v), context=flat(call.context))
 
 
 def _agreement(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor", dtype: str
@@ -390,6 +402,10 @@ def _agreement(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor",
 
     from attn_ledger.engine.rounding import accumulation
 
+    if s.joined:
+        if rows is not None:  # sampled rows of a joined batch: not worth the bookkeeping; it explains nothing
+            return math.inf, math.inf, None, 0.0
+        call, judged = _joined(call), judged.reshape(1, -1)  # [1, B*Tq]
     att = attend64(call.q, call.k, call.v, s.allow, s.scale, rows=rows, softcap=s.softcap, bias=s.bias, sinks=s.sinks,
                    tiled=s.tiled, accumulate=accumulation(dtype) if dtype in tolerance.EPS else 1.0,
                    tiny=tolerance.tiny(dtype))
@@ -411,7 +427,8 @@ def _agreement(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor",
 
 
 def _reference_check(call: Call, s: _Setting, rows: "Tensor | None", judged: "Tensor", dtype: str,
-                     variants: list[tuple[str, _Setting]]) -> tuple[Check, int]:
+                     variants: Callable[[], list[tuple[str, _Setting]]]) -> tuple[Check, int]:
+    """L4 ``reference``; ``variants`` are made only where it fails (a passing call builds none of their masks)."""
     diff, ratio, at, _ = _agreement(call, s, rows, judged, dtype)
     c, eps = tolerance.rounding("out", dtype)
     limit = diff / ratio if 0 < ratio < math.inf else (0.0 if ratio == math.inf else max(diff, c * eps))
@@ -419,13 +436,14 @@ def _reference_check(call: Call, s: _Setting, rows: "Tensor | None", judged: "Te
     if ratio <= 1.0:
         return bounded(4, "reference", "max |context - float64 reference| (real queries)", diff, max(limit, diff),
                        data=data), 0
-    for text, variant in variants:
+    for text, variant in variants():
         _, r, _, share = _agreement(call, variant, rows, judged, dtype)
         if r <= 1.0 and share >= 0.5:  # a variant that leaves most rows no key explains nothing
             data["diagnosis"] = text
             break
     reason = f"the context matches {data['diagnosis']}" if "diagnosis" in data else \
-        "no variant tried (kv tiling, scale, window, padding, polarity, soft-cap, sinks) explains it"
+        "no variant tried (kv tiling, scale, window, batch as one sequence, padding, polarity, soft-cap, " \
+        "sinks) explains it"
     check = Check(4, "reference", "fail", "max |context - float64 reference| (real queries)", diff, limit, "<=",
                   location=at, reason=reason, data=data)
     return check, (at or {}).get("example", 0)
@@ -434,6 +452,8 @@ def _reference_check(call: Call, s: _Setting, rows: "Tensor | None", judged: "Te
 def _variants(call: Call, exp: Expected, s: _Setting, seen: "Tensor", seen_bias: "Tensor | None",
               valid_k: "Tensor", width: int) -> list[tuple[str, _Setting]]:
     """The wrong computations worth naming for this call, most specific first."""
+    import torch
+
     nh, nkv = call.q.shape[1], call.k.shape[1]
     out: list[tuple[str, _Setting]] = []
     if nkv > 1 and nh > nkv:
@@ -459,6 +479,11 @@ def _variants(call: Call, exp: Expected, s: _Setting, seen: "Tensor", seen_bias:
     elif exp.relation == "bidirectional":
         out.append(("a causal mask on a bidirectional layer",
                     replace(s, allow=expected_allow(replace(exp, relation="causal"), valid_k, tq, tk))))
+    b = call.q.shape[0]
+    if exp.relation == "causal" and 1 < b and b * tq <= JOINED_MOST and tq == tk and s.bias is None:
+        causal = torch.ones(b * tq, b * tk, dtype=torch.bool).tril()[None, None]  # [1, 1, B*Tq, B*Tk]
+        out.append(("the batch read as one sequence: each example attends to the examples before it, its mask "
+                    "unused", replace(s, allow=causal, joined=True)))
     if not bool(valid_k.all()):
         out.append(("padding ignored: padded keys attended",
                     replace(s, allow=expected_allow(exp, valid_k.new_ones(valid_k.shape), tq, tk))))
@@ -532,7 +557,7 @@ def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_
     rows = sample_rows(b, nh, tq, tk, budget)
     judged = real if rows is None else real[:, rows]
     ref, example = _reference_check(call, s, rows, judged, dtype,
-                                    _variants(call, exp, s, seen, seen_bias, valid_k, width))
+                                    lambda: _variants(call, exp, s, seen, seen_bias, valid_k, width))
     checks.append(ref)
     sampled = {"rows": tq if rows is None else int(rows.numel()), "of": tq}
     return Verdict(carry_diagnosis(checks, _POSITION, "the context matches", keep_own=True), allow, real, scale,

@@ -44,6 +44,7 @@ class Pair:
     exact: Any
     blocks: list[str]
     facts: dict[str, Any]
+    alone: bool = False  # --vary batch: run A is one forward per example, alone
 
 
 def _dtype(name: str) -> Any:
@@ -105,16 +106,29 @@ def setup(args: dict[str, Any], model_facts: Callable[..., dict[str, Any]]) -> t
         b.load_state_dict(a.state_dict())
     da, db = args["dtypes"]
     a, b = a.to(_dtype(da)).eval(), b.to(_dtype(db)).eval()
+    pair = pair_of(a, b, ta.label, tb.label, model_facts, alone=(args.get("vary") or [""])[0] == "batch")
+    return pair, {"units": [0], "model": pair.facts}
+
+
+def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_facts: Callable[..., dict[str, Any]],
+            alone: bool = False) -> Pair:
+    """Two built runs (in eval mode, each in its dtype) and the plain models beside them: A's model with eager
+    attention in each run's dtype, and in float64.
+
+    Raises:
+        InputError: A has no list of blocks holding its attention modules.
+    """
+    da, db = (str(next(m.parameters()).dtype).removeprefix("torch.") for m in (a, b))
     plain = {d: _plain_copy(a, d) for d in dict.fromkeys((da, db))}
     # transformers' eager attention takes its softmax in float32; SDPA computes in float64 throughout
     exact = _plain_copy(a, "float64", ("sdpa", "eager"))
-    facts = model_facts(a, None, ta.label)
-    facts["b"] = model_facts(b, None, tb.label)
+    facts = model_facts(a, None, label_a)
+    facts["b"] = model_facts(b, None, label_b)
     blocks = blocks_of(a)
     facts["blocks"] = blocks
     if not blocks:
-        raise InputError(f"target: {ta.label} has no list of blocks holding its attention modules to compare")
-    return Pair(a, b, plain, exact, blocks, facts), {"units": [0], "model": facts}
+        raise InputError(f"target: {label_a} has no list of blocks holding its attention modules to compare")
+    return Pair(a, b, plain, exact, blocks, facts, alone)
 
 
 # --- one forward, watched block by block ------------------------------------------------------------------
@@ -221,15 +235,86 @@ class _Raised(Exception):
     """A run's forward raised: a finding of the compare, not a setup error."""
 
 
-def mover(valid_a: "Tensor", valid_b: "Tensor") -> Callable[[Any, Any], Any]:
+def mover(valid_a: "Tensor", valid_b: "Tensor", pads: bool = True) -> Callable[[Any, Any], Any]:
     """``moved(h_a, h_own)``: A's hidden states laid out as this run's, in its dtype: A's real rows at this run's
-    real positions, A's padded rows at its padded ones (both runs have as many of each per example)."""
+    real positions, and (``pads``) A's padded rows at its padded ones (both runs have as many of each per example);
+    without ``pads`` (A had no padded rows: each example ran alone) the run keeps its own padded rows."""
     def moved(h_a: "Tensor", h_own: "Tensor") -> "Tensor":
         out = h_own.clone()
         out[valid_b] = h_a[valid_a].to(out.dtype)
-        out[~valid_b] = h_a[~valid_a].to(out.dtype)
+        if pads:
+            out[~valid_b] = h_a[~valid_a].to(out.dtype)
         return out
     return moved
+
+
+# --- --vary batch: each example alone, laid out as the batch -----------------------------------------------
+
+
+def alone_inputs(inputs: Mapping[str, Any], valid: "Tensor", example: int) -> dict[str, Any]:
+    """One example's forward alone: its real tokens only (no padding), position ids from 0."""
+    import torch
+
+    idx = valid[example].nonzero().flatten()  # [n] its real positions
+    out: dict[str, Any] = {}
+    for name, t in inputs.items():
+        if name == "position_ids":
+            out[name] = torch.arange(idx.numel())[None]  # [1, n]
+        elif name in ("input_ids", "attention_mask"):
+            out[name] = t[example, idx][None]  # [1, n]
+        else:
+            out[name] = t[example:example + 1]
+    return out
+
+
+def _placed(parts: list[Any], valid: "Tensor") -> Any:
+    """Per-example ``[1, n_b, ...]`` tensors as one ``[B, T, ...]`` (zeros at padded positions), or None where an
+    example has none."""
+    import torch
+
+    if any(p is None for p in parts):
+        return None
+    out = parts[0].new_zeros(*valid.shape, *parts[0].shape[2:])
+    for bi, p in enumerate(parts):
+        out[bi, valid[bi]] = p[0].to(out.dtype)
+    return out
+
+
+def _placed_mask(masks: list[Any], valid: "Tensor") -> Any:
+    """Each example's mask, as it allows its own real keys, placed in a ``[B, 1, T, T]`` bool mask of the batch's
+    layout (padded pairs blocked); None where an example's block got none."""
+    import torch
+
+    b, t = valid.shape
+    out = torch.zeros(b, t, t, dtype=torch.bool)
+    for bi, m in enumerate(masks):
+        n = int(valid[bi].sum())
+        allow = allowed(m, torch.ones(1, n, dtype=torch.bool))
+        if allow is None:
+            return None
+        idx = valid[bi].nonzero().flatten()
+        out[bi, idx[:, None], idx[None, :]] = allow[0]
+    return out[:, None]  # [B, 1, T, T]
+
+
+def _alone(model: Any, blocks: list[str], inputs: Mapping[str, Any], valid: "Tensor", label: str) -> Seen:
+    """Run A of ``--vary batch``: one forward per example alone, what each block kept laid out as the batch."""
+    seen = [_forward(model, Watch(model, blocks), alone_inputs(inputs, valid, e), f"{label} (run A, example {e} alone)")
+            for e in range(valid.shape[0])]
+    n = len(blocks)
+    out = Seen([None] * n, [None] * n, [None] * n, [{} for _ in range(n)])
+    for i in range(n):
+        out.inputs[i] = _placed([s.inputs[i] for s in seen], valid)
+        out.outputs[i] = _placed([s.outputs[i] for s in seen], valid)
+        kw = [s.kwargs[i] for s in seen]
+        emb = [k.get("position_embeddings") for k in kw]
+        pairs = None if any(not isinstance(e, (tuple, list)) or len(e) != 2 for e in emb) else \
+            tuple(_placed([e[j] for e in emb], valid) for j in (0, 1))
+        out.kwargs[i] = {"attention_mask": _placed_mask([k.get("attention_mask") for k in kw], valid),
+                         "position_ids": _placed([k.get("position_ids") for k in kw], valid),
+                         "position_embeddings": pairs}
+    out.logits = _placed([s.logits for s in seen], valid)
+    return out
 
 
 def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, Any], sink: Sink) -> dict[str, Any]:
@@ -237,8 +322,9 @@ def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, 
     valid_a, valid_b = inputs_a["attention_mask"].bool(), inputs_b["attention_mask"].bool()
     blocks, label = pair.blocks, pair.facts["label"]
     try:
-        seen_a = _forward(pair.a, Watch(pair.a, blocks), inputs_a, f"{label} (run A)")
-        moved = mover(valid_a, valid_b)
+        seen_a = _alone(pair.a, blocks, inputs_a, valid_a, label) if pair.alone else \
+            _forward(pair.a, Watch(pair.a, blocks), inputs_a, f"{label} (run A)")
+        moved = mover(valid_a, valid_b, pads=not pair.alone)
         seen_b = _forward(pair.b, Watch(pair.b, blocks, seen_a.inputs, moved), inputs_b, f"{label} (run B)")
         plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved, ~valid_b), inputs_b, f"plain {d} {label}")
                  for d, m in pair.plain.items()}
@@ -326,3 +412,51 @@ def _real_square(m: "Tensor", valid: "Tensor") -> "Tensor":
         sub = m[bi][valid[bi]][:, valid[bi]]  # [n_b, n_b]
         rows.append(torch.nn.functional.pad(sub, (0, width - sub.shape[1]), value=False))
     return torch.cat(rows)  # [N, n_max]
+
+
+# --- the first adder's attention, as scan captures it ----------------------------------------------------
+
+
+class _BlockCalls:
+    """A capture sink that passes on only the calls inside one block, each with the mask and bias it shares with
+    other blocks' calls resent (the capture sends a shared tensor once, perhaps with a call this sink drops)."""
+
+    def __init__(self, prefix: str, side: str, sink: Sink) -> None:
+        self.prefix, self.side, self.sink = prefix, side, sink
+        self.shared: dict[str, Any] = {}
+        self.sent = 0
+
+    def __call__(self, facts: dict[str, Any], tensors: dict[str, "Tensor"]) -> None:
+        for role in ("mask", "bias"):
+            ref = facts.get(role)
+            if ref is not None and ref.get("new"):
+                self.shared[ref["key"]] = tensors[role]
+        if not str(facts.get("path") or "").startswith(self.prefix):
+            return
+        facts, tensors = {**facts, "side": self.side}, dict(tensors)
+        for role in ("mask", "bias"):
+            ref = facts.get(role)
+            if ref is not None:
+                facts[role] = {"key": f"{self.side}.{ref['key']}", "new": True}
+                tensors[role] = self.shared[ref["key"]]
+        self.sent += 1
+        self.sink(facts, tensors)
+
+
+def run_calls(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, Any], index: int, sink: Sink,
+              scan_forward: Callable[[Any, dict[str, Any], Mapping[str, Any], Sink], dict[str, Any]],
+              example: int = 0) -> dict[str, Any]:
+    """Each run's own forward once more under scan's capture (``scan_forward(model, facts, inputs, sink)``:
+    :func:`attn_ledger.probes.model.driver.run_scan`, which imports this module), sending only the attention calls
+    inside block ``index``, ``side`` ("a" or "b") added to their facts. Under ``--vary batch`` run A is ``example``
+    alone."""
+    prefix = pair.blocks[index] + "."
+    out: dict[str, Any] = {}
+    if pair.alone:  # run A of --vary batch: the example the block's error is worst on, alone
+        inputs_a = alone_inputs(inputs_a, inputs_a["attention_mask"].bool(), example)
+    for side, model, inputs, facts in (("a", pair.a, inputs_a, pair.facts), ("b", pair.b, inputs_b, pair.facts["b"])):
+        keep = _BlockCalls(prefix, side, sink)
+        run = scan_forward(model, facts, inputs, keep)
+        out[side] = {"calls": keep.sent, "error": (run.get("error") or {}).get("text"),
+                     "unseen": [p for _, p in run.get("unseen", []) if str(p).startswith(prefix)]}
+    return out

@@ -246,7 +246,7 @@ def scan_report(model: Mapping[str, Any], judge: Judge, run: Mapping[str, Any], 
 # --- a whole scan -----------------------------------------------------------------------------------
 
 
-def _sides(inputs: "Mapping[str, Tensor] | None") -> Sides:
+def sides_of(inputs: "Mapping[str, Tensor] | None") -> Sides:
     """The real tokens of each side, and the decoder's positions, from the inputs sent (none: all real)."""
     import torch
 
@@ -296,7 +296,7 @@ def scan(handle: Any, plan: Any, options: ScanOptions = ScanOptions()) -> Report
     model = handle.facts
     given = model.get("given_inputs")
     inputs = None if given is not None else make_inputs(plan, model)
-    judge = Judge(model, _sides(inputs if inputs is not None else _given_sides(given)), options)
+    judge = Judge(model, sides_of(inputs if inputs is not None else _given_sides(given)), options)
     with _saving(judge, options.save):
         try:
             run = handle.scan(inputs, judge.take)

@@ -244,6 +244,8 @@ def register_implementation(t: Target) -> None:
     AttentionInterface.register(t.implementation, fn)
     if t.mask_format != "none":
         AttentionMaskInterface.register(t.implementation, sdpa_mask if t.mask_format == "sdpa" else eager_mask)
+    else:  # no mask: not even one an earlier registration of this name in the process gave it
+        AttentionMaskInterface._global_mapping.pop(t.implementation, None)
 
 
 def build(t: Target, head: bool = False) -> tuple["nn.Module", Any]:

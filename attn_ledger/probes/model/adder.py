@@ -1,0 +1,113 @@
+"""The first adder's attention: each run's calls inside that block, judged and put through the stage ledger as
+``scan`` does its first wrong call.
+
+Once ``compare`` has named the first block that adds error, the worker runs each run's own forward once more under
+scan's capture (:func:`attn_ledger.probes.model.pair.run_calls`), sending only that block's attention calls. Here
+each run's calls go to a scan :class:`~attn_ledger.probes.model.scan.Judge` of their own (the run's model facts,
+its own inputs' real tokens and positions), which judges every call against the config and runs its stage ledger
+(:func:`attn_ledger.probes.model.scan.call_ledger`). What comes back is plain data per call (:class:`CallSummary`)
+and the ledgers themselves: the run, the call, its first failing check with the diagnosis the reference found, and
+the first stage where its ledger fails. A block whose attention passes in both runs added its error elsewhere (its
+MLP, its norms), and the summary says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from attn_ledger.guard import CallStopped
+from attn_ledger.report import Report, row_status
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+RUNS = (("a", "A"), ("b", "B"))
+
+
+@dataclass(frozen=True)
+class CallSummary:
+    """One attention call of the first adder in one run: its scan verdict and its stage ledger's first finding."""
+
+    run: str
+    call: str
+    status: str
+    check: str | None = None
+    reason: str = ""
+    diagnosis: str | None = None
+    stage: str | None = None
+    stage_check: str | None = None
+    ledger: str | None = None  # the ledger's key in the report's ``ledgers``, or why there is none
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """The first adder's attention in both runs: a summary per call, their stage ledgers by key, and the ledger the
+    report opens onto (the first failing call's, else run B's first)."""
+
+    block: str
+    calls: tuple[CallSummary, ...]
+    ledgers: Mapping[str, Report]
+    why: str = ""  # why nothing was captured, where nothing was
+
+    @property
+    def failing(self) -> CallSummary | None:
+        return next((c for c in self.calls if c.status == "fail"), None)
+
+    @property
+    def ledger(self) -> Report | None:
+        shown = self.failing or next((c for c in self.calls if c.run.startswith("B")), None)
+        return None if shown is None else self.ledgers.get(shown.ledger or "")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"block": self.block, "calls": [c.as_json() for c in self.calls], "why": self.why or None}
+
+
+def _summary(run: str, judge: Any, entry: Any, ledgers: dict[str, Report]) -> CallSummary:
+    from attn_ledger.probes.model.scan import label_of
+
+    label = label_of(entry.facts)
+    if entry.verdict is None:
+        return CallSummary(run, label, "not_reached", reason="not judged")
+    checks = entry.verdict.checks
+    first = entry.verdict.first_failure()
+    found = judge.ledgers.get(label)
+    key = f"{run}: {label}"
+    stage = stage_check = None
+    if isinstance(found, Report):
+        ledgers[key] = found
+        if found.first_finding is not None:
+            stage, stage_check = found.first_finding.row, found.first_finding.name
+    return CallSummary(run, label, row_status(checks), None if first is None else first.name,
+                       "" if first is None else first.reason,
+                       None if first is None else (first.data or {}).get("diagnosis"), stage, stage_check,
+                       key if key in ledgers else None)
+
+
+def attention_of(handle: Any, facts: Mapping[str, Any], inputs_a: Mapping[str, "Tensor"],
+                 inputs_b: Mapping[str, "Tensor"], index: int, block: str, alone: int | None = None) -> Attention:
+    """Block ``index``'s attention calls in both runs (through ``handle.compare_calls``), judged and ledgered;
+    ``alone``: run A is that example alone (``--vary batch``)."""
+    from attn_ledger.probes.model.pair import alone_inputs
+    from attn_ledger.probes.model.scan import Judge, ScanOptions, sides_of
+
+    options = ScanOptions(keep_going=True, every_ledger=True)
+    sides_a = sides_of(inputs_a if alone is None else alone_inputs(inputs_a, inputs_a["attention_mask"].bool(), alone))
+    judges = {"a": Judge(facts, sides_a, options), "b": Judge(facts.get("b", facts), sides_of(inputs_b), options)}
+    names = dict(RUNS) if alone is None else {"a": f"A (example {alone} alone)", "b": "B"}
+
+    def take(f: dict[str, Any], t: dict[str, "Tensor"]) -> None:
+        judges[f["side"]].take(f, t)
+
+    try:
+        run = handle.compare_calls(inputs_a, inputs_b, index, take, alone or 0)
+    except CallStopped as stop:
+        return Attention(block, (), {}, why=f"the forwards that capture its attention stopped: {stop.detail}")
+    ledgers: dict[str, Report] = {}
+    calls = tuple(_summary(names[side], judges[side], e, ledgers) for side, _ in RUNS for e in judges[side].entries)
+    errors = [f"run {names[side]}: {run[side]['error']}" for side, _ in RUNS if (run.get(side) or {}).get("error")]
+    why = "; ".join(errors) if errors else ("" if calls else "no attention call inside it was captured")
+    return Attention(block, calls, ledgers, why)
