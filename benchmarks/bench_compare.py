@@ -28,11 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_scan import CONFIGS  # noqa: E402  the same models as scan's benchmark
+from bench_scan import CONFIGS, run_child  # noqa: E402  the same models as scan's benchmark, run the same way
 
 CHILD = r"""
 import json, resource, statistics, sys, time
@@ -75,14 +74,6 @@ print(json.dumps({"plain_s": statistics.median(plain), "compare_s": statistics.m
 """
 
 
-def _child(cfg: dict, repeat: int, threads: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg), str(repeat), str(threads)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"the benchmark's child failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", choices=sorted(CONFIGS), help="run only this configuration")
@@ -97,7 +88,7 @@ def main() -> None:
     print(f"{'configuration':<17} {'2 plain s':>9} {'compare s':>9} {'time x':>7} {'plain MiB':>10} "
           f"{'compare MiB':>11} {'RSS x':>6}  blocks  least room  verdict")
     for name in args.only or list(CONFIGS):
-        r = _child(CONFIGS[name], args.repeat, args.threads)
+        r = run_child(CHILD, CONFIGS[name], args.repeat, args.threads)
         room = "-" if r["least_room"] is None else f"{r['least_room']:.1f}"
         print(f"{name:<17} {r['plain_s']:9.3f} {r['compare_s']:9.3f} {r['compare_s'] / r['plain_s']:7.2f} "
               f"{r['plain_peak_mib']:10.0f} {r['compare_peak_mib']:11.0f} "

@@ -97,8 +97,9 @@ with torch.no_grad():
 """
 
 
-def _child(cfg: dict, repeat: int, threads: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg), str(repeat), str(threads)],
+def run_child(code: str, cfg: dict, repeat: int, threads: int) -> dict:
+    """Run a benchmark child (``code``, given the configuration, repeats and threads) in a fresh process; its last line's JSON."""
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg), str(repeat), str(threads)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the benchmark's child failed:\n{done.stderr[-3000:]}")
@@ -144,7 +145,7 @@ def main() -> None:
     print(f"{'configuration':<17} {'plain s':>8} {'scan s':>8} {'time x':>7} {'plain MiB':>10} {'scan MiB':>9} "
           f"{'RSS x':>6}  calls  verdict")
     for name in args.only or list(CONFIGS):
-        r = _child(CONFIGS[name], args.repeat, args.threads)
+        r = run_child(CHILD, CONFIGS[name], args.repeat, args.threads)
         print(f"{name:<17} {r['plain_s']:8.3f} {r['scan_s']:8.3f} {r['scan_s'] / r['plain_s']:7.2f} "
               f"{r['plain_peak_mib']:10.0f} {r['scan_peak_mib']:9.0f} {r['scan_peak_mib'] / r['plain_peak_mib']:6.2f}"
               f"  {r['calls']:5d}  {r['verdict']}")
