@@ -28,8 +28,8 @@ from attn_ledger.tolerance import COMPARE_FACTOR, TOP_K, compare_bound, eps
 if TYPE_CHECKING:
     from torch import Tensor
 
-VARY_KINDS = ("attn-implementation", "dtype", "padding-side", "batch")
-LATER_KINDS = ("target", "cache", "packing")
+VARY_KINDS = ("attn-implementation", "dtype", "padding-side", "batch", "cache")
+LATER_KINDS = ("target", "packing")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BUILTIN = ("eager", "sdpa", "flex_attention")
 
@@ -46,19 +46,22 @@ class Vary:
     def words(self) -> str:
         if self.kind == "models":  # two models given to compare_models
             return f"two models ({self.a} against {self.b})"
+        if self.kind == "cache":
+            return "cache (the full forward against a prefill and token-by-token decode through the cache)"
         return f"{self.kind}={self.a},{self.b}"
 
 
 def parse_vary(text: str) -> Vary:
-    """``--vary WHAT``: ``attn-implementation=A,B``, ``dtype=A,B``, ``padding-side`` (left against right) or
-    ``batch`` (each example alone against the batch).
+    """``--vary WHAT``: ``attn-implementation=A,B``, ``dtype=A,B``, ``padding-side`` (left against right),
+    ``batch`` (each example alone against the batch) or ``cache`` (the full forward against a prefill and
+    token-by-token decode through the model's own cache).
 
     Raises:
         InputError: an unknown kind, a kind not available yet, or values that are not two distinct names.
     """
     kind, eq, values = text.partition("=")
     kind = kind.strip()
-    expected = "attn-implementation=A,B, dtype=A,B, padding-side or batch"
+    expected = "attn-implementation=A,B, dtype=A,B, padding-side, batch or cache"
     if kind in LATER_KINDS:
         raise InputError(f"--vary: got {shown(text)}; {kind} is not available yet, expected {expected}")
     if kind not in VARY_KINDS:
@@ -71,6 +74,11 @@ def parse_vary(text: str) -> Vary:
         if eq and values.replace(" ", "") not in ("alone,batched", ""):
             raise InputError(f"--vary: got {shown(text)}, expected batch (each example alone against the batch)")
         return Vary(kind, "alone", "batched")
+    if kind == "cache":
+        if eq and values.replace(" ", "") not in ("full,cached", ""):
+            raise InputError(f"--vary: got {shown(text)}, expected cache (the full forward against decoding "
+                             "through the cache)")
+        return Vary(kind, "full", "cached")
     names = [v.strip() for v in values.split(",")]
     if not eq or len(names) != 2 or not all(names) or names[0] == names[1]:
         raise InputError(f"--vary: got {shown(text)}, expected {kind}=A,B with two different values")
@@ -137,10 +145,30 @@ def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str 
         if plan.batch < 2:
             raise InputError(f"--batch: got {plan.batch} with --vary batch, expected at least 2 examples to batch")
         return Runs(vary, t, t, (dtype, dtype), plan.to_json(), plan.to_json())
+    if vary.kind == "cache":
+        _cache_plan(plan)
+        return Runs(vary, t, t, (dtype, dtype), plan.to_json(), plan.to_json())
     if plan.padding != "none":
         raise InputError("--padding: cannot be given with --vary padding-side (run A is left padded, run B right)")
     return Runs(vary, t, t, (dtype, dtype), replace(plan, padding="left").to_json(),
                 replace(plan, padding="right").to_json())
+
+
+def _cache_plan(plan: Any) -> None:
+    """Refuse the inputs ``--vary cache`` cannot decode: right padding (a decoded token would follow padding) or
+    an example with fewer than two real tokens (nothing to both prefill and decode).
+
+    Raises:
+        InputError: naming ``--padding`` or ``--seq-len``.
+    """
+    from attn_ledger.probes.model.inputs import pad_counts, prefill_length
+
+    if plan.padding == "right":
+        raise InputError("--padding: got right with --vary cache, expected left or none (decoding appends tokens "
+                         "after the last real one)")
+    if not prefill_length(plan.seq_len, pad_counts(plan.batch, plan.seq_len, plan.padding)):
+        raise InputError(f"--seq-len: got {plan.seq_len} with --vary cache, expected enough tokens that every "
+                         "example has at least two real ones (one to prefill, one to decode)")
 
 
 def aligned_inputs(inputs_a: Mapping[str, "Tensor"], valid_b: "Tensor") -> dict[str, "Tensor"]:
@@ -347,6 +375,10 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
     from attn_ledger.probes.model.inputs import InputPlan, make_inputs, valid_positions, pad_counts
 
     facts = handle.facts
+    if runs_.vary.kind == "cache":
+        why = cache_refusal(facts, given)
+        if why:
+            return not_applicable_report(facts, runs_, "cache", why)
     if given is not None:
         inputs_a = inputs_b = dict(given)
         valid_b = given["attention_mask"].bool()
@@ -360,8 +392,8 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
     run = handle.compare(inputs_a, inputs_b, judge.take)
     report = compare_report(facts, runs_, judge, run)
     first = report.details.get("first_adder")
-    if first is None or not hasattr(handle, "compare_calls"):
-        return report
+    if first is None or not hasattr(handle, "compare_calls") or runs_.vary.kind == "cache":
+        return report  # a decode step's calls are not captured for the stage ledger yet
     from attn_ledger.probes.model.adder import attention_of
 
     alone = None
@@ -370,6 +402,41 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
         alone = int(where.get("example", 0))
     return with_attention(report, attention_of(handle, facts, inputs_a, inputs_b, first["layer"], first["block"],
                                                alone))
+
+
+def cache_refusal(facts: Mapping[str, Any], given: "Mapping[str, Tensor] | None") -> str:
+    """Why ``--vary cache`` does not apply to this model (or these inputs), or "" where it does.
+
+    Raises:
+        InputError: given inputs that cannot be decoded (padding after a real token, or an example with fewer
+            than two real tokens).
+    """
+    if facts.get("architecture") != "decoder":
+        arch = str(facts.get("architecture"))
+        return f"{facts.get('label')} is {'an' if arch[:1] in 'aeiou' else 'a'} {arch}: a cache is a decoder's"
+    if not facts.get("takes_use_cache"):
+        return f"{facts.get('label')}'s forward takes no use_cache: it keeps no cache of its own"
+    if given is not None:
+        from attn_ledger.probes.model.inputs import prefill_length
+
+        valid = given["attention_mask"].bool()
+        if bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+            raise InputError("inputs: attention_mask has padding after a real token, expected left padding or none "
+                             "under cache (decoding appends tokens after the last real one)")
+        if not prefill_length(valid.shape[1], (~valid).sum(-1).tolist()):
+            raise InputError("inputs: an example has fewer than two real tokens, expected at least two under cache "
+                             "(one to prefill, one to decode)")
+    return ""
+
+
+def not_applicable_report(facts: Mapping[str, Any], runs_: Runs, name: str, reason: str) -> Report:
+    """The report of a ``--vary`` the model's family does not allow: one row, not applicable, saying why."""
+    check = Check(1, name, "not_applicable", reason=reason)
+    title = f"compare {facts.get('label')} ({facts.get('class')}) --vary {runs_.vary.kind}: not applicable"
+    details = {"vary": {"kind": runs_.vary.kind, "a": runs_.vary.a, "b": runs_.vary.b}, "first_adder": None,
+               "model": {k: facts.get(k) for k in ("label", "class", "model_type", "architecture", "layers")}}
+    return Report("compare", title, (Row(name, "not_applicable", (check,)),), details=details, unit="row",
+                  row_label="layer")
 
 
 def with_attention(report: Report, attention: Any) -> Report:

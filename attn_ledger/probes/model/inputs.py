@@ -116,3 +116,16 @@ def make_inputs(plan: InputPlan, facts: Mapping[str, Any]) -> dict[str, "Tensor"
         dec[:, 0] = int(facts.get("decoder_start_token_id") or pad)
         out["decoder_input_ids"] = dec
     return out
+
+
+DECODE_STEPS = 8
+"""Tokens ``--vary cache`` decodes one at a time after its prefill (fewer where the sequence is shorter)."""
+
+
+def prefill_length(seq_len: int, pads: list[int]) -> int:
+    """Where ``--vary cache``'s prefill ends: the last :data:`DECODE_STEPS` tokens (fewer where an example has
+    few real tokens) are decoded one at a time, so every example's prefill holds at least one real token; 0 where
+    an example has fewer than two real tokens (nothing to both prefill and decode)."""
+    real = seq_len - max(pads, default=0)
+    steps = min(DECODE_STEPS, real - 1)
+    return seq_len - steps if steps >= 1 else 0

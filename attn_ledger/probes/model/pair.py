@@ -45,6 +45,7 @@ class Pair:
     blocks: list[str]
     facts: dict[str, Any]
     alone: bool = False  # --vary batch: run A is one forward per example, alone
+    cached: bool = False  # --vary cache: run B is a prefill, then one token at a time through the model's cache
 
 
 def _dtype(name: str) -> Any:
@@ -106,12 +107,13 @@ def setup(args: dict[str, Any], model_facts: Callable[..., dict[str, Any]]) -> t
         b.load_state_dict(a.state_dict())
     da, db = args["dtypes"]
     a, b = a.to(_dtype(da)).eval(), b.to(_dtype(db)).eval()
-    pair = pair_of(a, b, ta.label, tb.label, model_facts, alone=(args.get("vary") or [""])[0] == "batch")
+    kind = (args.get("vary") or [""])[0]
+    pair = pair_of(a, b, ta.label, tb.label, model_facts, alone=kind == "batch", cached=kind == "cache")
     return pair, {"units": [0], "model": pair.facts}
 
 
 def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_facts: Callable[..., dict[str, Any]],
-            alone: bool = False) -> Pair:
+            alone: bool = False, cached: bool = False) -> Pair:
     """Two built runs (in eval mode, each in its dtype) and the plain models beside them: A's model with eager
     attention in each run's dtype, and in float64.
 
@@ -128,7 +130,7 @@ def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_fa
     facts["blocks"] = blocks
     if not blocks:
         raise InputError(f"target: {label_a} has no list of blocks holding its attention modules to compare")
-    return Pair(a, b, plain, exact, blocks, facts, alone)
+    return Pair(a, b, plain, exact, blocks, facts, alone, cached)
 
 
 # --- one forward, watched block by block ------------------------------------------------------------------
@@ -164,9 +166,11 @@ class Watch:
     inputs, run each block once more on them (``moved(h_a, h_own)`` places A's rows among the block's own)."""
 
     def __init__(self, model: "nn.Module", blocks: list[str], replay_on: list[Any] | None = None,
-                 moved: Callable[[Any, Any], Any] | None = None, padded: Any = None) -> None:
+                 moved: Callable[[Any, Any], Any] | None = None, padded: Any = None,
+                 swap: Callable[[tuple, dict], tuple[tuple, dict]] | None = None) -> None:
         n = len(blocks)
         self.model, self.blocks, self.replay_on, self.moved, self.padded = model, blocks, replay_on, moved, padded
+        self.swap = swap  # the replay's arguments from the block's own (--vary cache: the replays' own cache)
         self.seen = Seen([None] * n, [None] * n, [None] * n, [{} for _ in range(n)])
         self.handles: list[Any] = []
         self.replaying = False
@@ -195,7 +199,7 @@ class Watch:
                 ha = self.moved(self.replay_on[i], h)  # A's real rows at this run's positions, in its dtype
                 self.replaying = True
                 try:
-                    r_args, r_kwargs = _with_hidden(args, kwargs, ha)
+                    r_args, r_kwargs = _with_hidden(*((args, kwargs) if self.swap is None else self.swap(args, kwargs)), ha)
                     self.seen.replays[i] = _first(module(*r_args, **r_kwargs)).detach().clone()
                 finally:
                     self.replaying = False
@@ -218,7 +222,7 @@ class Watch:
 def _forward(model: Any, watch: Watch, inputs: Mapping[str, Any], label: str) -> Seen:
     import torch
 
-    kwargs = {**inputs, "use_cache": False}
+    kwargs = {"use_cache": False, **inputs}  # --vary cache's run B passes its cache and use_cache=True
     try:
         with torch.no_grad(), watch, user_call(f"the forward of {label}"):
             out = model(**kwargs)
@@ -317,6 +321,128 @@ def _alone(model: Any, blocks: list[str], inputs: Mapping[str, Any], valid: "Ten
     return out
 
 
+# --- --vary cache: a prefill, then one token at a time through the model's own cache -----------------------
+
+
+def cache_steps(seq_len: int, prefill: int) -> list[tuple[int, int]]:
+    """``--vary cache``'s forwards as ``(start, end)`` query positions: the prefill, then one per decoded token."""
+    return [(0, prefill), *((t, t + 1) for t in range(prefill, seq_len))]
+
+
+def _cache_keyword(model: Any) -> str:
+    """The keyword a model's forward takes its cache by (``cache`` in newer transformers, else ``past_key_values``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(model: Any) -> Any:
+    """An empty cache of the kind the model makes for itself (its sliding layers where its config has them)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _step_inputs(inputs: Mapping[str, Any], start: int, end: int, keyword: str, cache: Any) -> dict[str, Any]:
+    """One forward of the decode: tokens ``start..end-1`` with their position ids (as ``generate()`` passes them),
+    the padding mask of every token so far, and the model's cache."""
+    out: dict[str, Any] = {}
+    for name, t in inputs.items():
+        if name == "attention_mask":
+            out[name] = t[:, :end]  # [B, end]
+        elif name in ("input_ids", "position_ids"):
+            out[name] = t[:, start:end]  # [B, end - start]
+        else:
+            out[name] = t
+    return {**out, keyword: cache, "use_cache": True}
+
+
+def _swapped(cache: Any) -> Callable[[tuple, dict], tuple[tuple, dict]]:
+    """The replay's arguments: the block's own, its cache (by position or by name) replaced by ``cache`` (the
+    replays' own, which holds what the block computed from A's inputs, so a replay neither reads nor grows the
+    live cache)."""
+    from transformers.cache_utils import Cache
+
+    def swap(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return (tuple(cache if isinstance(v, Cache) else v for v in args),
+                {k: (cache if isinstance(v, Cache) else v) for k, v in kwargs.items()})
+    return swap
+
+
+def _cached(model: Any, blocks: list[str], inputs: Mapping[str, Any], valid: "Tensor", h_a: list[Any],
+            label: str) -> Seen:
+    """Run B of ``--vary cache``: a prefill, then one forward per token through the model's own cache, each block
+    replayed on A's rows of the same positions; what the forwards kept laid out as one forward's."""
+    from attn_ledger.probes.model.inputs import prefill_length
+
+    b, t = valid.shape
+    prefill = prefill_length(t, (~valid).sum(-1).tolist())
+    keyword, live, replays = _cache_keyword(model), _new_cache(model), _new_cache(model)
+    seen = []
+    for s, e in cache_steps(t, prefill):
+        watch = Watch(model, blocks, [h[:, s:e] for h in h_a], lambda ha, h: ha.to(h.dtype), swap=_swapped(replays))
+        seen.append(_forward(model, watch, _step_inputs(inputs, s, e, keyword, live), f"{label}, tokens {s}..{e - 1}"))
+    return _joined(seen, b, t)
+
+
+def _cat(parts: list[Any], b: int) -> Any:
+    """Per-forward ``[B or 1, n, ...]`` tensors joined along their positions, or None where one is missing."""
+    import torch
+
+    if any(p is None for p in parts):
+        return None
+    return torch.cat([p.expand(b, *p.shape[1:]) for p in parts], 1)
+
+
+def _joined_mask(masks: list[Any], steps: list[tuple[int, int]], b: int, t: int) -> Any:
+    """Each forward's mask as a bool ``[B, 1, T, T]`` over absolute key positions (a cache that keeps only its
+    window gives the last keys so far); None where a forward's block got none."""
+    import torch
+
+    from attn_ledger.probes.model.capture import _dense_mask
+
+    out = torch.zeros(b, 1, t, t, dtype=torch.bool)
+    for m, (s, e) in zip(masks, steps):
+        if isinstance(m, dict):  # per layer type
+            m = next(iter(m.values()), None)
+        kl = m.shape[-1] if isinstance(m, torch.Tensor) else e
+        m = _dense_mask(m, b, e - s, kl)
+        if m is None:
+            return None
+        if m.dtype != torch.bool:
+            m = m > torch.finfo(m.dtype).min / 2
+        out[:, :, s:e, e - kl:e] = m.expand(b, 1, e - s, kl)
+    return out
+
+
+def _joined(seen: list[Seen], b: int, t: int) -> Seen:
+    """The decode's forwards as one forward's :class:`Seen`: each block's rows, keyword arguments and the logits
+    joined along the positions."""
+    n = len(seen[0].inputs)
+    sizes = [s.inputs[0].shape[1] for s in seen]
+    ends = [sum(sizes[:j + 1]) for j in range(len(sizes))]
+    steps = [(e - k, e) for e, k in zip(ends, sizes)]
+    out = Seen([None] * n, [None] * n, [None] * n, [{} for _ in range(n)])
+    for i in range(n):
+        out.inputs[i] = _cat([s.inputs[i] for s in seen], b)
+        out.outputs[i] = _cat([s.outputs[i] for s in seen], b)
+        out.replays[i] = _cat([s.replays[i] for s in seen], b)
+        kw = [s.kwargs[i] for s in seen]
+        emb = [k.get("position_embeddings") for k in kw]
+        pairs = None if any(not isinstance(x, (tuple, list)) or len(x) != 2 for x in emb) else \
+            tuple(_cat([x[j] for x in emb], b) for j in (0, 1))
+        pos = [k.get("position_ids") for k in kw]
+        out.kwargs[i] = {"attention_mask": _joined_mask([k.get("attention_mask") for k in kw], steps, b, t),
+                         "position_ids": _cat([None if p is None else p.reshape(-1, p.shape[-1]) for p in pos], b),
+                         "position_embeddings": pairs}
+    out.logits = _cat([s.logits for s in seen], b)
+    return out
+
+
 def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, Any], sink: Sink) -> dict[str, Any]:
     """The runs (see the module docstring); each block's real rows and the model's rows go to ``sink``."""
     valid_a, valid_b = inputs_a["attention_mask"].bool(), inputs_b["attention_mask"].bool()
@@ -325,7 +451,8 @@ def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, 
         seen_a = _alone(pair.a, blocks, inputs_a, valid_a, label) if pair.alone else \
             _forward(pair.a, Watch(pair.a, blocks), inputs_a, f"{label} (run A)")
         moved = mover(valid_a, valid_b, pads=not pair.alone)
-        seen_b = _forward(pair.b, Watch(pair.b, blocks, seen_a.inputs, moved), inputs_b, f"{label} (run B)")
+        seen_b = _cached(pair.b, blocks, inputs_b, valid_b, seen_a.inputs, f"{label} (run B)") if pair.cached else \
+            _forward(pair.b, Watch(pair.b, blocks, seen_a.inputs, moved), inputs_b, f"{label} (run B)")
         plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved, ~valid_b), inputs_b, f"plain {d} {label}")
                  for d, m in pair.plain.items()}
         exact = _forward(pair.exact, Watch(pair.exact, blocks, seen_a.inputs, moved, ~valid_b), inputs_b,
