@@ -391,6 +391,8 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
     judge = Judge(facts, runs_.dtypes, token_rows(valid_b))
     run = handle.compare(inputs_a, inputs_b, judge.take)
     report = compare_report(facts, runs_, judge, run)
+    if runs_.vary.kind == "cache":
+        report = _with_decode(report, valid_b)
     first = report.details.get("first_adder")
     if first is None or not hasattr(handle, "compare_calls") or runs_.vary.kind == "cache":
         return report  # a decode step's calls are not captured for the stage ledger yet
@@ -402,6 +404,17 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
         alone = int(where.get("example", 0))
     return with_attention(report, attention_of(handle, facts, inputs_a, inputs_b, first["layer"], first["block"],
                                                alone))
+
+
+def _with_decode(report: Report, valid: "Tensor") -> Report:
+    """The report with how run B decoded: its prefill's length and the tokens decoded one at a time after it."""
+    from dataclasses import replace
+
+    from attn_ledger.probes.model.inputs import prefill_length
+
+    t = valid.shape[1]
+    prefill = prefill_length(t, (~valid).sum(-1).tolist())
+    return replace(report, details={**report.details, "cache": {"prefill": prefill, "decoded": t - prefill}})
 
 
 def cache_refusal(facts: Mapping[str, Any], given: "Mapping[str, Tensor] | None") -> str:
@@ -495,7 +508,7 @@ def stopped_report(args: Mapping[str, Any], reason: str, data: Mapping[str, Any]
 
 
 def compare_models(a: Any, b: Any, inputs: "Mapping[str, Tensor] | None" = None, *, batch: int = 2, seq_len: int = 24,
-                   padding: str = "left", seed: int = 0, label: str | None = None) -> Report:
+                   padding: str = "left", seed: int = 0, label: str | None = None, cache: bool = False) -> Report:
     """Compare two runs of one transformers model in this process, block by block (see :func:`compare`).
 
     Args:
@@ -506,10 +519,13 @@ def compare_models(a: Any, b: Any, inputs: "Mapping[str, Tensor] | None" = None,
         inputs: the forward's ``input_ids`` and ``attention_mask`` (and ``position_ids``), ``[B, T]``, both runs'; None
             makes token ids from ``batch``, ``seq_len``, ``padding`` and ``seed``.
         label: how the report names the model (default: A's class).
+        cache: run B is a prefill of the first tokens, then one forward per token through B's own cache
+            (``--vary cache``); A the full forward. ``b`` may be ``a`` itself, or a model whose cache path is in
+            question. Decoders only (the report says it is not applicable otherwise); left padding or none.
 
     Raises:
         InputError: inputs without ``input_ids`` and ``attention_mask`` of one shape ``[B, T]``; models that differ
-            in their weights' names; a model with no list of blocks.
+            in their weights' names; a model with no list of blocks; under ``cache``, inputs it cannot decode.
     """
     from attn_ledger.probes.model.driver import LocalModel, model_facts
     from attn_ledger.probes.model.inputs import InputPlan
@@ -524,16 +540,20 @@ def compare_models(a: Any, b: Any, inputs: "Mapping[str, Tensor] | None" = None,
         if ids is None or mask is None or ids.dim() != 2 or tuple(ids.shape) != tuple(mask.shape):
             raise InputError(f"inputs: got {sorted(inputs)}, expected input_ids and attention_mask of one shape [B, T]")
         batch, seq_len = (int(n) for n in ids.shape)
+    if cache and inputs is None:
+        _cache_plan(InputPlan(batch, seq_len, padding, seed))
     was = a.training, b.training
     a.eval(), b.eval()
     try:
-        pair = pair_of(a, b, name, name, model_facts)
+        pair = pair_of(a, b, name, name, model_facts, cached=cache)
         dtypes = (pair.facts["dtype"], pair.facts["b"]["dtype"])
         impls = (pair.facts.get("implementation"), pair.facts["b"].get("implementation"))
         plan = InputPlan(batch, seq_len, "none" if inputs is not None else padding, seed).to_json()
         if inputs is not None:
             plan["padding"] = "given"  # whatever the given mask pads
-        r = Runs(Vary("models", f"{impls[0]} {dtypes[0]}", f"{impls[1]} {dtypes[1]}"), {}, {}, dtypes, plan, plan)
+        vary = Vary("cache", "full", "cached") if cache else \
+            Vary("models", f"{impls[0]} {dtypes[0]}", f"{impls[1]} {dtypes[1]}")
+        r = Runs(vary, {}, {}, dtypes, plan, plan)
         return compare(LocalModel(pair), r, inputs)  # type: ignore[arg-type]
     finally:
         a.train(was[0]), b.train(was[1])

@@ -1,0 +1,144 @@
+"""``compare --vary cache``: the full forward against a prefill and token-by-token decode through the model's cache.
+
+Correct decoders pass with each block's added error under its bound; a Llama whose decode step advances rotary
+positions by one too many (fixtures/models/cache.py) is named at the position ids its blocks receive and at its
+first block; an encoder is not applicable; inputs that cannot be decoded are refused with exit 2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from attn_ledger.cli import app
+from attn_ledger.errors import InputError
+from attn_ledger.probes.model.compare import Vary, parse_vary
+from attn_ledger.probes.model.inputs import DECODE_STEPS, pad_counts, prefill_length
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def test_cache_parses_and_other_values_are_refused():
+    assert parse_vary("cache") == Vary("cache", "full", "cached")
+    assert parse_vary("cache=full,cached") == Vary("cache", "full", "cached")
+    with pytest.raises(InputError, match="--vary: got 'cache=a,b', expected cache"):
+        parse_vary("cache=a,b")
+
+
+@pytest.mark.parametrize("seq_len, batch, padding, expected", [
+    (24, 2, "left", 24 - DECODE_STEPS),  # example 1 keeps 12 real tokens: 8 decoded
+    (10, 2, "none", 10 - DECODE_STEPS),
+    (6, 2, "left", 4),  # 3 real tokens in example 1: 2 decoded, one left for the prefill
+    (2, 2, "left", 0),  # an example with one real token: nothing to both prefill and decode
+], ids=["T24-left", "T10-none", "T6-left", "T2-left"])
+def test_the_prefill_keeps_a_real_token_of_every_example(seq_len, batch, padding, expected):
+    pads = pad_counts(batch, seq_len, padding)
+    assert prefill_length(seq_len, pads) == expected
+    if expected:
+        assert all(expected > p for p in pads)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--padding", "right"], "--padding: got right with --vary cache"),
+    (["--seq-len", "2"], "--seq-len: got 2 with --vary cache"),
+    (["--vary", "cache=x,y"], "--vary: got 'cache=x,y'"),
+], ids=["right-padding", "too-short", "bad-value"])
+def test_inputs_that_cannot_be_decoded_exit_2_with_one_line(argv, field):
+    args = ["compare", "--transformers", "llama", "--vary", "cache", *argv]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert field in result.output
+    assert "Traceback" not in result.output
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _run(model_type: str, *, implementation: str | None = None, padding: str = "left", seq_len: int = 24):
+    from attn_ledger.probes.model.compare import compare, runs
+    from attn_ledger.probes.model.driver import LocalModel, setup
+    from attn_ledger.probes.model.inputs import InputPlan
+
+    r = runs(parse_vary("cache"), model_type, implementation=implementation, plan=InputPlan(2, seq_len, padding, 0))
+    loaded, _ = setup(r.args())
+    return compare(LocalModel(loaded), r)
+
+
+CORRECT = [("llama", "sdpa", "left", 24), ("llama", "eager", "none", 24), ("mistral", "sdpa", "left", 24),
+           ("mistral", "eager", "none", 40), ("gpt2", "sdpa", "left", 24), ("gpt2", "eager", "none", 24)]
+
+
+@pytest.mark.parametrize("family, implementation, padding, seq_len", CORRECT,
+                         ids=[f"{f}-{i}-{p}-T{t}" for f, i, p, t in CORRECT])
+def test_a_correct_decoder_decoded_through_its_cache_agrees_with_its_full_forward(family, implementation, padding,
+                                                                                  seq_len):
+    report = _run(family, implementation=implementation, padding=padding, seq_len=seq_len)
+    assert report.exit_code == 0, report.first_finding
+    assert report.details["cache"] == {"prefill": seq_len - DECODE_STEPS, "decoded": DECODE_STEPS}
+    blocks = [r for r in report.rows if r.fields.get("layer") is not None]
+    assert len(blocks) == 2
+    for row in blocks:
+        added, bound = row.fields["added"], row.fields["bound"]
+        assert added <= bound, row  # decoding reorders the sums: rounding, within the bound
+        assert row.fields["room"] is None if added == 0 else row.fields["room"] == pytest.approx(bound / added)
+    assert report.row("position_ids").status == "pass"  # the blocks receive position ids in every family here
+
+
+def test_the_cli_decodes_llama_through_its_cache_in_the_worker_and_exits_0():
+    result = runner.invoke(app, ["compare", "--transformers", "llama", "--vary", "cache", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    names = [r["name"] for r in data["rows"]]
+    assert names == ["embeddings", "masks", "position_ids", "position_embeddings", "model.layers.0",
+                     "model.layers.1", "logits"]
+    assert all(r["status"] == "pass" for r in data["rows"])
+    assert data["details"]["vary"] == {"kind": "cache", "a": "full", "b": "cached"}
+
+
+def test_an_encoder_is_not_applicable_and_exits_0():
+    report = _run("bert")
+    assert report.exit_code == 0
+    assert [(r.name, r.status) for r in report.rows] == [("cache", "not_applicable")]
+    assert "a cache is a decoder's" in report.rows[0].checks[0].reason
+
+
+def _fixture():
+    spec = importlib.util.spec_from_file_location("cache_fixture", ROOT / "fixtures" / "models" / "cache.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_positions_one_ahead_in_the_decode_step_are_named_at_the_position_ids_and_block_0(implementation):
+    from attn_ledger.probes.model.compare import compare_models
+
+    reference, broken = _fixture().positions_one_ahead(implementation)
+    assert compare_models(reference, reference, cache=True).exit_code == 0  # the same path, decoded right
+    report = compare_models(reference, broken, cache=True)
+    assert report.exit_code == 1
+    first = report.first_finding
+    assert first.row == "position_ids"  # read where the blocks receive them, not from the inputs the tool made
+    # the first decoded token of example 0 (no padding): the prefill is right, the decode one ahead
+    assert first.check.location == {"block": 0, "example": 0, "token": 24 - DECODE_STEPS, "a": 16, "b": 17}
+    assert report.details["first_adder"] == {"block": "model.layers.0", "layer": 0}
+    block0 = report.row("model.layers.0")
+    assert block0.fields["mark"] == "first adder" and block0.fields["added"] > 1e3 * block0.fields["bound"]
+    assert block0.check("added_error").location["token"] >= 24 - DECODE_STEPS  # only decoded tokens are wrong
+    assert report.row("position_embeddings").status == "fail"
+
+
+def test_assert_models_agree_under_cache_passes_the_model_itself_and_fails_the_broken_path():
+    from attn_ledger.testing import assert_models_agree
+
+    reference, broken = _fixture().positions_one_ahead()
+    assert_models_agree(reference, reference, cache=True)
+    with pytest.raises(AssertionError, match="first finding position_ids: L2 position_ids"):
+        assert_models_agree(reference, broken, cache=True)
+    with pytest.raises(InputError, match="--padding: got right with --vary cache"):
+        assert_models_agree(reference, reference, cache=True, padding="right")
