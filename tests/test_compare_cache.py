@@ -59,25 +59,29 @@ def test_inputs_that_cannot_be_decoded_exit_2_with_one_line(argv, field):
 transformers = pytest.importorskip("transformers")
 
 
-def _run(model_type: str, *, implementation: str | None = None, padding: str = "left", seq_len: int = 24):
+def _run(model_type: str, *, implementation: str | None = None, padding: str = "left", seq_len: int = 24,
+         dtype: str = "float32"):
     from attn_ledger.probes.model.compare import compare, runs
     from attn_ledger.probes.model.driver import LocalModel, setup
     from attn_ledger.probes.model.inputs import InputPlan
 
-    r = runs(parse_vary("cache"), model_type, implementation=implementation, plan=InputPlan(2, seq_len, padding, 0))
+    r = runs(parse_vary("cache"), model_type, implementation=implementation, dtype=dtype,
+             plan=InputPlan(2, seq_len, padding, 0))
     loaded, _ = setup(r.args())
     return compare(LocalModel(loaded), r)
 
 
-CORRECT = [("llama", "sdpa", "left", 24), ("llama", "eager", "none", 24), ("mistral", "sdpa", "left", 24),
-           ("mistral", "eager", "none", 40), ("gpt2", "sdpa", "left", 24), ("gpt2", "eager", "none", 24)]
+CORRECT = [("llama", "sdpa", "left", 24, "float32"), ("llama", "eager", "none", 24, "float32"),
+           ("mistral", "sdpa", "left", 24, "float32"), ("mistral", "eager", "none", 40, "float32"),
+           ("gpt2", "sdpa", "left", 24, "float32"), ("gpt2", "eager", "none", 24, "float32"),
+           ("llama", "sdpa", "left", 24, "bfloat16"), ("gpt2", "eager", "left", 24, "bfloat16")]
 
 
-@pytest.mark.parametrize("family, implementation, padding, seq_len", CORRECT,
-                         ids=[f"{f}-{i}-{p}-T{t}" for f, i, p, t in CORRECT])
+@pytest.mark.parametrize("family, implementation, padding, seq_len, dtype", CORRECT,
+                         ids=[f"{f}-{i}-{p}-T{t}-{d}" for f, i, p, t, d in CORRECT])
 def test_a_correct_decoder_decoded_through_its_cache_agrees_with_its_full_forward(family, implementation, padding,
-                                                                                  seq_len):
-    report = _run(family, implementation=implementation, padding=padding, seq_len=seq_len)
+                                                                                  seq_len, dtype):
+    report = _run(family, implementation=implementation, padding=padding, seq_len=seq_len, dtype=dtype)
     assert report.exit_code == 0, report.first_finding
     assert report.details["cache"] == {"prefill": seq_len - DECODE_STEPS, "decoded": DECODE_STEPS}
     blocks = [r for r in report.rows if r.fields.get("layer") is not None]

@@ -37,8 +37,10 @@ def compare(  # long by its options (typer reads them from the signature); the b
         typer.Option("--vary", metavar="WHAT",
                      help="What differs between run A and run B: attn-implementation=A,B (eager, sdpa, "
                           "flex_attention, or the name given with --register), dtype=A,B (float32, bfloat16, "
-                          "float16, float64), padding-side (left against right, positions aligned), or batch (run A: "
-                          "each example alone, one forward each; run B: the batch)."),
+                          "float16, float64), padding-side (left against right, positions aligned), batch (run A: "
+                          "each example alone, one forward each; run B: the batch), or cache (run A: the full "
+                          "forward; run B: a prefill, then the last tokens decoded one at a time through the "
+                          "model's own cache; decoders only)."),
     ],
     set_: SetOption = None,
     attn_implementation: ImplementationOption = None,
@@ -47,7 +49,7 @@ def compare(  # long by its options (typer reads them from the signature); the b
     dtype: Annotated[Optional[Dtype], typer.Option("--dtype", rich_help_panel=MODEL_PANEL, help="Both runs' dtype, where --vary does not set it. Default: float32.")] = None,
     batch: opt.BatchOption = None,
     seq_len: Annotated[Optional[str], typer.Option("--seq-len", metavar=INT, rich_help_panel=INPUTS_PANEL, help="T, tokens per example. Default: 24.")] = None,
-    padding: Annotated[Optional[Padding], typer.Option("--padding", rich_help_panel=INPUTS_PANEL, help="Pad the examples after the first: left (as decoders generate), right or none. Default: left (with --vary padding-side, A is left and B right).")] = None,
+    padding: Annotated[Optional[Padding], typer.Option("--padding", rich_help_panel=INPUTS_PANEL, help="Pad the examples after the first: left (as decoders generate), right or none. Default: left (with --vary padding-side, A is left and B right; --vary cache takes left or none).")] = None,
     seed: SeedOption = None,
     timeout: TimeoutOption = None,
     in_process: Annotated[bool, typer.Option("--in-process", help="Build and run the models in this process, for debugging; without it, they run in a worker process.")] = False,
