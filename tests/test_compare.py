@@ -45,8 +45,8 @@ def test_vary_parses_each_kind(text, kind, a, b):
     ("attn-implementation=eager", "with two different values"),
     ("attn-implementation=sdpa,sdpa", "with two different values"),
     ("dtype=float32,int8", "dtype 'int8', expected two of float32"),
-    ("packing", "packing is not available yet"),
-    ("speed=1,2", "expected attn-implementation=A,B, dtype=A,B, padding-side, batch or cache"),
+    ("target=other", "target is not available yet"),
+    ("speed=1,2", "expected attn-implementation=A,B, dtype=A,B, padding-side, batch, cache or packing"),
     ("batch=2", "expected batch \\(each example alone against the batch\\)"),
 ], ids=["one", "same", "int8", "later", "unknown", "batch-value"])
 def test_bad_vary_is_a_one_line_error(text, words):
@@ -184,7 +184,7 @@ def test_logits_fail_by_the_ratio_rule_or_by_a_top_token_outside_the_others_top_
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--vary", "packing"], "--vary: got 'packing'; packing is not available yet"),
+    (["--vary", "target=x"], "--vary: got 'target=x'; target is not available yet"),
     (["--vary", "dtype=float32"], "--vary: got 'dtype=float32', expected dtype=A,B"),
     (["--vary", "padding-side", "--padding", "left"], "--padding: cannot be given with --vary padding-side"),
     (["--vary", "dtype=float32,bfloat16", "--dtype", "float16"], "--dtype: cannot be given with --vary dtype"),

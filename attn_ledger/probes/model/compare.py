@@ -28,8 +28,8 @@ from attn_ledger.tolerance import COMPARE_FACTOR, TOP_K, compare_bound, eps
 if TYPE_CHECKING:
     from torch import Tensor
 
-VARY_KINDS = ("attn-implementation", "dtype", "padding-side", "batch", "cache")
-LATER_KINDS = ("target", "packing")
+VARY_KINDS = ("attn-implementation", "dtype", "padding-side", "batch", "cache", "packing")
+LATER_KINDS = ("target",)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BUILTIN = ("eager", "sdpa", "flex_attention")
 
@@ -48,20 +48,23 @@ class Vary:
             return f"two models ({self.a} against {self.b})"
         if self.kind == "cache":
             return "cache (the full forward against a prefill and token-by-token decode through the cache)"
+        if self.kind == "packing":
+            return "packing (each sequence apart against all packed into one row, position ids restarting)"
         return f"{self.kind}={self.a},{self.b}"
 
 
 def parse_vary(text: str) -> Vary:
     """``--vary WHAT``: ``attn-implementation=A,B``, ``dtype=A,B``, ``padding-side`` (left against right),
-    ``batch`` (each example alone against the batch) or ``cache`` (the full forward against a prefill and
-    token-by-token decode through the model's own cache).
+    ``batch`` (each example alone against the batch), ``cache`` (the full forward against a prefill and
+    token-by-token decode through the model's own cache) or ``packing`` (each sequence apart against all of them
+    packed into one row).
 
     Raises:
         InputError: an unknown kind, a kind not available yet, or values that are not two distinct names.
     """
     kind, eq, values = text.partition("=")
     kind = kind.strip()
-    expected = "attn-implementation=A,B, dtype=A,B, padding-side, batch or cache"
+    expected = "attn-implementation=A,B, dtype=A,B, padding-side, batch, cache or packing"
     if kind in LATER_KINDS:
         raise InputError(f"--vary: got {shown(text)}; {kind} is not available yet, expected {expected}")
     if kind not in VARY_KINDS:
@@ -79,6 +82,10 @@ def parse_vary(text: str) -> Vary:
             raise InputError(f"--vary: got {shown(text)}, expected cache (the full forward against decoding "
                              "through the cache)")
         return Vary(kind, "full", "cached")
+    if kind == "packing":
+        if eq and values.replace(" ", "") not in ("apart,packed", ""):
+            raise InputError(f"--vary: got {shown(text)}, expected packing (each sequence apart against packed)")
+        return Vary(kind, "apart", "packed")
     names = [v.strip() for v in values.split(",")]
     if not eq or len(names) != 2 or not all(names) or names[0] == names[1]:
         raise InputError(f"--vary: got {shown(text)}, expected {kind}=A,B with two different values")
@@ -141,9 +148,10 @@ def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str 
     t = make(implementation, register)
     if vary.kind == "dtype":
         return Runs(vary, t, t, (vary.a, vary.b), plan.to_json(), plan.to_json())
-    if vary.kind == "batch":
+    if vary.kind in ("batch", "packing"):
         if plan.batch < 2:
-            raise InputError(f"--batch: got {plan.batch} with --vary batch, expected at least 2 examples to batch")
+            raise InputError(f"--batch: got {plan.batch} with --vary {vary.kind}, expected at least 2 examples to "
+                             f"{'batch' if vary.kind == 'batch' else 'pack'}")
         return Runs(vary, t, t, (dtype, dtype), plan.to_json(), plan.to_json())
     if vary.kind == "cache":
         _cache_plan(plan)
@@ -375,10 +383,10 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
     from attn_ledger.probes.model.inputs import InputPlan, make_inputs, valid_positions, pad_counts
 
     facts = handle.facts
-    if runs_.vary.kind == "cache":
-        why = cache_refusal(facts, given)
+    if runs_.vary.kind in ("cache", "packing"):
+        why = cache_refusal(facts, given) if runs_.vary.kind == "cache" else packing_refusal(facts)
         if why:
-            return not_applicable_report(facts, runs_, "cache", why)
+            return not_applicable_report(facts, runs_, runs_.vary.kind, why)
     if given is not None:
         inputs_a = inputs_b = dict(given)
         valid_b = given["attention_mask"].bool()
@@ -394,8 +402,8 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
     if runs_.vary.kind == "cache":
         report = _with_decode(report, valid_b)
     first = report.details.get("first_adder")
-    if first is None or not hasattr(handle, "compare_calls") or runs_.vary.kind == "cache":
-        return report  # a decode step's calls are not captured for the stage ledger yet
+    if first is None or not hasattr(handle, "compare_calls") or runs_.vary.kind in ("cache", "packing"):
+        return report  # a decode step's calls, or a packed row's, are not captured for the stage ledger yet
     from attn_ledger.probes.model.adder import attention_of
 
     alone = None
@@ -439,6 +447,18 @@ def cache_refusal(facts: Mapping[str, Any], given: "Mapping[str, Tensor] | None"
         if not prefill_length(valid.shape[1], (~valid).sum(-1).tolist()):
             raise InputError("inputs: an example has fewer than two real tokens, expected at least two under cache "
                              "(one to prefill, one to decode)")
+    return ""
+
+
+def packing_refusal(facts: Mapping[str, Any]) -> str:
+    """Why ``--vary packing`` does not apply to this model, or "" where it does: a causal decoder that takes
+    position ids (transformers finds the packed documents from them, given no attention mask)."""
+    if facts.get("architecture") != "decoder":
+        arch = str(facts.get("architecture"))
+        return (f"{facts.get('label')} is {'an' if arch[:1] in 'aeiou' else 'a'} {arch}: packing with restarting "
+                "position ids is a causal decoder's")
+    if not facts.get("takes_position_ids"):
+        return f"{facts.get('label')}'s forward takes no position_ids: it cannot tell packed documents apart"
     return ""
 
 

@@ -46,6 +46,7 @@ class Pair:
     facts: dict[str, Any]
     alone: bool = False  # --vary batch: run A is one forward per example, alone
     cached: bool = False  # --vary cache: run B is a prefill, then one token at a time through the model's cache
+    packed: bool = False  # --vary packing: run A is each sequence apart, run B all of them packed into one row
 
 
 def _dtype(name: str) -> Any:
@@ -108,12 +109,13 @@ def setup(args: dict[str, Any], model_facts: Callable[..., dict[str, Any]]) -> t
     da, db = args["dtypes"]
     a, b = a.to(_dtype(da)).eval(), b.to(_dtype(db)).eval()
     kind = (args.get("vary") or [""])[0]
-    pair = pair_of(a, b, ta.label, tb.label, model_facts, alone=kind == "batch", cached=kind == "cache")
+    pair = pair_of(a, b, ta.label, tb.label, model_facts, alone=kind in ("batch", "packing"), cached=kind == "cache",
+                   packed=kind == "packing")
     return pair, {"units": [0], "model": pair.facts}
 
 
 def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_facts: Callable[..., dict[str, Any]],
-            alone: bool = False, cached: bool = False) -> Pair:
+            alone: bool = False, cached: bool = False, packed: bool = False) -> Pair:
     """Two built runs (in eval mode, each in its dtype) and the plain models beside them: A's model with eager
     attention in each run's dtype, and in float64.
 
@@ -130,7 +132,7 @@ def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_fa
     facts["blocks"] = blocks
     if not blocks:
         raise InputError(f"target: {label_a} has no list of blocks holding its attention modules to compare")
-    return Pair(a, b, plain, exact, blocks, facts, alone, cached)
+    return Pair(a, b, plain, exact, blocks, facts, alone, cached, packed)
 
 
 # --- one forward, watched block by block ------------------------------------------------------------------
@@ -443,6 +445,71 @@ def _joined(seen: list[Seen], b: int, t: int) -> Seen:
     return out
 
 
+# --- --vary packing: every example's real tokens in one row, position ids restarting --------------------------
+
+
+def packed_inputs(inputs: Mapping[str, Any], valid: "Tensor") -> dict[str, Any]:
+    """All examples' real tokens in one row ``[1, N]``, example after example, position ids restarting at 0 for
+    each, and no attention mask (transformers finds the documents from the position ids, given no mask and no
+    cache)."""
+    pos = valid.long().cumsum(-1) - 1  # [B, T]
+    return {"input_ids": inputs["input_ids"][valid][None], "position_ids": pos[valid][None]}  # [1, N]
+
+
+def _spread(x: Any, valid: "Tensor") -> Any:
+    """A packed ``[1, N, ...]`` tensor laid out as the batch ``[B, T, ...]`` (zeros at padded positions)."""
+    if x is None:
+        return None
+    out = x.new_zeros(*valid.shape, *x.shape[2:])
+    out[valid] = x[0]
+    return out
+
+
+def _spread_mask(mask: Any, valid: "Tensor") -> Any:
+    """The packed row's mask, each document's own (query, key) block placed in a ``[B, 1, T, T]`` bool mask of the
+    batch's layout; None where the block got none. What a document may read of another is not in this layout:
+    its block's added error shows it."""
+    import torch
+
+    n = int(valid.sum())
+    allow = allowed(mask, torch.ones(1, n, dtype=torch.bool))
+    if allow is None:
+        return None
+    b, t = valid.shape
+    out = torch.zeros(b, t, t, dtype=torch.bool)
+    start = 0
+    for bi in range(b):
+        idx = valid[bi].nonzero().flatten()
+        k = idx.numel()
+        out[bi, idx[:, None], idx[None, :]] = allow[0, start:start + k, start:start + k]
+        start += k
+    return out[:, None]  # [B, 1, T, T]
+
+
+def _packed(model: Any, blocks: list[str], inputs: Mapping[str, Any], valid: "Tensor", h_a: list[Any],
+            label: str) -> Seen:
+    """Run B of ``--vary packing``: one forward of the packed row, each block replayed on A's rows packed the same
+    way; what it kept laid out as the batch."""
+    def moved(ha: "Tensor", h: "Tensor") -> "Tensor":
+        return ha[valid][None].to(h.dtype)  # [1, N, E]
+
+    seen = _forward(model, Watch(model, blocks, h_a, moved), packed_inputs(inputs, valid), label)
+    n = len(blocks)
+    out = Seen([None] * n, [None] * n, [None] * n, [{} for _ in range(n)])
+    for i in range(n):
+        out.inputs[i], out.outputs[i], out.replays[i] = (_spread(x[i], valid) for x in
+                                                         (seen.inputs, seen.outputs, seen.replays))
+        kw = seen.kwargs[i]
+        emb = kw.get("position_embeddings")
+        pos = kw.get("position_ids")
+        out.kwargs[i] = {"attention_mask": _spread_mask(kw.get("attention_mask"), valid),
+                         "position_ids": None if pos is None else _spread(pos.reshape(1, -1), valid),
+                         "position_embeddings": tuple(_spread(e, valid) for e in emb)
+                         if isinstance(emb, (tuple, list)) and len(emb) == 2 else None}
+    out.logits = _spread(seen.logits, valid)
+    return out
+
+
 def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, Any], sink: Sink) -> dict[str, Any]:
     """The runs (see the module docstring); each block's real rows and the model's rows go to ``sink``."""
     valid_a, valid_b = inputs_a["attention_mask"].bool(), inputs_b["attention_mask"].bool()
@@ -451,8 +518,12 @@ def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, 
         seen_a = _alone(pair.a, blocks, inputs_a, valid_a, label) if pair.alone else \
             _forward(pair.a, Watch(pair.a, blocks), inputs_a, f"{label} (run A)")
         moved = mover(valid_a, valid_b, pads=not pair.alone)
-        seen_b = _cached(pair.b, blocks, inputs_b, valid_b, seen_a.inputs, f"{label} (run B)") if pair.cached else \
-            _forward(pair.b, Watch(pair.b, blocks, seen_a.inputs, moved), inputs_b, f"{label} (run B)")
+        if pair.cached:
+            seen_b = _cached(pair.b, blocks, inputs_b, valid_b, seen_a.inputs, f"{label} (run B)")
+        elif pair.packed:
+            seen_b = _packed(pair.b, blocks, inputs_b, valid_b, seen_a.inputs, f"{label} (run B, packed)")
+        else:
+            seen_b = _forward(pair.b, Watch(pair.b, blocks, seen_a.inputs, moved), inputs_b, f"{label} (run B)")
         plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved, ~valid_b), inputs_b, f"plain {d} {label}")
                  for d, m in pair.plain.items()}
         exact = _forward(pair.exact, Watch(pair.exact, blocks, seen_a.inputs, moved, ~valid_b), inputs_b,

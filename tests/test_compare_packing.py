@@ -1,0 +1,84 @@
+"""``compare --vary packing``: each sequence apart against all of them packed into one row, position ids restarting.
+
+Correct causal decoders pass; a registered function that lets a document's first token read the previous
+document's last token (fixtures/interface/custom.py:first_token_reads_previous) is named at block 0, on the
+second document's first token, while a correct registered function passes; an encoder is not applicable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from attn_ledger.cli import app
+from attn_ledger.errors import InputError
+from attn_ledger.probes.model.compare import Vary, parse_vary
+
+ROOT = Path(__file__).resolve().parents[1]
+CUSTOM = ROOT / "fixtures" / "interface" / "custom.py"
+runner = CliRunner()
+_NAMES = iter(range(1 << 30))
+
+
+def test_packing_parses_and_other_values_are_refused():
+    assert parse_vary("packing") == Vary("packing", "apart", "packed")
+    with pytest.raises(InputError, match="--vary: got 'packing=a,b', expected packing"):
+        parse_vary("packing=a,b")
+
+
+def test_packing_one_example_exits_2_with_one_line():
+    result = runner.invoke(app, ["compare", "--transformers", "llama", "--vary", "packing", "--batch", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--batch: got 1 with --vary packing, expected at least 2 examples to pack" in result.output
+    assert "Traceback" not in result.output
+
+
+pytest.importorskip("transformers")
+
+
+def _run(model_type: str, *, implementation: str | None = None, fn: str | None = None, padding: str = "left",
+         dtype: str = "float32"):
+    from attn_ledger.probes.model.compare import compare, runs
+    from attn_ledger.probes.model.driver import LocalModel, setup
+    from attn_ledger.probes.model.inputs import InputPlan
+
+    register = None
+    if fn is not None:  # a fresh name: registrations are global to the process
+        implementation, register = f"packed{next(_NAMES)}", f"{CUSTOM}:{fn}"
+    r = runs(parse_vary("packing"), model_type, implementation=implementation, register=register, dtype=dtype,
+             plan=InputPlan(3, 20, padding, 0))
+    loaded, _ = setup(r.args())
+    return compare(LocalModel(loaded), r)
+
+
+CORRECT = [("llama", "sdpa", "left", "float32"), ("llama", "eager", "right", "float32"),
+           ("mistral", "sdpa", "left", "float32"), ("gpt2", "eager", "left", "float32"),
+           ("gpt2", "sdpa", "none", "float32"), ("llama", "sdpa", "left", "bfloat16")]
+
+
+@pytest.mark.parametrize("family, implementation, padding, dtype", CORRECT,
+                         ids=[f"{f}-{i}-{p}-{d}" for f, i, p, d in CORRECT])
+def test_a_correct_decoder_packed_agrees_with_each_sequence_apart(family, implementation, padding, dtype):
+    report = _run(family, implementation=implementation, padding=padding, dtype=dtype)
+    assert report.exit_code == 0, report.first_finding
+    blocks = [r for r in report.rows if r.fields.get("layer") is not None]
+    assert len(blocks) == 2 and all(r.fields["added"] <= r.fields["bound"] for r in blocks)
+    assert report.row("position_ids").status == "pass"  # restarting in both: each document's own positions
+
+
+def test_a_first_token_that_reads_the_previous_document_is_named_at_block_0():
+    assert _run("llama", fn="my_attention").exit_code == 0  # a correct function, registered the same way
+    report = _run("llama", fn="first_token_reads_previous")
+    assert report.exit_code == 1
+    assert report.first_finding.row == "model.layers.0"
+    assert report.details["first_adder"] == {"block": "model.layers.0", "layer": 0}
+    # the second document's first token: the first that has a document before it in the packed row
+    assert report.row("model.layers.0").check("added_error").location == {"example": 1, "token": 0}
+
+
+def test_an_encoder_is_not_applicable_and_exits_0():
+    report = _run("bert")
+    assert report.exit_code == 0
+    assert [(r.name, r.status) for r in report.rows] == [("packing", "not_applicable")]
