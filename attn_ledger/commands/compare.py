@@ -38,9 +38,10 @@ def compare(  # long by its options (typer reads them from the signature); the b
                      help="What differs between run A and run B: attn-implementation=A,B (eager, sdpa, "
                           "flex_attention, or the name given with --register), dtype=A,B (float32, bfloat16, "
                           "float16, float64), padding-side (left against right, positions aligned), batch (run A: "
-                          "each example alone, one forward each; run B: the batch), or cache (run A: the full "
+                          "each example alone, one forward each; run B: the batch), cache (run A: the full "
                           "forward; run B: a prefill, then the last tokens decoded one at a time through the "
-                          "model's own cache; decoders only)."),
+                          "model's own cache; decoders only), or packing (run A: each sequence apart; run B: all "
+                          "packed into one row, position ids restarting, no mask; causal decoders only)."),
     ],
     set_: SetOption = None,
     attn_implementation: ImplementationOption = None,
