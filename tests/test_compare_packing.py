@@ -82,3 +82,19 @@ def test_an_encoder_is_not_applicable_and_exits_0():
     report = _run("bert")
     assert report.exit_code == 0
     assert [(r.name, r.status) for r in report.rows] == [("packing", "not_applicable")]
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_packed_mask_whose_documents_start_one_token_late_is_named_at_the_masks_row(monkeypatch, implementation):
+    import runpy
+
+    fixture = runpy.run_path(str(ROOT / "fixtures" / "models" / "packing.py"))
+    module, name = fixture["PATCH"]
+    assert _run("llama", implementation=implementation).row("masks").status == "pass"  # transformers' own
+    monkeypatch.setattr(f"{module}.{name}", fixture["documents_one_late"])
+    report = _run("llama", implementation=implementation)
+    assert report.exit_code == 1
+    assert report.first_finding.row == "masks"  # a model-level row, before any block
+    where = report.first_finding.check.location
+    assert where["block"] == 0 and where["other_documents"] >= 1
+    assert report.details["first_adder"] == {"block": "model.layers.0", "layer": 0}

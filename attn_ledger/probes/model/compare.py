@@ -282,24 +282,33 @@ def _one_check_row(name: str, check: Check) -> Row:
 
 def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], rows: Mapping[str, Any]) -> Check:
     """Which real keys each real query may read, run B against run A, at every block where both runs' blocks
-    received a mask. A block given none applies its implementation's own rule (causal, its window), which only
-    its output shows: such blocks are not compared here, and their added error judges them."""
+    received a mask; under ``--vary packing``, also each key of another document run B's packed mask lets a
+    query read (run A, each document apart, can read none). A block given none applies its implementation's own
+    rule (causal, its window), which only its output shows: such blocks are not compared here, and their added
+    error judges them."""
     differ, first, compared = 0, None, []
     per_block: list[int | None] = []
     for i in range(len(kinds)):
         a, b = (t.get(f"{s}_mask_{i}") for s in ("a", "b"))
-        if a is None or b is None:
-            per_block.append(None)
-            continue
-        compared.append(i)
-        d = a != b
-        n = int(d.sum())
+        cross = t.get(f"b_cross_{i}")
+        n = None
+        if cross is not None:  # --vary packing: keys of other documents, readable in run B only
+            n = int(cross.sum())
+            if n and first is None:
+                r = int(cross.nonzero()[0, 0])
+                first = {"block": i, "example": rows["example"][r], "token": rows["token"][r],
+                         "other_documents": int(cross[r])}
+        if a is not None and b is not None:
+            d = a != b
+            n = (n or 0) + int(d.sum())
+            if d.any() and first is None:
+                r, k = (int(x) for x in d.nonzero()[0])
+                first = {"block": i, "example": rows["example"][r], "token": rows["token"][r], "key": k,
+                         "a": bool(a[r, k]), "b": bool(b[r, k])}
         per_block.append(n)
-        if n and first is None:
-            r, k = (int(x) for x in d.nonzero()[0])
-            first = {"block": i, "example": rows["example"][r], "token": rows["token"][r], "key": k,
-                     "a": bool(a[r, k]), "b": bool(b[r, k])}
-        differ += n
+        if n is not None:
+            compared.append(i)
+            differ += n
     data = {"per_block": per_block, "given": [[k or "none" for k in pair] for pair in kinds]}
     if not compared:
         return Check(2, "masks", "not_applicable", reason="no block received a mask in both runs (each applied "

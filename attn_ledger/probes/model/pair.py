@@ -486,6 +486,19 @@ def _spread_mask(mask: Any, valid: "Tensor") -> Any:
     return out[:, None]  # [B, 1, T, T]
 
 
+def _other_documents(mask: Any, valid: "Tensor") -> Any:
+    """Per real query row of the packed row (``[N]``, example after example): how many keys of other documents
+    its mask lets it read; None where the block got no mask."""
+    import torch
+
+    n = int(valid.sum())
+    allow = allowed(mask, torch.ones(1, n, dtype=torch.bool))
+    if allow is None:
+        return None
+    doc = torch.repeat_interleave(torch.arange(valid.shape[0]), valid.sum(-1))  # [N] each row's document
+    return (allow[0] & (doc[:, None] != doc[None, :])).sum(-1)  # [N]
+
+
 def _packed(model: Any, blocks: list[str], inputs: Mapping[str, Any], valid: "Tensor", h_a: list[Any],
             label: str) -> Seen:
     """Run B of ``--vary packing``: one forward of the packed row, each block replayed on A's rows packed the same
@@ -505,7 +518,8 @@ def _packed(model: Any, blocks: list[str], inputs: Mapping[str, Any], valid: "Te
         out.kwargs[i] = {"attention_mask": _spread_mask(kw.get("attention_mask"), valid),
                          "position_ids": None if pos is None else _spread(pos.reshape(1, -1), valid),
                          "position_embeddings": tuple(_spread(e, valid) for e in emb)
-                         if isinstance(emb, (tuple, list)) and len(emb) == 2 else None}
+                         if isinstance(emb, (tuple, list)) and len(emb) == 2 else None,
+                         "other_documents": _other_documents(kw.get("attention_mask"), valid)}
     out.logits = _spread(seen.logits, valid)
     return out
 
@@ -585,6 +599,8 @@ def _send_model(sink: Sink, a: Seen, b: Seen, plain: Mapping[str, Seen], exact: 
             pos = kw.get("position_ids")
             if pos is not None:
                 tensors[f"{side}_pos_{i}"] = pos.expand(valid.shape)[valid]
+            if kw.get("other_documents") is not None:  # --vary packing's run B: keys of other documents read
+                tensors[f"{side}_cross_{i}"] = kw["other_documents"]
             emb = kw.get("position_embeddings")
             if isinstance(emb, (tuple, list)) and len(emb) == 2:
                 tensors[f"{side}_cos_{i}"] = emb[0].expand(*valid.shape, emb[0].shape[-1])[valid]
