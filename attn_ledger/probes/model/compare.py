@@ -13,7 +13,8 @@ streams back, here, in the tool's process. Rows, in order:
   top :data:`attn_ledger.tolerance.TOP_K`.
 
 Only real rows are compared; under ``padding-side`` they are aligned by their order among the example's real
-tokens. The first failing row is the headline, so a block that adds error is named where it first acts.
+tokens, under ``cache`` each decoded token's forward meets A's row at its position, under ``packing`` each packed
+document meets its own example's rows. The first failing row is the headline, so a block that adds error is named where it first acts.
 """
 
 from __future__ import annotations

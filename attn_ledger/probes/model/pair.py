@@ -14,6 +14,11 @@ which may be rounded already; eager takes its softmax in float32). A ``compare``
   only -inf); the plain runs set such rows to 0 after each block, so that their padded keys carry no NaN into
   the real rows (a real row never reads them) and the whole run stays a reference for the logits.
 
+Under ``--vary cache`` run B is a prefill, then one forward per token through the model's own cache, each block
+replayed on A's rows of the same positions with a cache of the replays' own; under ``--vary packing`` run A is each
+sequence apart and run B one forward of them all packed into one row. Either way B's forwards are laid out as one
+forward of A's layout, so what follows is the same for every kind.
+
 Every run also keeps the keyword arguments its blocks received (masks, position ids, position embeddings) and
 its logits. Only real rows are sent back (``valid`` masks, one per run, the same count per example), one part
 per block and one for the model, as plain facts and raw tensors; nothing here judges.
