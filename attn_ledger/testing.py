@@ -434,7 +434,7 @@ def assert_models_agree(a: Any, b: Any, inputs: Any = None, *, timeout: float | 
         inputs: ``input_ids`` and ``attention_mask`` (and ``position_ids``) for both runs; None makes token ids.
         timeout: seconds for the forwards (None: no limit; needs the main thread).
         options: :func:`attn_ledger.probes.model.compare.compare_models`'s: ``batch``, ``seq_len``, ``padding``,
-            ``seed``, ``label``.
+            ``seed``, ``label``, ``cache`` (B decoded token by token through its own cache, A the full forward).
 
     Raises:
         AssertionError: a row fails; the message names the first block that adds error beyond its bound (or the
