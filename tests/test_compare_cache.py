@@ -146,3 +146,24 @@ def test_assert_models_agree_under_cache_passes_the_model_itself_and_fails_the_b
         assert_models_agree(reference, broken, cache=True)
     with pytest.raises(InputError, match="--padding: got right with --vary cache"):
         assert_models_agree(reference, reference, cache=True, padding="right")
+
+
+def test_given_inputs_that_cannot_be_decoded_are_refused():
+    import torch
+
+    from attn_ledger.probes.model.compare import compare_models
+
+    reference, _ = _fixture().positions_one_ahead()
+    right = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])}
+    with pytest.raises(InputError, match="inputs: attention_mask has padding after a real token"):
+        compare_models(reference, reference, right, cache=True)
+    short = {"input_ids": torch.tensor([[5, 6, 7, 8], [0, 0, 0, 9]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 0, 1]])}
+    with pytest.raises(InputError, match="inputs: an example has fewer than two real tokens"):
+        compare_models(reference, reference, short, cache=True)
+    left = {"input_ids": torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]]),
+            "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
+            "position_ids": torch.tensor([[0, 1, 2, 3], [1, 1, 0, 1]])}
+    report = compare_models(reference, reference, left, cache=True)
+    assert report.exit_code == 0 and report.details["cache"] == {"prefill": 3, "decoded": 1}
