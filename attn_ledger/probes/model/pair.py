@@ -278,6 +278,15 @@ def alone_inputs(inputs: Mapping[str, Any], valid: "Tensor", example: int) -> di
     return out
 
 
+def _embedding_pairs(kwargs: list[dict[str, Any]], put: Callable[[list[Any]], Any]) -> tuple[Any, Any] | None:
+    """The (cos, sin) position embeddings of several forwards' block kwargs, each put together by ``put``; None
+    where a forward's block got none."""
+    emb = [k.get("position_embeddings") for k in kwargs]
+    if any(not isinstance(e, (tuple, list)) or len(e) != 2 for e in emb):
+        return None
+    return tuple(put([e[j] for e in emb]) for j in (0, 1))
+
+
 def _placed(parts: list[Any], valid: "Tensor") -> Any:
     """Per-example ``[1, n_b, ...]`` tensors as one ``[B, T, ...]`` (zeros at padded positions), or None where an
     example has none."""
@@ -318,9 +327,7 @@ def _alone(model: Any, blocks: list[str], inputs: Mapping[str, Any], valid: "Ten
         out.inputs[i] = _placed([s.inputs[i] for s in seen], valid)
         out.outputs[i] = _placed([s.outputs[i] for s in seen], valid)
         kw = [s.kwargs[i] for s in seen]
-        emb = [k.get("position_embeddings") for k in kw]
-        pairs = None if any(not isinstance(e, (tuple, list)) or len(e) != 2 for e in emb) else \
-            tuple(_placed([e[j] for e in emb], valid) for j in (0, 1))
+        pairs = _embedding_pairs(kw, lambda parts: _placed(parts, valid))
         out.kwargs[i] = {"attention_mask": _placed_mask([k.get("attention_mask") for k in kw], valid),
                          "position_ids": _placed([k.get("position_ids") for k in kw], valid),
                          "position_embeddings": pairs}
@@ -439,9 +446,7 @@ def _joined(seen: list[Seen], b: int, t: int) -> Seen:
         out.outputs[i] = _cat([s.outputs[i] for s in seen], b)
         out.replays[i] = _cat([s.replays[i] for s in seen], b)
         kw = [s.kwargs[i] for s in seen]
-        emb = [k.get("position_embeddings") for k in kw]
-        pairs = None if any(not isinstance(x, (tuple, list)) or len(x) != 2 for x in emb) else \
-            tuple(_cat([x[j] for x in emb], b) for j in (0, 1))
+        pairs = _embedding_pairs(kw, lambda parts: _cat(parts, b))
         pos = [k.get("position_ids") for k in kw]
         out.kwargs[i] = {"attention_mask": _joined_mask([k.get("attention_mask") for k in kw], steps, b, t),
                          "position_ids": _cat([None if p is None else p.reshape(-1, p.shape[-1]) for p in pos], b),
