@@ -21,6 +21,7 @@ LOG_SPAN = 10.0  # largest / smallest positive value from which the y axis is lo
 SERIES = (("total", "total error (B against A)", "#1f6fb4"),
           ("added", "added error (B's block on A's input)", "#e76f51"),
           ("bound", "bound", "#2a9d8f"))
+OFFSET = {"total": -5.0, "added": 5.0, "bound": 0.0}  # total and added side by side, so that neither hides the other
 WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM = 720, 280, 64, 16, 18, 40
 
 
@@ -81,8 +82,11 @@ def _point(series: str, colour: str, x: float, y: float, row: Row, value: float,
     shape = (f'<circle {attrs} cx="{x:.1f}" cy="{y:.1f}" r="4"' if series == "total"
              else f'<rect {attrs} x="{x - 4:.1f}" y="{y - 4:.1f}" width="8" height="8"')
     fill = "#fff" if not math.isfinite(value) else colour
+    side = (x - 7, "end") if series == "total" else (x + 7, "start")  # total's word left of it, added's right
+    word = "" if math.isfinite(value) else (f'<text class="nonfinite-label" x="{side[0]:.1f}" y="{y + 4:.1f}" '
+                                            f'text-anchor="{side[1]}" fill="{colour}">{fmt_value(value)}</text>')
     return f'{shape} fill="{fill}" stroke="{colour}" stroke-width="1.5"><title>{escape(tip)}</title>' + (
-        "</circle>" if series == "total" else "</rect>")
+        "</circle>" if series == "total" else "</rect>") + word
 
 
 def _grid(axis: Axis) -> list[str]:
@@ -125,10 +129,12 @@ def layer_plot(report: Report) -> str:
     out.append(f'<text class="tick" x="{(LEFT + WIDTH - RIGHT) / 2:.1f}" y="{HEIGHT - 6}" text-anchor="middle">'
                f'block (layer){", log scale" if axis.log else ""}</text>')
     for series, _, colour in SERIES:
-        points = [(x, axis.y(v), r, v, f) for x, r, v, f in zip(xs, rows, values[series], firsts) if v is not None]
-        if len(points) > 1:
+        points = [(x + OFFSET[series], axis.y(v), r, v, f) for x, r, v, f in zip(xs, rows, values[series], firsts)
+                  if v is not None]
+        finite = [(x, y) for x, y, _, v, _ in points if math.isfinite(v)]  # a value that is not finite: no line to it
+        if len(finite) > 1:
             dash = ' stroke-dasharray="5 4"' if series == "bound" else ""
-            line = " ".join(f"{x:.1f},{y:.1f}" for x, y, *_ in points)
+            line = " ".join(f"{x:.1f},{y:.1f}" for x, y in finite)
             out.append(f'<polyline class="series {series}" points="{line}" fill="none" stroke="{colour}" '
                        f'stroke-width="1.5"{dash}/>')
         out += [_point(series, colour, x, y, r, v, f) for x, y, r, v, f in points]
@@ -141,4 +147,4 @@ def plot_legend() -> str:
     shapes = {"total": "&#9679;", "added": "&#9632;", "bound": "&#9644;"}
     items = "".join(f'<span><span style="color:{c}">{shapes[s]}</span> {escape(words)}</span>' for s, words, c in SERIES)
     return (f'<div class="legend">{items}<span><span class="swatch" style="background:#fdecea"></span>'
-            "the first adder (the first block whose added error exceeds its bound)</span></div>")
+            "the first adder (the first block whose checks fail)</span></div>")
