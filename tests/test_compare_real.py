@@ -108,7 +108,9 @@ def test_a_mask_builder_that_leaves_a_fully_padded_row_nan_is_named_at_block_0_i
     calls = _attention(bad)  # the left-padded run's call is the one that fails, on its padded rows
     assert calls["A"]["status"] == "fail" and calls["A"]["check"] == "finite"
     assert calls["B"]["status"] == "pass"
-    assert "run A's model.layers.0.self_attn fails finite" in bad.first_finding.check.reason
+    assert "run A's model.layers.0.self_attn fails finite (query rows (padded ones included) with NaN or inf in the " \
+        "context" in bad.first_finding.check.reason
+    assert calls["A"]["reason"].endswith("at example 1, head 0, query 0")  # the left-padded example's first row
 
 
 def test_rounding_is_not_a_finding():
