@@ -118,7 +118,8 @@ details.call.status-pass { border-left-color: var(--pass); } details.call.status
 details.call.status-downstream { border-left-color: var(--warn); }
 details.call summary { cursor: pointer; }
 svg.layer-plot text { font: 11px ui-monospace, "DejaVu Sans Mono", monospace; fill: #555; }
-svg.layer-plot a.plot-layer:hover rect.hit { fill: rgba(0, 0, 0, .05); } figure.plot { margin: .4rem 0; } .call-ledger { margin: .5rem 0 .2rem 1rem; }
+svg.layer-plot a.plot-layer:hover rect.hit { fill: rgba(0, 0, 0, .05); } figure.plot { margin: .4rem 0; }
+.call-ledger { margin: .5rem 0 .2rem 1rem; }
 footer { margin-top: 2rem; color: var(--dim); font-size: 12px; }
 @page { margin: 12mm; }
 @media print {
@@ -250,8 +251,8 @@ def _block_ledgers(report: Report, r: Row, i: int) -> str:
                 f'{_e(STATUS_WORD.get(call["status"], call["status"]))}</span> run {_e(call["run"])}: '
                 f'<span class="mono">{_e(call["call"])}</span>' + (f" &mdash; {_e(what)}" if what else "") + "</p>")
         nested = report.ledgers.get(call.get("ledger") or "")
-        parts.append(head + (_stage_ledger(nested, call["ledger"], f"layer-{i}-{j}-", f"Run {call['run']}, stage ledger")
-                             if nested is not None else '<p class="dim no-ledger">no stage ledger of this call</p>'))
+        parts.append(head + ('<p class="dim no-ledger">no stage ledger of this call</p>' if nested is None else
+                             _stage_ledger(nested, call["ledger"], f"layer-{i}-{j}-", f"Run {call['run']}, stage ledger")))
     if attention.get("why"):
         parts.append(f'<p class="dim no-ledger">{_e(attention["why"])}</p>')
     return "".join(parts)
@@ -270,8 +271,8 @@ def _compare_blocks(report: Report) -> str:
                             if r.fields.get(k) is not None)
         items = "".join(_check_item(c, report.first_finding is not None and c is report.first_finding.check, True)
                         for c in r.checks)
-        sections.append(f'<details class="call status-{r.status}" id="layer-{i}"{_attrs(data_block=r.name, data_layer=r.fields["layer"])}'
-                        f'{" open" if first else ""}><summary><span class="badge">{_e(STATUS_WORD[r.status])}</span> '
+        attrs = _attrs(id=f"layer-{i}", data_block=r.name, data_layer=r.fields["layer"])
+        sections.append(f'<details class="call status-{r.status}"{attrs}{" open" if first else ""}><summary><span class="badge">{_e(STATUS_WORD[r.status])}</span> '
                         f'<span class="mono">{_e(r.name)}</span>{" (first adder)" if first else ""} &mdash; {_e(numbers)}'
                         f'</summary><ul class="checks">{items}</ul>{_block_ledgers(report, r, i)}</details>')
     return (f'<section id="layers"><h2>Blocks: total and added error against the bound</h2>'
@@ -477,7 +478,8 @@ def render_html(report: Report, command_line: str = "") -> str:
             f'<meta charset="utf-8">\n<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
             '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
             f'<meta name="generator" content="attn-ledger {_e(__version__)}">\n<title>{_e(title)}</title>\n'
-            f"<script>{ERROR_RECORDER}</script>\n" + (f"<script>{OPEN_CALL}</script>\n" if report.command in ("scan", "compare") else "")
+            f"<script>{ERROR_RECORDER}</script>\n"
+            + (f"<script>{OPEN_CALL}</script>\n" if report.command in ("scan", "compare") else "")
             + f"<style>{STYLE}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
 
 

@@ -145,6 +145,7 @@ def layer_plot(report: Report) -> str:
 def plot_legend() -> str:
     """What each mark of the plot is, as HTML."""
     shapes = {"total": "&#9679;", "added": "&#9632;", "bound": "&#9644;"}
-    items = "".join(f'<span><span style="color:{c}">{shapes[s]}</span> {escape(words)}</span>' for s, words, c in SERIES)
+    items = "".join(f'<span><span style="color:{c}">{shapes[s]}</span> {escape(words)}</span>'
+                    for s, words, c in SERIES)
     return (f'<div class="legend">{items}<span><span class="swatch" style="background:#fdecea"></span>'
             "the first adder (the first block whose checks fail)</span></div>")
