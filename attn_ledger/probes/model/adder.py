@@ -27,7 +27,10 @@ RUNS = (("a", "A"), ("b", "B"))
 
 @dataclass(frozen=True)
 class CallSummary:
-    """One attention call of the first adder in one run: its scan verdict and its stage ledger's first finding."""
+    """One attention call of the first adder in one run: its scan verdict and its stage ledger's first finding.
+
+    ``run`` is the run as the report names it ("A", "B", "A (example 1 alone)"); ``call`` the call's label in scan.
+    """
 
     run: str
     call: str
