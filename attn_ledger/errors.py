@@ -57,9 +57,16 @@ def shown_path(path: object) -> str:
 
 
 def first_line(exc: BaseException, empty: str = "(no message)", limit: int | None = FIRST_LINE_CHARS) -> str:
-    """The first line of ``exc``'s message cut to ``limit`` characters (None: whole), or ``empty`` when it has none."""
-    text = str(exc).strip()
-    return text.splitlines()[0][:limit] if text else empty
+    """The first line of ``exc``'s message cut to ``limit`` characters (None: whole), or ``empty`` when it has none.
+
+    A first line that only introduces the next (``backend='inductor' raised:``) is joined to that line, which says
+    what happened.
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return empty
+    line = lines[0] if not lines[0].endswith(":") or len(lines) == 1 else f"{lines[0]} {lines[1]}"
+    return line[:limit]
 
 
 def clip(text: str, limit: int = 120) -> str:

@@ -417,10 +417,11 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
     from attn_ledger.probes.model.inputs import InputPlan, make_inputs, valid_positions, pad_counts
 
     facts = handle.facts
-    if runs_.vary.kind in ("cache", "packing"):
-        why = cache_refusal(facts, given) if runs_.vary.kind == "cache" else packing_refusal(facts)
-        if why:
-            return not_applicable_report(facts, runs_, runs_.vary.kind, why)
+    refusal = {"cache": lambda: cache_refusal(facts, given), "packing": lambda: packing_refusal(facts),
+               "padding-side": lambda: realignment_refusal(facts), "batch": lambda: realignment_refusal(facts)}
+    why = refusal[runs_.vary.kind]() if runs_.vary.kind in refusal else ""
+    if why:
+        return not_applicable_report(facts, runs_, runs_.vary.kind, why)
     if given is not None:
         inputs_a = inputs_b = dict(given)
         valid_b = given["attention_mask"].bool()
@@ -481,6 +482,16 @@ def cache_refusal(facts: Mapping[str, Any], given: "Mapping[str, Tensor] | None"
         if not prefill_length(valid.shape[1], (~valid).sum(-1).tolist()):
             raise InputError("inputs: an example has fewer than two real tokens, expected at least two under cache "
                              "(one to prefill, one to decode)")
+    return ""
+
+
+def realignment_refusal(facts: Mapping[str, Any]) -> str:
+    """Why ``--vary padding-side`` or ``batch`` (which move an example's real tokens to other rows) does not apply
+    to this model yet, or "" where it does: the rows are realigned along the input sequence, and an
+    encoder-decoder's decoder blocks hold the decoder's sequence instead."""
+    if facts.get("architecture") == "encoder-decoder":
+        return (f"{facts.get('label')} is an encoder-decoder: its rows are realigned along the encoder's input, "
+                "and its decoder blocks' rows (the decoder's own sequence) are not realigned yet")
     return ""
 
 

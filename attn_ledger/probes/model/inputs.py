@@ -108,7 +108,9 @@ def make_inputs(plan: InputPlan, facts: Mapping[str, Any]) -> dict[str, "Tensor"
     ids = ids.masked_fill(~valid, pad)
     mask = valid.long()
     out: dict[str, Tensor] = {"input_ids": ids, "attention_mask": mask}
-    if arch == "decoder" and facts.get("takes_position_ids", True):
+    if arch != "encoder-decoder" and facts.get("takes_position_ids", True):
+        # as generate() makes them: a left-padded example's first real token at 0, as a right-padded one's (an
+        # encoder's absolute position embeddings would otherwise tell the two sides apart)
         out["position_ids"] = generate_positions(mask)
     if arch == "encoder-decoder":
         td = plan.decoder_len or t

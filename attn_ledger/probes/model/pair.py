@@ -93,6 +93,12 @@ def _plain_copy(model: "nn.Module", dtype: str, implementations: tuple[str, ...]
             break
         except (ValueError, ImportError, KeyError):
             continue
+    experts = getattr(twin, "set_experts_implementation", None)
+    if dtype == "float64" and experts is not None and getattr(twin.config, "_experts_implementation", "eager") != "eager":
+        try:  # a mixture of experts' default kernel, torch's grouped matmul, takes no float64: the plain loop does
+            experts("eager")
+        except (ValueError, ImportError, KeyError):
+            pass
     return twin.to(_dtype(dtype)).eval()
 
 
