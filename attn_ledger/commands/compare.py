@@ -41,8 +41,17 @@ def compare(  # long by its options (typer reads them from the signature); the b
                           "each example alone, one forward each; run B: the batch), cache (run A: the full "
                           "forward; run B: a prefill, then the last tokens decoded one at a time through the "
                           "model's own cache; decoders only), or packing (run A: each sequence apart; run B: all "
-                          "packed into one row, position ids restarting, no mask; causal decoders only)."),
+                          "packed into one row, position ids restarting, no mask; causal decoders only), or "
+                          "target=FILE:FACTORY (run B: another model, a port against its reference; A's weights "
+                          "copied in by name or through --map)."),
     ],
+    map_: Annotated[
+        Optional[str],
+        typer.Option("--map", metavar="FILE:FN", rich_help_panel=MODEL_PANEL,
+                     help="With --vary target: FN(name) gives B's name of each of A's weights (state-dict names) and "
+                          "blocks (module paths), e.g. model.layers.0.self_attn.q_proj.weight -> "
+                          "blocks.0.attn.wq.weight. Without it, B names them as A does."),
+    ] = None,
     set_: SetOption = None,
     attn_implementation: ImplementationOption = None,
     register: RegisterOption = None,
@@ -72,19 +81,21 @@ def compare(  # long by its options (typer reads them from the signature); the b
         args = compare_args(transformers, vary, overrides=set_, implementation=attn_implementation,
                             register=register, mask_format=mask_format.value if mask_format else None,
                             dtype=dtype.value if dtype else None, batch=batch, seq_len=seq_len,
-                            padding=padding.value if padding else None, seed=seed)
+                            padding=padding.value if padding else None, seed=seed, map_=map_)
         with Progress("comparing") as bar:
             outcome = run_user_task("model_compare", args, in_process=in_process, timeout=timeout, progress=bar)
         show_output(outcome.output)
         return outcome.report
 
-    inputs = {"--register": spec_path(register), "--transformers": transformers if transformers.endswith(".json") else None}
+    inputs = {"--register": spec_path(register), "--map": spec_path(map_),
+              "--vary": spec_path(vary.partition("=")[2]) if vary.strip().startswith("target") else None,
+              "--transformers": transformers if transformers.endswith(".json") else None}
     execute(build, output_format, output, command="compare", detail=detail, inputs=inputs)
 
 
 def compare_args(transformers: str, vary: str, *, overrides: Optional[list[str]], implementation: Optional[str],
                  register: Optional[str], mask_format: Optional[str], dtype: Optional[str], batch: Optional[str],
-                 seq_len: Optional[str], padding: Optional[str], seed: Optional[str]) -> dict:
+                 seq_len: Optional[str], padding: Optional[str], seed: Optional[str], map_: Optional[str] = None) -> dict:
     """The compare task's arguments as plain data, everything that can be validated without the model validated."""
     from attn_ledger.errors import InputError
     from attn_ledger.probes.model.compare import parse_vary, runs
@@ -100,4 +111,4 @@ def compare_args(transformers: str, vary: str, *, overrides: Optional[list[str]]
     if v.kind == "padding-side" and padding is not None:
         raise InputError("--padding: cannot be given with --vary padding-side (run A is left padded, run B right)")
     return runs(v, transformers, overrides=overrides, implementation=implementation, register=register,
-                mask_format=mask_format, dtype=dtype or "float32", plan=plan).args()
+                mask_format=mask_format, dtype=dtype or "float32", plan=plan, map=map_).args()
