@@ -20,6 +20,11 @@ RegisterOption = opt.register_option("Register FN(module, query, key, value, att
                                     "AttentionInterface under the name of your own that --vary (or --attn-implementation) gives.")
 MaskFormatOption = opt.mask_format_option(MaskFormat, "The mask function registered with --register: sdpa, eager, or none. Default: sdpa.")
 SeedOption = opt.seed_option("Seed for the random weights and the token ids, 0..2^63-1. Default: 0.")
+MapOption = Annotated[Optional[str], typer.Option(
+    "--map", metavar="FILE:FN", rich_help_panel=MODEL_PANEL,
+    help="With --vary target: FN(name) gives B's name of each of A's weights (state-dict names) and blocks (module "
+         "paths), e.g. model.layers.0.self_attn.q_proj.weight -> blocks.0.attn.wq.weight. Without it, B names them "
+         "as A does.")]
 TimeoutOption = opt.timeout_option(
     "Limit on each call into the models (building them, the forwards), in seconds. Default 60; with --in-process, "
     "none unless given.")
@@ -45,13 +50,7 @@ def compare(  # long by its options (typer reads them from the signature); the b
                           "target=FILE:FACTORY (run B: another model, a port against its reference; A's weights "
                           "copied in by name or through --map)."),
     ],
-    map_: Annotated[
-        Optional[str],
-        typer.Option("--map", metavar="FILE:FN", rich_help_panel=MODEL_PANEL,
-                     help="With --vary target: FN(name) gives B's name of each of A's weights (state-dict names) and "
-                          "blocks (module paths), e.g. model.layers.0.self_attn.q_proj.weight -> "
-                          "blocks.0.attn.wq.weight. Without it, B names them as A does."),
-    ] = None,
+    map_: MapOption = None,
     set_: SetOption = None,
     attn_implementation: ImplementationOption = None,
     register: RegisterOption = None,
