@@ -29,8 +29,9 @@ def _compare(factory: str, *extra: str) -> object:
     return runner.invoke(app, ["compare", "--transformers", "llama", "--vary", f"target={PORT}:{factory}", *extra])
 
 
-def test_the_port_paired_by_repeat_interleave_agrees_with_llama_and_exits_0():
-    result = _compare("port", *MAP)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_port_paired_by_repeat_interleave_agrees_with_llama_and_exits_0(dtype):
+    result = _compare("port", *MAP, "--dtype", dtype)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].startswith("PASS: 7 layers")
@@ -97,6 +98,15 @@ def crashes(name):
 
 def not_a_name(name):
     return None
+
+
+class Unfinished(port.Port):
+    def forward(self, input_ids, **kwargs):
+        raise NotImplementedError("the port's forward is not written yet")
+
+
+def unfinished():
+    return Unfinished(port.LlamaConfig(**port.SMALL), "repeat_interleave")
 '''
 
 
@@ -132,6 +142,14 @@ def test_a_port_or_map_that_does_not_pair_is_one_line_and_exit_2(broken, factory
     assert result.exit_code == 2, result.output
     assert words.format(broken=broken) in result.output and "Traceback" not in result.output
     assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1
+
+
+def test_a_port_whose_forward_raises_is_a_finding_naming_the_port_exit_1(broken):
+    result = runner.invoke(app, ["compare", "--transformers", "llama", "--vary", f"target={broken}:unfinished", *MAP])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("FAIL at forward")
+    assert f"the forward of {broken}:unfinished (run B) raised NotImplementedError: the port's forward is not written" \
+        in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("vary, words", [

@@ -638,7 +638,8 @@ def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, 
         elif pair.packed:
             seen_b = _packed(pair.b, pair.paths_b, inputs_b, valid_b, seen_a.inputs, f"{label} (run B, packed)")
         else:
-            seen_b = _forward(pair.b, Watch(pair.b, pair.paths_b, seen_a.inputs, moved), inputs_b, f"{label} (run B)")
+            seen_b = _forward(pair.b, Watch(pair.b, pair.paths_b, seen_a.inputs, moved), inputs_b,
+                              f"{pair.facts['b'].get('label', label)} (run B)")
         plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved, ~valid_b), inputs_b, f"plain {d} {label}")
                  for d, m in pair.plain.items()}
         exact = _forward(pair.exact, Watch(pair.exact, blocks, seen_a.inputs, moved, ~valid_b), inputs_b,
