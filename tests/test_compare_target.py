@@ -107,6 +107,10 @@ class Unfinished(port.Port):
 
 def unfinished():
     return Unfinished(port.LlamaConfig(**port.SMALL), "repeat_interleave")
+
+
+def plain():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4))
 '''
 
 
@@ -161,6 +165,41 @@ def test_a_target_that_is_not_file_factory_is_one_line_and_exit_2(vary, words):
     result = runner.invoke(app, ["compare", "--transformers", "llama", "--vary", vary])
     assert result.exit_code == 2, result.output
     assert words in result.output and "Traceback" not in result.output
+    assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1
+
+
+# --- run A as a model of one's own ------------------------------------------------------------------------------
+
+
+def test_run_a_as_a_factory_reaches_the_broken_cache_path_from_the_command_line_exit_1():
+    result = runner.invoke(app, ["compare", f"{ROOT / 'fixtures' / 'models' / 'cache.py'}:one_ahead", "--vary", "cache",
+                                 "--format", "json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    assert report["first_finding"]["row"] == "position_ids"
+    assert report["details"]["first_adder"]["block"] == "model.layers.0"
+    assert report["details"]["model"]["class"] == "PositionsOneAhead"
+
+
+def test_run_a_as_the_port_against_itself_in_bfloat16_passes():
+    result = runner.invoke(app, ["compare", f"{PORT}:port", "--vary", "dtype=float32,bfloat16"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("PASS: 7 layers")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--transformers", "llama", "TARGET:port"], "target: expected exactly one of a model 'file.py:FACTORY' or "
+                                                 "--transformers"),
+    ([], "target: expected exactly one of a model 'file.py:FACTORY' or --transformers"),
+    (["TARGET:port", "--set", "num_hidden_layers=3"], "--set: applies to --transformers, not to a FILE:FACTORY target"),
+    (["BROKEN:plain"], "target: {broken}:plain() returned a Sequential without a transformers config, expected a "
+                       "transformers model"),
+], ids=["both", "neither", "set", "not-transformers"])
+def test_run_a_as_a_factory_refuses_what_it_cannot_run_exit_2(broken, argv, words):
+    argv = [a.replace("TARGET", str(PORT)).replace("BROKEN", str(broken)) for a in argv]
+    result = runner.invoke(app, ["compare", *argv, "--vary", "dtype=float32,float64"])
+    assert result.exit_code == 2, result.output
+    assert words.format(broken=broken) in result.output and "Traceback" not in result.output
     assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1
 
 

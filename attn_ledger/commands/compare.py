@@ -31,12 +31,6 @@ TimeoutOption = opt.timeout_option(
 
 
 def compare(  # long by its options (typer reads them from the signature); the body hands them to compare_args
-    transformers: Annotated[
-        str,
-        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL_PANEL,
-                     help="A transformers model built from its config with random weights (never downloaded): a "
-                          "model type (llama, mistral, gemma2, ...) gets small defaults; a config.json keeps its sizes."),
-    ],
     vary: Annotated[
         str,
         typer.Option("--vary", metavar="WHAT",
@@ -50,6 +44,17 @@ def compare(  # long by its options (typer reads them from the signature); the b
                           "target=FILE:FACTORY (run B: another model, a port against its reference; A's weights "
                           "copied in by name or through --map)."),
     ],
+    target: Annotated[
+        Optional[str],
+        typer.Argument(help="Run A as a model of your own: 'path/to/file.py:FACTORY', FACTORY() -> a transformers "
+                            "model (its config makes the tokens). Give this or --transformers."),
+    ] = None,
+    transformers: Annotated[
+        Optional[str],
+        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL_PANEL,
+                     help="A transformers model built from its config with random weights (never downloaded): a "
+                          "model type (llama, mistral, gemma2, ...) gets small defaults; a config.json keeps its sizes."),
+    ] = None,
     map_: MapOption = None,
     set_: SetOption = None,
     attn_implementation: ImplementationOption = None,
@@ -77,7 +82,7 @@ def compare(  # long by its options (typer reads them from the signature); the b
     def build():
         from attn_ledger.runner.worker import run_user_task, show_output
 
-        args = compare_args(transformers, vary, overrides=set_, implementation=attn_implementation,
+        args = compare_args(transformers, vary, target=target, overrides=set_, implementation=attn_implementation,
                             register=register, mask_format=mask_format.value if mask_format else None,
                             dtype=dtype.value if dtype else None, batch=batch, seq_len=seq_len,
                             padding=padding.value if padding else None, seed=seed, map_=map_)
@@ -86,20 +91,23 @@ def compare(  # long by its options (typer reads them from the signature); the b
         show_output(outcome.output)
         return outcome.report
 
-    inputs = {"--register": spec_path(register), "--map": spec_path(map_),
+    inputs = {"target": spec_path(target), "--register": spec_path(register), "--map": spec_path(map_),
               "--vary": spec_path(vary.partition("=")[2]) if vary.strip().startswith("target") else None,
-              "--transformers": transformers if transformers.endswith(".json") else None}
+              "--transformers": transformers if transformers and transformers.endswith(".json") else None}
     execute(build, output_format, output, command="compare", detail=detail, inputs=inputs)
 
 
-def compare_args(transformers: str, vary: str, *, overrides: Optional[list[str]], implementation: Optional[str],
-                 register: Optional[str], mask_format: Optional[str], dtype: Optional[str], batch: Optional[str],
-                 seq_len: Optional[str], padding: Optional[str], seed: Optional[str], map_: Optional[str] = None) -> dict:
-    """The compare task's arguments as plain data, everything that can be validated without the model validated."""
+def compare_args(transformers: Optional[str], vary: str, *, overrides: Optional[list[str]],
+                 implementation: Optional[str], register: Optional[str], mask_format: Optional[str],
+                 dtype: Optional[str], batch: Optional[str], seq_len: Optional[str], padding: Optional[str],
+                 seed: Optional[str], map_: Optional[str] = None, target: Optional[str] = None) -> dict:
+    """The compare task's arguments as plain data, everything that can be validated without the model validated;
+    run A is ``--transformers`` or the ``target`` factory, exactly one."""
     from attn_ledger.errors import InputError
     from attn_ledger.probes.model.compare import parse_vary, runs
     from attn_ledger.probes.model.inputs import InputPlan
 
+    kind, source = opt.model_source(target, transformers)
     v = parse_vary(vary)
     if v.kind == "dtype" and dtype is not None:
         raise InputError("--dtype: cannot be given with --vary dtype=A,B")
@@ -109,5 +117,5 @@ def compare_args(transformers: str, vary: str, *, overrides: Optional[list[str]]
                      given_padding, seed_value)
     if v.kind == "padding-side" and padding is not None:
         raise InputError("--padding: cannot be given with --vary padding-side (run A is left padded, run B right)")
-    return runs(v, transformers, overrides=overrides, implementation=implementation, register=register,
+    return runs(v, source, kind=kind, overrides=overrides, implementation=implementation, register=register,
                 mask_format=mask_format, dtype=dtype or "float32", plan=plan, map=map_).args()

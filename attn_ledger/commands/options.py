@@ -59,6 +59,19 @@ def _range(lo: int | None, hi: int | None) -> str:
     return "a whole number"
 
 
+def model_source(target: str | None, transformers: str | None) -> tuple[str, str]:
+    """``(kind, source)`` of the model a command runs: a ``FILE:FACTORY`` target or ``--transformers``, exactly one.
+
+    Raises:
+        InputError: both or neither.
+    """
+    from attn_ledger.errors import InputError
+
+    if (target is None) == (transformers is None):
+        raise InputError("target: expected exactly one of a model 'file.py:FACTORY' or --transformers MODEL_TYPE|config.json")
+    return ("transformers", str(transformers)) if transformers is not None else ("factory", str(target))
+
+
 def seed(text: str | None, option: str = "--seed") -> int | None:
     """A seed: 0..2**63-1."""
     from attn_ledger.seeding import SEED_MAX

@@ -105,11 +105,9 @@ def scan_args(target: Optional[str], transformers: Optional[str], *, tiny: bool,
     from attn_ledger.probes.model.judge import REFERENCE_BUDGET
     from attn_ledger.probes.model.targets import target as make_target
 
-    if (target is None) == (transformers is None):
-        raise InputError("target: expected exactly one of a model 'file.py:FACTORY' or --transformers MODEL_TYPE|config.json")
+    kind, source = opt.model_source(target, transformers)
     seed_value = opt.seed(seed) or 0
-    kind = "transformers" if transformers is not None else "factory"
-    t = make_target(kind, transformers or target, tiny=tiny, overrides=overrides, implementation=implementation,
+    t = make_target(kind, source, tiny=tiny, overrides=overrides, implementation=implementation,
                     register=register, mask_format=mask_format, seed=seed_value)
     plan = InputPlan(opt.integer(sizes["--batch"], "--batch", 1) or 2, opt.integer(sizes["--seq-len"], "--seq-len", 2) or 24,
                      padding or "none", seed_value, opt.integer(sizes["--decoder-len"], "--decoder-len", 1))

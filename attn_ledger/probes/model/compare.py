@@ -122,9 +122,10 @@ class Runs:
 
 def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str | None = None,
          register: str | None = None, mask_format: str | None = None, dtype: str = "float32",
-         plan: Any, map: str | None = None) -> Runs:
-    """Run A and run B of ``--transformers source`` under ``vary`` (validated here, built in the worker); under
-    ``--vary target`` run B is the other model, ``map`` naming A's weights and blocks in it.
+         plan: Any, map: str | None = None, kind: str = "transformers") -> Runs:
+    """Run A and run B of ``--transformers source`` (``kind`` "factory": of the ``FILE:FACTORY`` ``source``) under
+    ``vary`` (validated here, built in the worker); under ``--vary target`` run B is the other model, ``map`` naming
+    A's weights and blocks in it.
 
     Raises:
         InputError: ``--register`` where neither implementation is a name of one's own, both are, or the varied
@@ -136,7 +137,7 @@ def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str 
     from attn_ledger.probes.model.targets import target
 
     def make(impl: str | None, reg: str | None) -> dict[str, Any]:
-        return target("transformers", source, overrides=overrides, implementation=impl, register=reg,
+        return target(kind, source, overrides=overrides, implementation=impl, register=reg,
                       mask_format=mask_format if reg else None, seed=plan.seed).to_json()
 
     if map is not None and vary.kind != "target":
@@ -557,7 +558,9 @@ def compare_report(facts: Mapping[str, Any], runs_: Runs, judge: Judge, run: Map
 
 def stopped_report(args: Mapping[str, Any], reason: str, data: Mapping[str, Any]) -> Report:
     """The report of a compare whose forwards never came back (a crash or the time limit)."""
-    label = f"--transformers {args['target']['source']}"
+    from attn_ledger.probes.model.targets import Target
+
+    label = Target.from_json(args["target"]).label
     check = Check(1, "forward", "fail", reason=reason, data=dict(data))
     return Report("compare", f"compare {label}", (Row("forward", "fail", (check,)),), unit="row", row_label="layer",
                   details={"model": {"label": label}})

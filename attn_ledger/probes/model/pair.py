@@ -114,6 +114,9 @@ def setup(args: dict[str, Any], model_facts: Callable[..., dict[str, Any]]) -> t
     # classes in a module that sys.modules no longer holds, where the capture looks for its attention function
     names = Names(args.get("map"), kind == "target", field="--map" if args.get("map") else "--vary")
     a, _ = build(ta, head=True)
+    if not hasattr(getattr(a, "config", None), "to_json_string"):
+        raise InputError(f"target: {ta.source}() returned a {type(a).__name__} without a transformers config, expected "
+                         "a transformers model (the tokens compare runs are made from its config)")
     b, _ = build(tb, head=True)
     with torch.no_grad():
         b.load_state_dict(matched_weights(a, b, names))
