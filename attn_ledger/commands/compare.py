@@ -14,6 +14,11 @@ Padding = opt.choices("ComparePadding", "none", "left", "right")
 MaskFormat = opt.choices("CompareMaskFormat", "sdpa", "eager", "none")
 Dtype = opt.choices("CompareDtype", "float32", "bfloat16", "float16", "float64")
 
+TargetArgument = opt.target_argument("Run A as a model of your own: 'path/to/file.py:FACTORY', FACTORY() -> a "
+                                     "transformers model (its config makes the tokens). Give this or --transformers.")
+TransformersOption = opt.transformers_option(
+    "A transformers model built from its config with random weights (never downloaded): a model type (llama, mistral, "
+    "gemma2, ...) gets small defaults; a config.json keeps its sizes.")
 SetOption = opt.set_option("Override a config value (repeatable), e.g. --set num_hidden_layers=4.")
 ImplementationOption = opt.attn_implementation_option("Both runs' attention implementation, where it is not what --vary changes.")
 RegisterOption = opt.register_option("Register FN(module, query, key, value, attention_mask, ...) in transformers' "
@@ -39,22 +44,13 @@ def compare(  # long by its options (typer reads them from the signature); the b
                           "float16, float64), padding-side (left against right, positions aligned), batch (run A: "
                           "each example alone, one forward each; run B: the batch), cache (run A: the full "
                           "forward; run B: a prefill, then the last tokens decoded one at a time through the "
-                          "model's own cache; decoders only), or packing (run A: each sequence apart; run B: all "
+                          "model's own cache; decoders only), packing (run A: each sequence apart; run B: all "
                           "packed into one row, position ids restarting, no mask; causal decoders only), or "
                           "target=FILE:FACTORY (run B: another model, a port against its reference; A's weights "
                           "copied in by name or through --map)."),
     ],
-    target: Annotated[
-        Optional[str],
-        typer.Argument(help="Run A as a model of your own: 'path/to/file.py:FACTORY', FACTORY() -> a transformers "
-                            "model (its config makes the tokens). Give this or --transformers."),
-    ] = None,
-    transformers: Annotated[
-        Optional[str],
-        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL_PANEL,
-                     help="A transformers model built from its config with random weights (never downloaded): a "
-                          "model type (llama, mistral, gemma2, ...) gets small defaults; a config.json keeps its sizes."),
-    ] = None,
+    target: TargetArgument = None,
+    transformers: TransformersOption = None,
     map_: MapOption = None,
     set_: SetOption = None,
     attn_implementation: ImplementationOption = None,

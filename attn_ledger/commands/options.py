@@ -207,6 +207,17 @@ BatchOption = Annotated[Optional[str], typer.Option("--batch", metavar=INT, rich
 """``--batch``: B, taken as text and parsed by :func:`integer`."""
 
 
+def target_argument(help: str) -> Any:
+    """``TARGET``: a model of one's own, ``path/to/file.py:FACTORY`` (or ``--transformers``: :func:`model_source`)."""
+    return Annotated[Optional[str], typer.Argument(help=help)]
+
+
+def transformers_option(help: str) -> Any:
+    """``--transformers MODEL_TYPE|config.json``: a transformers model built from its config."""
+    return Annotated[Optional[str], typer.Option("--transformers", metavar="MODEL_TYPE|config.json",
+                                                 rich_help_panel=MODEL_PANEL, help=help)]
+
+
 def set_option(help: str) -> Any:
     """``--set KEY=VALUE`` (repeatable): a config value overridden."""
     return Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", rich_help_panel=MODEL_PANEL, help=help)]

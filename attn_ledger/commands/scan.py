@@ -24,21 +24,16 @@ SeedOption = opt.seed_option("Seed for the random weights and the token ids, 0..
 TimeoutOption = opt.timeout_option(
     "Limit on each call into the model (building it, its forward), in seconds. Default 60; with --in-process, "
     "none unless given.")
+TargetArgument = opt.target_argument("A model of your own: 'path/to/file.py:FACTORY', FACTORY() -> nn.Module or "
+                                     "(module, inputs), inputs a dict of forward keyword arguments or a tensor.")
+TransformersOption = opt.transformers_option(
+    "A transformers model built from its config with random weights (never downloaded): a model type (llama, mistral, "
+    "gemma2, gpt2, bert, t5, ...) gets small defaults; a config.json keeps its sizes unless --tiny.")
 
 
 def scan(  # long by its options (typer reads them from the signature); the body hands them to the helpers below
-    target: Annotated[
-        Optional[str],
-        typer.Argument(help="A model of your own: 'path/to/file.py:FACTORY', FACTORY() -> nn.Module or (module, "
-                            "inputs), inputs a dict of forward keyword arguments or a tensor."),
-    ] = None,
-    transformers: Annotated[
-        Optional[str],
-        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL_PANEL,
-                     help="A transformers model built from its config with random weights (never downloaded): a "
-                          "model type (llama, mistral, gemma2, gpt2, bert, t5, ...) gets small defaults; a "
-                          "config.json keeps its sizes unless --tiny."),
-    ] = None,
+    target: TargetArgument = None,
+    transformers: TransformersOption = None,
     tiny: Annotated[bool, typer.Option("--tiny", rich_help_panel=MODEL_PANEL, help="With a config.json: use the small defaults of its model type (2 layers, width 64, windows of 16).")] = False,
     set_: SetOption = None,
     attn_implementation: ImplementationOption = None,
