@@ -14,6 +14,10 @@ which may be rounded already; eager takes its softmax in float32). A ``compare``
   only -inf); the plain runs set such rows to 0 after each block, so that their padded keys carry no NaN into
   the real rows (a real row never reads them) and the whole run stays a reference for the logits.
 
+Under ``--vary target`` run B is another model (a port): A's weights go into it under the names ``--map`` gives
+them (:class:`Names`, :func:`matched_weights`), and each of A's blocks is watched in B at the path the same map gives
+(:func:`mapped_blocks`); the rest is as for one model run two ways.
+
 Under ``--vary cache`` run B is a prefill, then one forward per token through the model's own cache, each block
 replayed on A's rows of the same positions with a cache of the replays' own; under ``--vary packing`` run A is each
 sequence apart and run B one forward of them all packed into one row. Either way B's forwards are laid out as one
@@ -128,16 +132,22 @@ def setup(args: dict[str, Any], model_facts: Callable[..., dict[str, Any]]) -> t
 
 
 class Names:
-    """How B names A's weights and blocks: ``--map FILE:FN`` (``FN(name) -> name``, user code: the worker only),
-    else as A does. Each name goes through :meth:`__call__`, which refuses what is not a name."""
+    """How B names A's weights and blocks: ``--map FILE:FN`` (``spec``; ``FN(name) -> name``, user code: the worker
+    only) or a function given (``fn``, :func:`~attn_ledger.probes.model.compare.compare_models`'s ``map``), else as
+    A does. Each name goes through :meth:`__call__`, which refuses what is not a name.
+
+    Args:
+        other: B is another model (``--vary target``), not A run another way; it changes what errors expect.
+        field: the option errors name: the map's (``--map``), or the one that made B where nothing maps (``--vary``).
+    """
 
     def __init__(self, spec: str | None, other: bool = False, fn: Callable[[str], str] | None = None,
                  field: str = "--vary") -> None:
         from attn_ledger.inputs.userload import load_object
 
-        self.spec, self.other, self.field = spec, other, field  # other: B is another model (--vary target)
-        self.fn = fn if fn is not None else None if spec is None else load_object(spec, field)
-        # field: the option the names come from (--map), or that made B (--vary) where nothing maps them
+        if fn is None and spec is not None:
+            fn = load_object(spec, field)
+        self.spec, self.other, self.field, self.fn = spec, other, field, fn
 
     def __call__(self, name: str) -> str:
         if self.fn is None:
