@@ -10,6 +10,7 @@ exit 2, through the worker where the port's file runs.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,9 @@ def test_the_port_paired_by_repeat_interleave_agrees_with_llama_and_exits_0(dtyp
     assert lines[0].startswith("PASS: 7 layers")
     assert [ln.split()[0] for ln in lines if ln[:1].strip() and ln.split()[1:2] == ["pass"]] == [
         "embeddings", "masks", "position_ids", "position_embeddings", "model.layers.0", "model.layers.1", "logits"]
+    loaded = [n for n, m in list(sys.modules.items()) if n.startswith("_attn_ledger_user_")
+              and str(getattr(m, "__file__", "")) == str(PORT)]
+    assert not loaded, "the port's file ran in the tool's own process"
 
 
 def test_the_port_paired_by_repeat_is_named_at_block_0_with_its_stage_in_json_exit_1():
@@ -207,7 +211,6 @@ def test_run_a_as_a_factory_refuses_what_it_cannot_run_exit_2(broken, argv, word
 def port_module():
     """fixtures/models/port.py imported as a test imports its own port (so that its classes' module is found)."""
     import importlib.util
-    import sys
 
     spec = importlib.util.spec_from_file_location("llama_port_under_test", PORT)
     module = importlib.util.module_from_spec(spec)
