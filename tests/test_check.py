@@ -16,15 +16,8 @@ from typer.testing import CliRunner
 from attn_ledger.probes import catalogue
 from attn_ledger.cli import app
 from attn_ledger.errors import InputError
-from attn_ledger.probes.kernel.check import (
-    CHECK_ORDER,
-    DEFAULT_GRID,
-    Case,
-    case_inputs,
-    check_case,
-    check_kernel,
-    parse_case,
-)
+from attn_ledger.probes.kernel.check import CHECK_ORDER, DEFAULT_GRID, Case, check_case, check_kernel
+from attn_ledger.probes.kernel.check import case_inputs, parse_case
 from attn_ledger.render import render
 from attn_ledger.render.jsondoc import report_json, schema
 from attn_ledger.render.notes import call_text, note_text

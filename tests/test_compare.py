@@ -176,6 +176,22 @@ def test_a_block_whose_float64_replay_is_not_finite_is_inconclusive_not_failed()
     assert row.status == "inconclusive" and row.check("added_error").status == "inconclusive"
 
 
+def test_a_block_that_makes_a_padded_row_not_finite_fails_finite_naming_the_run_and_the_row():
+    valid = {"a": [[True, True, True], [False, True, True]], "b": [[True, True, True], [True, True, False]]}
+    made = torch.zeros(2, 3, dtype=torch.bool)  # [B, T]
+    t = {**_block(2e-6), "a_made_nonfinite": made, "b_made_nonfinite": made.clone()}
+    good = block_row({"index": 0, "path": "layers.0"}, t, ("float32", "float32"), ROWS, valid)
+    assert good.status == "pass" and good.check("finite").value == 0
+    t["a_made_nonfinite"] = made.clone().index_put_((torch.tensor([1]), torch.tensor([0])), torch.tensor(True))
+    bad = block_row({"index": 0, "path": "layers.0"}, t, ("float32", "float32"), ROWS, valid)
+    assert bad.status == "fail" and bad.check("added_error").status == "pass"  # the real rows agree
+    assert bad.check("finite").value == 1
+    assert bad.check("finite").location == {"run": "A", "example": 1, "position": 0, "padded": True}
+    assert bad.first_failing().name == "finite"
+    old = block_row({"index": 0, "path": "layers.0"}, _block(2e-6), ("float32", "float32"), ROWS)
+    assert [c.name for c in old.checks] == ["added_error"]  # no rows sent: nothing to judge, no check
+
+
 def test_the_bound_has_a_floor_of_one_eps_and_never_divides_by_a_zero_plain_error():
     bound, parts = compare_bound(0.0, 10.0, ("float32", "bfloat16"))
     assert bound == pytest.approx(10 * eps("bfloat16")) and parts["floor"] == bound

@@ -87,6 +87,32 @@ def test_padding_side_on_llama_passes_and_a_function_that_ignores_padding_fails_
     assert calls["B"]["status"] == "pass"
 
 
+def test_a_mask_builder_that_leaves_a_fully_padded_row_nan_is_named_at_block_0_in_the_left_padded_run(monkeypatch):
+    import runpy
+
+    from transformers.masking_utils import AttentionMaskInterface
+
+    fixture = runpy.run_path(str(ROOT / "fixtures" / "models" / "padding.py"))
+    good = _compare("llama", "padding-side", padding="none", implementation="eager")  # transformers' own builder
+    assert good.verdict == "pass", [(r.name, r.status) for r in good.rows if r.status != "pass"]
+    assert all(r.check("finite").value == 0 for r in good.rows if r.fields.get("layer") is not None)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, fixture["MASK"], fixture["minus_inf_mask"])
+    bad = _compare("llama", "padding-side", padding="none", implementation="eager")
+    assert bad.exit_code == 1
+    assert (bad.first_finding.row, bad.first_finding.name) == ("model.layers.0", "finite")
+    where = dict(bad.first_finding.check.location)
+    assert where["run"] == "A" and where["padded"] is True  # run A is left padded; its padded row went NaN
+    assert bad.row("model.layers.0").check("added_error").status == "pass"  # the real rows still agree there
+    assert bad.row("masks").status == "pass"  # the same keys forbidden in both runs: -inf, not the lowest float
+    assert bad.details["first_adder"]["block"] == "model.layers.0"
+    calls = _attention(bad)  # the left-padded run's call is the one that fails, on its padded rows
+    assert calls["A"]["status"] == "fail" and calls["A"]["check"] == "finite"
+    assert calls["B"]["status"] == "pass"
+    assert "run A's model.layers.0.self_attn fails finite (query rows (padded ones included) with NaN or inf in the " \
+        "context" in bad.first_finding.check.reason
+    assert calls["A"]["reason"].endswith("at example 1, head 0, query 0")  # the left-padded example's first row
+
+
 def test_rounding_is_not_a_finding():
     report = _compare("llama", "dtype=float32,bfloat16")
     assert report.verdict == "pass", [(r.name, r.fields) for r in report.rows if r.status != "pass"]

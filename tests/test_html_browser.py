@@ -244,3 +244,49 @@ def test_scan_page_is_a_strip_of_calls_each_opening_onto_its_stage_ledger(browse
     opened = _Dom()
     opened.feed(done.stdout)
     assert ["open" in a for t, a in opened.elements if t == "details"] == [False, False, True, True]
+
+
+def _opened_at(browser: str, page: Path, anchor: str) -> list[bool]:
+    """Which ``details`` are open once the page is loaded at ``#anchor`` (as a click on a link to it leaves it)."""
+    with tempfile.TemporaryDirectory(prefix="attn-ledger-chromium-") as profile:
+        done = subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", "--dump-dom",
+                               page.resolve().as_uri() + "#" + anchor], capture_output=True, text=True, timeout=120)
+    opened = _Dom()
+    opened.feed(done.stdout)
+    return ["open" in a for t, a in opened.elements if t == "details" and "data-block" in a]
+
+
+def test_compare_page_plots_each_block_and_opens_the_first_adder_onto_its_stage_ledgers(browser, tmp_path):
+    pytest.importorskip("transformers")
+    page = tmp_path / "compare.html"
+    code, text = _cli("compare", "--transformers", "llama", "--set", "num_hidden_layers=3", "--vary",
+                      "attn-implementation=eager,tiled", "--register", f"{ROOT / 'fixtures/interface/custom.py'}:kv_tiled",
+                      "--html", str(page))
+    assert code == 1, text
+    dom = render_in_browser(browser, page)
+    for series in ("total", "added", "bound"):  # one mark per block, each series
+        assert [a["data-layer"] for a in dom.having("data-series") if a["data-series"] == series] == ["0", "1", "2"]
+    assert [a["data-layer"] for a in dom.with_class("first-adder")] == ["0"]  # kv heads act from block 0 on
+    assert [a["data-layer"] for a in dom.with_class("pt") if "first" in a["class"].split()] == ["0"] * 3
+    links = [a["href"] for a in dom.with_class("plot-layer")]
+    blocks = [a for t, a in dom.elements if t == "details" and "data-block" in a]
+    assert links == ["#layer-0", "#layer-1", "#layer-2"] == ["#" + a["id"] for a in blocks]
+    assert ["open" in a for a in blocks] == [True, False, False]  # the first adder is open
+    assert [a["data-ledger"] for a in dom.having("data-ledger")] == ["A: model.layers.0.self_attn",
+                                                                     "B: model.layers.0.self_attn"]
+    assert len(dom.with_class("no-ledger")) == 2  # blocks 1 and 2 say they have none
+    assert _opened_at(browser, page, "layer-2") == [True, False, True]  # a block's link opens its section
+
+
+def test_a_passing_compare_page_has_its_plot_and_no_adder(browser, tmp_path):
+    pytest.importorskip("transformers")
+    page = tmp_path / "compare.html"
+    code, text = _cli("compare", "--transformers", "llama", "--vary", "attn-implementation=eager,sdpa", "--html",
+                      str(page))
+    assert code == 0, text
+    dom = render_in_browser(browser, page)
+    assert [a["data-verdict"] for t, a in dom.elements if t == "html"] == ["pass"]
+    assert [a["data-layer"] for a in dom.having("data-series")] == ["0", "1"] * 3
+    assert not dom.with_class("first-adder") and not dom.having("data-first-finding")
+    assert not [a for a in dom.with_class("pt") if "first" in a["class"].split()]
+    assert _opened_at(browser, page, "layer-1") == [False, True]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -66,6 +67,7 @@ def compare(  # long by its options (typer reads them from the signature); the b
     output_format: opt.FormatOption = Format.table,
     detail: opt.DetailOption = False,
     output: opt.OutputOption = None,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page: a plot of each block's total and added error against its bound, each block opening its stage ledger.")] = None,
 ) -> None:
     """Run one model two ways and compare them block by block: each block's total error (B against A) and the
     error it adds (B's block replayed on A's input, with B's own mask and positions), against a bound that is a
@@ -90,7 +92,7 @@ def compare(  # long by its options (typer reads them from the signature); the b
     inputs = {"target": spec_path(target), "--register": spec_path(register), "--map": spec_path(map_),
               "--vary": spec_path(vary.partition("=")[2]) if vary.strip().startswith("target") else None,
               "--transformers": transformers if transformers and transformers.endswith(".json") else None}
-    execute(build, output_format, output, command="compare", detail=detail, inputs=inputs)
+    execute(build, output_format, output, command="compare", detail=detail, html=html, inputs=inputs)
 
 
 def compare_args(transformers: Optional[str], vary: str, *, overrides: Optional[list[str]],

@@ -14,11 +14,16 @@ from attn_ledger.commands.common import Format, Progress, execute
 Expect = opt.choices("Expect", "causal", "padding")  # the relation a mask file should encode
 PaddingSide = opt.choices("PaddingSide", "right", "left")  # where padding sits in each row of a [B, Tk] mask
 
+MaskOption = Annotated[Optional[Path], typer.Option("--mask", help="A mask file (.pt, .npz, .safetensors) to fingerprint.")]
+ExpectOption = Annotated[Optional[Expect], typer.Option("--expect", help="The relation the mask should encode.")]
+PaddingSideOption = Annotated[Optional[PaddingSide], typer.Option(
+    "--padding-side", help="Padding side for --expect padding. Default: right.")]
+
 
 def polarity(
-    mask: Annotated[Optional[Path], typer.Option("--mask", help="A mask file (.pt, .npz, .safetensors) to fingerprint.")] = None,
-    expect: Annotated[Optional[Expect], typer.Option("--expect", help="The relation the mask should encode.")] = None,
-    padding_side: Annotated[Optional[PaddingSide], typer.Option("--padding-side", help="Padding side for --expect padding. Default: right.")] = None,
+    mask: MaskOption = None,
+    expect: ExpectOption = None,
+    padding_side: PaddingSideOption = None,
     output_format: opt.FormatOption = Format.table,
     detail: opt.DetailOption = False,
     output: opt.OutputOption = None,

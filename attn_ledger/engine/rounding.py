@@ -92,22 +92,27 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     else:
         s, weights = known  # the reference's scores, with the bias added already
     qa, ka = qd.abs(), kk.abs()
-    a = torch.matmul(qa, ka.transpose(-2, -1)) * abs(scale)  # [B, Nh, R, Tk]: |q| |k| |scale|
+    # in place on fresh tensors (a small sample's cost is its number of operations), in the order written out
+    a = torch.matmul(qa, ka.transpose(-2, -1)).mul_(abs(scale))  # [B, Nh, R, Tk]: |q| |k| |scale|
     if bb is not None:
         a = a + bb.abs()
     acc = accumulate
     dot = 1.0 + acc * math.sqrt(dh)  # q . k sums Dh products
-    m_scores = a * dot + s.abs()
+    m_scores = a.mul_(dot).add_(s.abs())  # a * dot + |s|
     dq, dk, dv_in = (None if c is None else (c.detach().to(f64) - r).abs()  # |pipeline - reference|
                      for c, r in zip(carried or (None, None, None), (qd, kk, vv)))
     by_carried = _carried_scores(dq, dk, qa, ka)
     if by_carried is not None:
-        m_scores = m_scores + by_carried * (abs(scale) / eps)
+        m_scores = m_scores.add_(by_carried.mul_(abs(scale) / eps))
     p, ok, live = _weights(s, allow, weights)
     err_s = torch.where(ok, m_scores, 0.0)  # [B, Nh, R, Tk]: each allowed score's bound (eps units)
-    row = (p * err_s).sum(dim=-1, keepdim=True) + err_s.amax(dim=-1, keepdim=True) + 1.0 + acc * math.sqrt(max(tk, 1))
-    e = torch.where(ok & live, p * (err_s + row) + tiny, 0.0)  # [B, Nh, R, Tk]: the weights' bound (eps units)
-    m_out = torch.matmul(p + e, va) * (1.0 + acc * math.sqrt(max(tk, 1))) + tiny * live  # [B, Nh, R, Dv]
+    row = (p * err_s).sum(dim=-1, keepdim=True).add_(err_s.amax(dim=-1, keepdim=True)).add_(1.0)
+    row = row.add_(acc * math.sqrt(max(tk, 1)))  # [B, Nh, R, 1]
+    # the weights' bound (eps units), p (err_s + row) + tiny on allowed pairs (a row without one has none)
+    e = torch.where(ok, (err_s + row).mul_(p).add_(tiny), 0.0)  # [B, Nh, R, Tk]
+    m_out = torch.matmul(p + e, va).mul_(1.0 + acc * math.sqrt(max(tk, 1)))  # [B, Nh, R, Dv]
+    if tiny:
+        m_out = m_out.add_(tiny * live)
     if dv_in is not None:
         m_out = m_out + torch.matmul(p + e * eps, dv_in) / eps
     return {"scores": m_scores, "weights": e, "out": m_out, "p": p, "s": s, "row": row}
@@ -127,8 +132,11 @@ def _weights(s: "Tensor", allow: "Tensor | None", weights: "Tensor | None") -> t
     rows with one ``[B, Nh, R, 1]``."""
     import torch
 
-    ok = torch.ones_like(s, dtype=torch.bool) if allow is None else allow.expand_as(s)
-    live = ok.any(dim=-1, keepdim=True)  # [B, Nh, R, 1]
+    if allow is None:  # every pair allowed: every row live
+        live = torch.ones((*s.shape[:-1], 1), dtype=torch.bool, device=s.device)
+        return (torch.softmax(s, dim=-1) if weights is None else weights), torch.ones_like(s, dtype=torch.bool), live
+    ok = allow.expand_as(s)
+    live = allow.any(dim=-1, keepdim=True).expand(*s.shape[:-1], 1)  # [B, Nh, R, 1], from the unexpanded relation
     if weights is None:
         weights = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1)
     return weights.where(live, 0.0), ok, live
@@ -382,16 +390,17 @@ def agreement(stage: str, of: str, got: "Tensor", ref: "Tensor", m: "Tensor", dt
         return Agreement(stage, of, "float64", 0.0 if got.numel() == 0 else math.nan,
                          -1.0 if got.numel() == 0 else math.nan, parts=base, **kw)
     g, r = got.to(torch.float64), ref.to(torch.float64)
-    err = (g - r).abs()  # [B, Nh, R, *]
-    if not bool(torch.isfinite(err).all()):  # a NaN or an infinity on either side (every difference finite: none)
+    err = (g - r).abs_()  # [B, Nh, R, *]
+    diff = float(err.amax())  # NaN or infinite where any difference is
+    if not math.isfinite(diff):  # a NaN or an infinity on either side
         same = (torch.isnan(g) & torch.isnan(r)) | (torch.isinf(g) & (g == r))
         err = torch.nan_to_num(err, nan=math.inf).masked_fill(same, 0.0)
+        diff = float(err.amax())
     bound = (c * eps) * m
     ratio = torch.where(bound > 0, err / bound.clamp_min(1e-300), torch.where(err > 0, math.inf, 0.0))
     flat = int(torch.argmax(ratio))
-    worst = float(ratio.reshape(-1)[flat])
-    diff = float(err.amax())
-    e_w, m_w, b_w = (float(t.reshape(-1)[flat]) for t in (err, m, bound))
+    worst, e_w, m_w = torch.stack([t.reshape(-1)[flat] for t in (ratio, err, m)]).tolist()
+    b_w = (c * eps) * m_w  # the bound at the worst element, as ``bound`` holds it
     parts = {**base, "M": m_w, "bound": b_w, "error": e_w, "ratio": worst, "max_error": diff}
     where = M.where_in(M.unravel(flat, tuple(ratio.shape)), q0, k0) if worst > 1.0 else None
     return Agreement(stage, of, "float64", diff, worst - 1.0, where=where, parts=parts, **kw)

@@ -21,21 +21,17 @@ from attn_ledger.inputs.paths import input_file
 
 @dataclass(frozen=True)
 class ObjectSpec:
-    """A parsed ``source:NAME``: ``path`` is set for a file, ``module`` for an importable module."""
+    """A parsed ``source:NAME`` as written (``text``) for the option ``field``: ``source`` is a file's path, or an
+    importable module's name."""
 
+    source: Path | str
     text: str
     field: str
     name: str
-    path: Path | None = None
-    module: str | None = None
-
-    @property
-    def source(self) -> str:
-        return str(self.path) if self.path is not None else str(self.module)
 
     def importing(self) -> str:
         """What importing it is called in a finding: ``importing 'path/to/file.py'``."""
-        return f"importing {self.source!r}"
+        return f"importing {str(self.source)!r}"
 
 
 def parse_spec(spec: str, field: str = "target") -> ObjectSpec:
@@ -49,8 +45,8 @@ def parse_spec(spec: str, field: str = "target") -> ObjectSpec:
     source, name = spec.rsplit(":", 1)
     if source.endswith(".py") or "/" in source or "\\" in source:
         path = input_file(source, field, SetupError)  # missing, a directory, or behind an unsearchable one: one line
-        return ObjectSpec(spec, field, name, path=path)
-    return ObjectSpec(spec, field, name, module=source)
+        return ObjectSpec(path, spec, field, name)
+    return ObjectSpec(source, spec, field, name)
 
 
 def load_object(spec: str, field: str = "target") -> Any:
@@ -61,9 +57,9 @@ def load_object(spec: str, field: str = "target") -> Any:
             while importing), or name absent.
     """
     parsed = parse_spec(spec, field)
-    module = _import_file(parsed, parsed.path) if parsed.path is not None else _import_module(parsed)
+    module = _import_file(parsed, parsed.source) if isinstance(parsed.source, Path) else _import_module(parsed)
     if not hasattr(module, parsed.name):
-        raise SetupError(f"{field}: {parsed.source!r} has no attribute {parsed.name!r}")
+        raise SetupError(f"{field}: {str(parsed.source)!r} has no attribute {parsed.name!r}")
     obj = getattr(module, parsed.name)
     if not callable(obj):
         raise SetupError(f"{field}: {spec!r} is a {type(obj).__name__}, expected a callable")
@@ -74,7 +70,7 @@ def _import_file(parsed: ObjectSpec, path: Path) -> Any:
     mod_name = f"_attn_ledger_user_{abs(hash(str(path.resolve())))}"
     mod_spec = importlib.util.spec_from_file_location(mod_name, path)
     if mod_spec is None or mod_spec.loader is None:
-        raise SetupError(f"{parsed.field}: cannot import {parsed.source!r} as a Python file")
+        raise SetupError(f"{parsed.field}: cannot import {str(path)!r} as a Python file")
     module = importlib.util.module_from_spec(mod_spec)
     sys.modules[mod_name] = module
     parent = str(path.resolve().parent)
@@ -96,6 +92,6 @@ def _import_file(parsed: ObjectSpec, path: Path) -> Any:
 def _import_module(parsed: ObjectSpec) -> Any:
     try:
         with user_call(parsed.importing()):
-            return importlib.import_module(str(parsed.module))
+            return importlib.import_module(str(parsed.source))
     except Exception as exc:
         raise SetupError(f"{parsed.field}: {parsed.importing()} {outcome(exc)}") from None

@@ -6,6 +6,9 @@ It holds the tool version and command line, the verdict, the first finding (the 
 it sits on carries ``data-first-finding``), for ``check`` the failing cases with the reproduction,
 for ``scan`` a strip of the model's attention calls coloured by status, each opening (a click, or the
 page's address ending in ``#call-N``) onto its checks, its stage ledger and its mask picture,
+for ``compare`` a plot of each block's total and added error against its bound (:mod:`.layerplot`), each block
+opening (a click on its column, or ``#layer-N``) onto its checks and, for the first adder, each run's stage
+ledger of its attention calls,
 for ``run`` the mask picture and the weight heatmaps per head (pooled beyond :data:`HTML_LIMIT`
 cells a side, and named so), the ledger with every status, then the notes and the details as
 in ``--format json``. It prints on paper with its colours (print CSS).
@@ -54,7 +57,7 @@ OPEN_CALL = """
   }
   document.addEventListener('DOMContentLoaded', function () {
     if (location.hash) { open(location.hash.slice(1)); }
-    var cells = document.querySelectorAll('a.layer');
+    var cells = document.querySelectorAll('a.layer, a.plot-layer');
     for (var i = 0; i < cells.length; i++) {
       cells[i].addEventListener('click', function (e) { open(e.currentTarget.getAttribute('href').slice(1)); });
     }
@@ -113,7 +116,10 @@ a.layer.first { outline: 3px solid #000; outline-offset: 1px; }
 details.call { border: 1px solid var(--line); border-left-width: 6px; margin: .4rem 0; padding: .3rem .7rem; }
 details.call.status-pass { border-left-color: var(--pass); } details.call.status-fail { border-left-color: var(--fail); }
 details.call.status-downstream { border-left-color: var(--warn); }
-details.call summary { cursor: pointer; } .call-ledger { margin: .5rem 0 .2rem 1rem; }
+details.call summary { cursor: pointer; }
+svg.layer-plot text { font: 11px ui-monospace, "DejaVu Sans Mono", monospace; fill: #555; }
+svg.layer-plot a.plot-layer:hover rect.hit { fill: rgba(0, 0, 0, .05); } figure.plot { margin: .4rem 0; }
+.call-ledger { margin: .5rem 0 .2rem 1rem; }
 footer { margin-top: 2rem; color: var(--dim); font-size: 12px; }
 @page { margin: 12mm; }
 @media print {
@@ -190,12 +196,17 @@ def _call_body(report: Report, r: Row, i: int) -> str:
     if nested is None:
         ledger = '<p class="dim">no stage ledger of this call (not judged, or not replayable)</p>'
     else:
-        where = f" at {nested.first_finding.row}" if nested.first_finding is not None else ""
-        ledger = (f'<div class="call-ledger" data-ledger="{_e(r.name)}"><h4>Stage ledger: '
-                  f'<span class="verdict {nested.verdict}">{_e(nested.verdict)}{_e(where)}</span></h4>'
-                  f'<p class="title">{_e(nested.title)}</p>{_table(nested, prefix=f"call-{i}-")}'
-                  f'{_heatmaps(nested, "mask", "Mask")}</div>')
+        ledger = _stage_ledger(nested, r.name, f"call-{i}-")
     return f'<ul class="checks">{items}</ul>{ledger}'
+
+
+def _stage_ledger(nested: Report, key: str, prefix: str, heading: str = "Stage ledger") -> str:
+    """A call's stage ledger, nested in the page: its verdict, its table (row ids under ``prefix``), its mask."""
+    where = f" at {nested.first_finding.row}" if nested.first_finding is not None else ""
+    return (f'<div class="call-ledger" data-ledger="{_e(key)}"><h4>{_e(heading)}: '
+            f'<span class="verdict {nested.verdict}">{_e(nested.verdict)}{_e(where)}</span></h4>'
+            f'<p class="title">{_e(nested.title)}</p>{_table(nested, prefix=prefix)}'
+            f'{_heatmaps(nested, "mask", "Mask")}</div>')
 
 
 def _layers(report: Report) -> str:
@@ -216,6 +227,56 @@ def _layers(report: Report) -> str:
                      + f"</summary>{_call_body(report, r, i)}</details>")
     return (f'<section id="layers"><h2>Attention calls, layer by layer</h2><div class="strip">{"".join(cells)}</div>'
             f'{"".join(calls)}</section>')
+
+
+# --- compare: the plot of blocks, each opening onto its first adder's stage ledgers ----------------------
+
+
+def _block_ledgers(report: Report, r: Row, i: int) -> str:
+    """The stage ledgers a block opens onto: the first adder's attention calls, run by run; other blocks say why
+    they have none."""
+    first = (report.details or {}).get("first_adder") or {}
+    if r.fields.get("mark") != "first adder" or first.get("block") != r.name:
+        return ('<p class="dim no-ledger">no stage ledger: only the first adder\'s attention calls are put through '
+                "the stage ledger</p>")
+    attention = first.get("attention")
+    if not isinstance(attention, dict):
+        kind = ((report.details or {}).get("vary") or {}).get("kind", "")
+        return (f'<p class="dim no-ledger">no stage ledger: the attention calls of this block are not captured under '
+                f"--vary {_e(kind)}</p>")
+    parts = []
+    for j, call in enumerate(attention.get("calls") or []):
+        what = ", ".join(f"{k} {call[k]}" for k in ("check", "diagnosis", "stage") if call.get(k))
+        head = (f'<p class="call-summary status-{_e(call["status"])}" data-run="{_e(call["run"])}"><span class="badge">'
+                f'{_e(STATUS_WORD.get(call["status"], call["status"]))}</span> run {_e(call["run"])}: '
+                f'<span class="mono">{_e(call["call"])}</span>' + (f" &mdash; {_e(what)}" if what else "") + "</p>")
+        nested = report.ledgers.get(call.get("ledger") or "")
+        parts.append(head + ('<p class="dim no-ledger">no stage ledger of this call</p>' if nested is None else
+                             _stage_ledger(nested, call["ledger"], f"layer-{i}-{j}-", f"Run {call['run']}, stage ledger")))
+    if attention.get("why"):
+        parts.append(f'<p class="dim no-ledger">{_e(attention["why"])}</p>')
+    return "".join(parts)
+
+
+def _compare_blocks(report: Report) -> str:
+    from attn_ledger.render.layerplot import blocks, layer_plot, plot_legend
+
+    rows = blocks(report) if report.command == "compare" else []
+    if not rows:
+        return ""
+    sections = []
+    for i, r in enumerate(rows):
+        first = r.fields.get("mark") == "first adder"
+        numbers = ", ".join(f"{k} {fmt_value(r.fields[k])}" for k in ("total", "added", "bound", "room")
+                            if r.fields.get(k) is not None)
+        items = "".join(_check_item(c, report.first_finding is not None and c is report.first_finding.check, True)
+                        for c in r.checks)
+        attrs = _attrs(id=f"layer-{i}", data_block=r.name, data_layer=r.fields["layer"])
+        sections.append(f'<details class="call status-{r.status}"{attrs}{" open" if first else ""}><summary><span class="badge">{_e(STATUS_WORD[r.status])}</span> '
+                        f'<span class="mono">{_e(r.name)}</span>{" (first adder)" if first else ""} &mdash; {_e(numbers)}'
+                        f'</summary><ul class="checks">{items}</ul>{_block_ledgers(report, r, i)}</details>')
+    return (f'<section id="layers"><h2>Blocks: total and added error against the bound</h2>'
+            f'<figure class="plot">{layer_plot(report)}</figure>{plot_legend()}{"".join(sections)}</section>')
 
 
 def _finding(report: Report) -> str:
@@ -409,7 +470,7 @@ def render_html(report: Report, command_line: str = "") -> str:
         f" at {report.first_finding.row}" if report.first_finding is not None else "")
     body = "\n".join(part for part in (
         _header(report, command_line), _finding(report), _reproduction(report), _failing_cases(report),
-        _pictures(report), _layers(report), _ledger(report), _notes(report), _details(report),
+        _pictures(report), _layers(report), _compare_blocks(report), _ledger(report), _notes(report), _details(report),
         f"<footer>written by attn-ledger {_e(__version__)}; this page loads nothing from the network</footer>",
     ) if part)
     return ("<!DOCTYPE html>\n"
@@ -417,7 +478,8 @@ def render_html(report: Report, command_line: str = "") -> str:
             f'<meta charset="utf-8">\n<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
             '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
             f'<meta name="generator" content="attn-ledger {_e(__version__)}">\n<title>{_e(title)}</title>\n'
-            f"<script>{ERROR_RECORDER}</script>\n" + (f"<script>{OPEN_CALL}</script>\n" if report.command == "scan" else "")
+            f"<script>{ERROR_RECORDER}</script>\n"
+            + (f"<script>{OPEN_CALL}</script>\n" if report.command in ("scan", "compare") else "")
             + f"<style>{STYLE}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
 
 

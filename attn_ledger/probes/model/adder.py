@@ -27,7 +27,10 @@ RUNS = (("a", "A"), ("b", "B"))
 
 @dataclass(frozen=True)
 class CallSummary:
-    """One attention call of the first adder in one run: its scan verdict and its stage ledger's first finding."""
+    """One attention call of the first adder in one run: its scan verdict and its stage ledger's first finding.
+
+    ``run`` is the run as the report names it ("A", "B", "A (example 1 alone)"); ``call`` the call's label in scan.
+    """
 
     run: str
     call: str
@@ -82,9 +85,19 @@ def _summary(run: str, judge: Any, entry: Any, ledgers: dict[str, Report]) -> Ca
         if found.first_finding is not None:
             stage, stage_check = found.first_finding.row, found.first_finding.name
     return CallSummary(run, label, row_status(checks), None if first is None else first.name,
-                       "" if first is None else first.reason,
+                       "" if first is None else first.reason or _measured(first),
                        None if first is None else (first.data or {}).get("diagnosis"), stage, stage_check,
                        key if key in ledgers else None)
+
+
+def _measured(check: Any) -> str:
+    """A failing check without words, in words: what it measured, the value, and where (``finite``: which rows)."""
+    from attn_ledger.render.text import fmt_value, location_text
+
+    if not check.measure:
+        return ""
+    where = location_text(check.location)
+    return f"{check.measure} = {fmt_value(check.value)}" + (f" at {where}" if where else "")
 
 
 def attention_of(handle: Any, facts: Mapping[str, Any], inputs_a: Mapping[str, "Tensor"],

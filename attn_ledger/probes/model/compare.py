@@ -262,13 +262,15 @@ class Judge:
         self.model_rows: list[Row] = []
         self.logits_row: Row | None = None
         self.blocks: list[Row] = []
+        self.valid: dict[str, Any] = {}
 
     def take(self, facts: dict[str, Any], tensors: dict[str, "Tensor"]) -> None:
         if facts["part"] == "model":
             self.model_rows = model_rows(tensors, facts, self.dtypes, self.token_rows)
             self.logits_row = logits_row(tensors, self.dtypes, self.token_rows)
+            self.valid = {"a": facts.get("valid_a"), "b": facts.get("valid_b")}
         else:
-            self.blocks.append(block_row(facts, tensors, self.dtypes, self.token_rows))
+            self.blocks.append(block_row(facts, tensors, self.dtypes, self.token_rows, self.valid))
 
 
 def _plains(tensors: Mapping[str, "Tensor"], key: str = "", exact: str = "exact") -> list[tuple["Tensor", "Tensor"]]:
@@ -277,13 +279,35 @@ def _plains(tensors: Mapping[str, "Tensor"], key: str = "", exact: str = "exact"
 
 
 def block_row(facts: Mapping[str, Any], t: Mapping[str, "Tensor"], dtypes: tuple[str, str],
-              rows: Mapping[str, Any]) -> Row:
-    """A block's row: ``added_error`` judged; the total error beside it."""
+              rows: Mapping[str, Any], valid: Mapping[str, Any] | None = None) -> Row:
+    """A block's row: ``added_error`` judged, and ``finite`` where the worker sent which rows each run's block made
+    not finite; the total error beside them."""
     added, nums = ratio_check("added_error", t["b_replay"], t["a_out"], _plains(t), dtypes, rows,
                               "max |B's block on A's input - A| (added error)")
+    checks = (added,) if "a_made_nonfinite" not in t else (added, finite_check(t, valid or {}))
     total = max_err(t["b_out"], t["a_out"])
     fields = {"layer": int(facts["index"]), **_numbers(total, nums["error"], nums["bound"])}
-    return Row(str(facts["path"]), row_status((added,)), (added,), fields=fields)
+    return Row(str(facts["path"]), row_status(checks), checks, fields=fields)
+
+
+def finite_check(t: Mapping[str, "Tensor"], valid: Mapping[str, Any]) -> Check:
+    """Rows of either run, padded ones included, that the block made not finite from a finite input. Padded rows
+    are never compared between the runs, but a NaN there reaches the real rows of the next block, through keys its
+    mask forbids (``0 * NaN`` is NaN), so each run's block must keep every row finite on its own."""
+    count, where = 0, None
+    for side, run in (("a", "A"), ("b", "B")):
+        made = t.get(f"{side}_made_nonfinite")  # [B, T] bool
+        if made is None or not bool(made.any()):
+            continue
+        count += int(made.sum())
+        if where is None:
+            e, p = (int(x) for x in made.nonzero()[0])
+            real = valid.get(side)
+            where = {"run": run, "example": e, "position": p}
+            if real is not None:
+                where["padded"] = not bool(real[e][p])
+    return counted(3, "finite", "rows of either run, padded ones included, the block made not finite from a "
+                   "finite input", count, location=where)
 
 
 def model_rows(t: Mapping[str, "Tensor"], facts: Mapping[str, Any], dtypes: tuple[str, str],
@@ -511,7 +535,7 @@ def not_applicable_report(facts: Mapping[str, Any], runs_: Runs, name: str, reas
 
 def with_attention(report: Report, attention: Any) -> Report:
     """The report with the first adder's attention (:class:`~attn_ledger.probes.model.adder.Attention`): its words
-    on the first adder's ``added_error`` check (and so on the headline), the details, and the stage ledgers, the
+    on the first adder's first failing check (and so on the headline), the details, and the stage ledgers, the
     report opening onto the failing call's."""
     from dataclasses import replace
 
@@ -522,7 +546,8 @@ def with_attention(report: Report, attention: Any) -> Report:
     rows = []
     for r in report.rows:
         if r.name == attention.block and r.fields.get("mark") == "first adder":
-            checks = tuple(replace(c, reason=words) if c.name == "added_error" else c for c in r.checks)
+            first = r.first_failing()  # the headline's check: added_error, or finite where the block made a NaN
+            checks = tuple(replace(c, reason=words) if c is first else c for c in r.checks)
             r = Row(r.name, r.status, checks, r.shape, r.axes, fields=r.fields)
         rows.append(r)
     details = {**report.details, "first_adder": {**report.details["first_adder"], "attention": attention.as_json()}}

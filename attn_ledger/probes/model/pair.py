@@ -24,8 +24,9 @@ sequence apart and run B one forward of them all packed into one row. Either way
 forward of A's layout, so what follows is the same for every kind.
 
 Every run also keeps the keyword arguments its blocks received (masks, position ids, position embeddings) and
-its logits. Only real rows are sent back (``valid`` masks, one per run, the same count per example), one part
-per block and one for the model, as plain facts and raw tensors; nothing here judges.
+its logits. Only real rows are sent back (``valid`` masks, one per run, the same count per example), and per block
+and run which rows, padded ones included, the block made not finite from a finite input; one part per block and
+one for the model, as plain facts and raw tensors; nothing here judges.
 """
 
 from __future__ import annotations
@@ -664,8 +665,20 @@ def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, 
         rows = {"a_out": seen_a.outputs[i][valid_a], "b_out": seen_b.outputs[i][valid_b],
                 "b_replay": seen_b.replays[i][valid_b], "exact": exact.replays[i][valid_b]}
         rows.update({f"plain_{d}": s.replays[i][valid_b] for d, s in plain.items()})
+        rows.update(_made_not_finite(seen_a, seen_b, i))
         sink({"part": "block", "index": i, "path": blocks[i]}, _float(rows))
     return {"blocks": len(blocks)}
+
+
+def _made_not_finite(seen_a: Seen, seen_b: Seen, i: int) -> dict[str, Any]:
+    """Each run's rows ``[B, T]``, padded ones included, where block ``i``'s output is not finite though its input
+    is: a padded row nobody reads still carries its NaN into the next block, as a key its mask forbids."""
+    out = {}
+    for side, seen in (("a", seen_a), ("b", seen_b)):
+        h, o = seen.inputs[i], seen.outputs[i]
+        if h is not None and o is not None and h.shape == o.shape:
+            out[f"{side}_made_nonfinite"] = h.isfinite().flatten(2).all(-1) & ~o.isfinite().flatten(2).all(-1)  # [B, T]
+    return out
 
 
 def _float(tensors: Mapping[str, Any]) -> dict[str, Any]:
