@@ -47,6 +47,7 @@ Usage::
     python benchmarks/bench_ledger.py --cli           # plus the 8192 CLI run
     python benchmarks/bench_ledger.py --device cuda   # CUDA shapes (memory columns are host RSS)
     python benchmarks/bench_ledger.py --baseline de39edb   # this tree against a revision, side by side
+    python benchmarks/bench_ledger.py --baseline de39edb --shapes 1,8,512,64   # one shape only
     python benchmarks/bench_ledger.py --grad          # the backward at (1, 8, 4096, 128), time and peak memory
 """
 
@@ -415,8 +416,10 @@ class _Side:
         self.proc.wait()
 
 
-def compare_with(rev: str, rounds: int, max_slowdown: float, workers: int = 3) -> int:
-    """This tree's ledger against ``rev``'s, alternating round by round; 1 if any shape got slower than allowed."""
+def compare_with(rev: str, rounds: int, max_slowdown: float, workers: int = 3,
+                 shapes: list[tuple[int, int, int, int]] = RATIO_SHAPES) -> int:
+    """This tree's ledger against ``rev``'s on ``shapes``, alternating round by round; 1 if any shape got slower
+    than allowed."""
     with tempfile.TemporaryDirectory() as tmp:
         base_dir = Path(tmp)
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
@@ -425,7 +428,7 @@ def compare_with(rev: str, rounds: int, max_slowdown: float, workers: int = 3) -
                  [_Side("current", ROOT) for _ in range(workers)],
                  [_Side("current without the properties row", ROOT, {SKIP_PROPERTIES: "1"}) for _ in range(workers)]]
         try:
-            found = {shape: _rounds(sides, shape, rounds) for shape in RATIO_SHAPES}
+            found = {shape: _rounds(sides, shape, rounds) for shape in shapes}
         finally:
             for side in sides:
                 for w in side:
@@ -477,6 +480,17 @@ def _rounds(sides: list[list[_Side]], shape: tuple[int, int, int, int], rounds: 
     return found
 
 
+def _shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """``--shapes``: ``B,Nh,T,Dh`` shapes, ``;`` between them."""
+    found = []
+    for part in text.split(";"):
+        dims = part.split(",")
+        if len(dims) != 4 or not all(d.strip().isdigit() and int(d) > 0 for d in dims):
+            raise argparse.ArgumentTypeError(f"got {part!r}, expected four positive integers B,Nh,T,Dh")
+        found.append(tuple(int(d) for d in dims))
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:  # long only by its option list and the three tables it prints
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5,
@@ -486,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:  # long only by its option list 
                          "(attn_ledger.alloc.retain_freed_memory); default: the C library's own policy")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--skip-ratio", action="store_true", help="skip the three ratio shapes")
+    ap.add_argument("--shapes", type=_shapes, default=RATIO_SHAPES, metavar="B,Nh,T,Dh[;...]",
+                    help="the ratio shapes, ';' between shapes (default: the three above)")
     ap.add_argument("--skip-scale", action="store_true", help="skip the T = 512..8192 table")
     ap.add_argument("--scale-heads", type=int, default=8)
     ap.add_argument("--scale-dh", type=int, default=64)
@@ -506,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:  # long only by its option list 
         print(f"error: --workers: got {args.workers}, expected at least 1", file=sys.stderr)
         return 2
     if args.baseline:
-        return compare_with(args.baseline, args.rounds, args.max_slowdown, args.workers)
+        return compare_with(args.baseline, args.rounds, args.max_slowdown, args.workers, args.shapes)
     if args.grad:
         from attn_ledger.alloc import retain_freed_memory
 
@@ -528,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:  # long only by its option list 
     if not args.skip_ratio:
         print("| (B, Nh, T, Dh) | SDPA ms | ledger ms | ledger / SDPA | SDPA peak RSS MiB (growth) | ledger peak RSS MiB (growth) |")
         print("|---|---:|---:|---:|---:|---:|")
-        for shape in RATIO_SHAPES:
+        for shape in args.shapes:
             r = bench_shape(shape, args.repeats, args.device)
             print(f"| {_fmt_shape(shape)} | {r['sdpa_s'] * 1e3:.1f} | {r['ledger_s'] * 1e3:.1f} | {r['ratio']:.2f} "
                   f"| {r['sdpa_peak']:.0f} (+{r['sdpa_grow']:.0f}) | {r['ledger_peak']:.0f} (+{r['ledger_grow']:.0f}) |", flush=True)

@@ -108,17 +108,14 @@ def check(  # long by its 36 options (typer reads them from the signature); the 
             "Bound on the whole check, at most 86400. At expiry the case running is stopped, the rest are not "
             "reached, the report says why, and the exit status is 1. Default: no bound.")),
     ] = None,
-    in_process: Annotated[
-        bool,
-        typer.Option("--in-process", help=(
-            "Run your code in this process, for debugging (breakpoints, pdb). sys.exit in it is still a finding, "
-            "but a hang or a crash is not caught: without this option your code runs in a worker process.")),
-    ] = False,
+    in_process: opt.in_process_option(
+        "Run your code in this process, for debugging (breakpoints, pdb). sys.exit in it is still a finding, "
+        "but a hang or a crash is not caught: without this option your code runs in a worker process.") = False,
     output_format: opt.FormatOption = Format.table,
     detail: opt.DetailOption = False,
     output: opt.OutputOption = None,
     timings: Annotated[bool, typer.Option("--timings", help="Add the elapsed time to the report (JSON details.elapsed_s).")] = False,
-    html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the failing cases and their reproduction.")] = None,
+    html: opt.html_option("Also write the report as one self-contained HTML page, with the failing cases and their reproduction.") = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget for --module sizes, such as 8G (default: what the machine has free).")] = None,
 ) -> None:
     """Check an attention function or module from outside and name the first level where it goes wrong.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -63,11 +62,11 @@ def compare(  # long by its options (typer reads them from the signature); the b
     padding: Annotated[Optional[Padding], typer.Option("--padding", rich_help_panel=INPUTS_PANEL, help="Pad the examples after the first: left (as decoders generate), right or none. Default: left (with --vary padding-side, A is left and B right; --vary cache takes left or none).")] = None,
     seed: SeedOption = None,
     timeout: TimeoutOption = None,
-    in_process: Annotated[bool, typer.Option("--in-process", help="Build and run the models in this process, for debugging; without it, they run in a worker process.")] = False,
+    in_process: opt.in_process_option("Build and run the models in this process, for debugging; without it, they run in a worker process.") = False,
+    html: opt.html_option("Also write the report as one self-contained HTML page: a plot of each block's total and added error against its bound, each block opening its stage ledger.") = None,
     output_format: opt.FormatOption = Format.table,
     detail: opt.DetailOption = False,
     output: opt.OutputOption = None,
-    html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page: a plot of each block's total and added error against its bound, each block opening its stage ledger.")] = None,
 ) -> None:
     """Run one model two ways and compare them block by block: each block's total error (B against A) and the
     error it adds (B's block replayed on A's input, with B's own mask and positions), against a bound that is a

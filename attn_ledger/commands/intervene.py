@@ -37,7 +37,7 @@ def intervene(
     controls: Annotated[bool, typer.Option("--controls/--no-controls", help="Also run the two leaking controls on the built-in pipeline.")] = True,
     timeout: TimeoutOption = None,
     max_time: Annotated[Optional[float], typer.Option("--max-time", metavar="SECONDS", help="With --module: bound on the whole run, at most 86400; at expiry the forward in flight is stopped, an L1 call finding (exit 1). Default: no bound.")] = None,
-    in_process: Annotated[bool, typer.Option("--in-process", help="With --module: run your code in this process, for debugging; sys.exit in it is still a finding, but a hang or a crash is not caught.")] = False,
+    in_process: opt.in_process_option("With --module: run your code in this process, for debugging; sys.exit in it is still a finding, but a hang or a crash is not caught.") = False,
     output_format: opt.FormatOption = Format.table,
     detail: opt.DetailOption = False,
     output: opt.OutputOption = None,

@@ -196,6 +196,16 @@ def timeout_option(help: str) -> Any:
     return Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS", help=help)]
 
 
+def in_process_option(help: str) -> Any:
+    """``--in-process``: the user's code runs in the tool's own process (for debugging), not in a worker."""
+    return Annotated[bool, typer.Option("--in-process", help=help)]
+
+
+def html_option(help: str) -> Any:
+    """``--html FILE``: the report also written as one self-contained HTML page; ``help`` says what the page shows."""
+    return Annotated[Optional[Path], typer.Option("--html", help=help)]
+
+
 # --- a transformers model built from its config (``scan``, ``compare``) ------------------------
 # The options that name the model and how its attention is registered sit in one help panel, the
 # sizes of its inputs in another; each command gives its own help text.

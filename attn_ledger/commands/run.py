@@ -76,7 +76,7 @@ def run(  # long by its 37 options (typer reads them from the signature); the bo
     detail: opt.DetailOption = False,
     output: OutputOption = None,
     show: Annotated[Optional[list[Show]], typer.Option("--show", help="After the table, draw a heatmap per head of the diverging example: the weights, or what masking did (repeatable; up to Tq, Tk = 32 cell by cell, pooled beyond).")] = None,
-    html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page, with the mask and weight heatmaps.")] = None,
+    html: opt.html_option("Also write the report as one self-contained HTML page, with the mask and weight heatmaps.") = None,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help="Memory budget such as 8G or 512M (default: what the machine has free); a run estimated above it is refused.")] = None,
     grad: Annotated[bool, typer.Option("--grad", help="Also run and check the backward stages (grad_context .. grad_k; for configs grad_projections, grad_input).")] = False,
     grad_output: Annotated[Optional[str], typer.Option("--grad-output", help="O-bar seeded on the last forward stage (with --grad): ones (default), identity (I on each head's [Tq, Dv] block; needs Tq == Dv) or a tensor file of that stage's shape.")] = None,

@@ -51,11 +51,11 @@ def scan(  # long by its options (typer reads them from the signature); the body
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Judge every call: without it, the calls after the first wrong one are listed and marked downstream, not judged.")] = False,
     save: Annotated[Optional[Path], typer.Option("--save", metavar="DIR", help="Write each call's tensors into DIR (a new or empty directory) as safetensors files that 'attn-ledger run --tensors' reads.")] = None,
     timeout: TimeoutOption = None,
-    in_process: Annotated[bool, typer.Option("--in-process", help="Build and run the model in this process, for debugging (breakpoints); without it, the model runs in a worker process.")] = False,
+    in_process: opt.in_process_option("Build and run the model in this process, for debugging (breakpoints); without it, the model runs in a worker process.") = False,
     output_format: opt.FormatOption = Format.table,
     detail: opt.DetailOption = False,
     output: opt.OutputOption = None,
-    html: Annotated[Optional[Path], typer.Option("--html", help="Also write the report as one self-contained HTML page: a strip of layers, each opening its stage ledger.")] = None,
+    html: opt.html_option("Also write the report as one self-contained HTML page: a strip of layers, each opening its stage ledger.") = None,
 ) -> None:
     """Run one forward of a whole model, check every attention call in place against what its config implies,
     and name the first wrong layer, with the stage ledger of that call.
