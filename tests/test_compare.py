@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from attn_ledger.cli import app
-from attn_ledger.errors import InputError
+from attn_ledger.errors import AttnLedgerError, InputError
 from attn_ledger.probes.model.compare import (
     aligned_inputs,
     block_row,
@@ -35,7 +35,8 @@ ROWS = token_rows(torch.tensor([[True, True, True], [True, True, False]]))  # 5 
     ("dtype=float32, bfloat16", "dtype", "float32", "bfloat16"),
     ("padding-side", "padding-side", "left", "right"),
     ("batch", "batch", "alone", "batched"),
-], ids=["implementation", "dtype", "padding", "batch"])
+    ("target=fixtures/models/port.py:port", "target", "", "fixtures/models/port.py:port"),
+], ids=["implementation", "dtype", "padding", "batch", "target"])
 def test_vary_parses_each_kind(text, kind, a, b):
     v = parse_vary(text)
     assert (v.kind, v.a, v.b) == (kind, a, b)
@@ -45,12 +46,12 @@ def test_vary_parses_each_kind(text, kind, a, b):
     ("attn-implementation=eager", "with two different values"),
     ("attn-implementation=sdpa,sdpa", "with two different values"),
     ("dtype=float32,int8", "dtype 'int8', expected two of float32"),
-    ("target=other", "target is not available yet"),
-    ("speed=1,2", "expected attn-implementation=A,B, dtype=A,B, padding-side, batch, cache or packing"),
+    ("target=other", "--vary target: got 'other', expected 'path/to/file.py:NAME'"),
+    ("speed=1,2", "expected attn-implementation=A,B, dtype=A,B, padding-side, batch, cache, packing or target=FILE:FACTORY"),
     ("batch=2", "expected batch \\(each example alone against the batch\\)"),
-], ids=["one", "same", "int8", "later", "unknown", "batch-value"])
+], ids=["one", "same", "int8", "target-without-factory", "unknown", "batch-value"])
 def test_bad_vary_is_a_one_line_error(text, words):
-    with pytest.raises(InputError, match=words):
+    with pytest.raises(AttnLedgerError, match=words):
         parse_vary(text)
 
 
@@ -66,6 +67,21 @@ def test_runs_refuse_what_does_not_pair():
     assert (r.plan_a["padding"], r.plan_b["padding"]) == ("left", "right") and r.target_a == r.target_b
     d = runs(parse_vary("dtype=float32,bfloat16"), "llama", plan=plan)
     assert d.dtypes == ("float32", "bfloat16")
+    with pytest.raises(InputError, match="--map: got 'f.py:names' with --vary dtype=float32,bfloat16, expected --vary "
+                                         "target=FILE:FACTORY"):
+        runs(parse_vary("dtype=float32,bfloat16"), "llama", plan=plan, map="f.py:names")
+
+
+def test_a_target_run_b_is_the_factory_named_by_vary_target_with_the_map():
+    port = "fixtures/models/port.py"
+    r = runs(parse_vary(f"target={port}:port"), "llama", plan=InputPlan(2, 8, "left", 3), map=f"{port}:from_llama")
+    args = r.args()
+    assert (r.target_a["kind"], r.target_a["source"]) == ("transformers", "llama")
+    assert (r.target_b["kind"], r.target_b["source"], r.target_b["field"]) == ("factory", f"{port}:port", "--vary target")
+    assert r.target_b["seed"] == 3 and args["map"] == f"{port}:from_llama" and args["vary"] == ["target", "llama", f"{port}:port"]
+    assert r.plan_a == r.plan_b and r.dtypes == ("float32", "float32")
+    with pytest.raises(AttnLedgerError, match="--map: got 'names', expected 'path/to/file.py:NAME'"):
+        runs(parse_vary(f"target={port}:port"), "llama", plan=InputPlan(2, 8, "left", 0), map="names")
 
 
 def test_each_example_alone_holds_its_real_tokens_and_lays_back_out_as_the_batch():
@@ -200,12 +216,13 @@ def test_logits_fail_by_the_ratio_rule_or_by_a_top_token_outside_the_others_top_
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--vary", "target=x"], "--vary: got 'target=x'; target is not available yet"),
+    (["--vary", "target=x"], "--vary target: got 'x', expected 'path/to/file.py:NAME' or 'package.module:NAME'"),
     (["--vary", "dtype=float32"], "--vary: got 'dtype=float32', expected dtype=A,B"),
     (["--vary", "padding-side", "--padding", "left"], "--padding: cannot be given with --vary padding-side"),
     (["--vary", "dtype=float32,bfloat16", "--dtype", "float16"], "--dtype: cannot be given with --vary dtype"),
     (["--vary", "batch", "--batch", "1"], "--batch: got 1 with --vary batch, expected at least 2"),
-], ids=["later", "one-dtype", "padding", "dtype", "batch-of-one"])
+    (["--vary", "padding-side", "--map", "fixtures/models/port.py:from_llama"], "--map: got "),
+], ids=["target-without-factory", "one-dtype", "padding", "dtype", "batch-of-one", "map-without-target"])
 def test_bad_input_is_one_line_and_exit_2(args, words):
     result = runner.invoke(app, ["compare", "--transformers", "llama", *args])
     assert result.exit_code == 2, result.output

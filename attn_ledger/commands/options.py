@@ -59,6 +59,19 @@ def _range(lo: int | None, hi: int | None) -> str:
     return "a whole number"
 
 
+def model_source(target: str | None, transformers: str | None) -> tuple[str, str]:
+    """``(kind, source)`` of the model a command runs: a ``FILE:FACTORY`` target or ``--transformers``, exactly one.
+
+    Raises:
+        InputError: both or neither.
+    """
+    from attn_ledger.errors import InputError
+
+    if (target is None) == (transformers is None):
+        raise InputError("target: expected exactly one of a model 'file.py:FACTORY' or --transformers MODEL_TYPE|config.json")
+    return ("transformers", str(transformers)) if transformers is not None else ("factory", str(target))
+
+
 def seed(text: str | None, option: str = "--seed") -> int | None:
     """A seed: 0..2**63-1."""
     from attn_ledger.seeding import SEED_MAX
@@ -202,6 +215,17 @@ INPUTS_PANEL = "Inputs"
 
 BatchOption = Annotated[Optional[str], typer.Option("--batch", metavar=INT, rich_help_panel=INPUTS_PANEL, help="B, examples in the batch. Default: 2.")]
 """``--batch``: B, taken as text and parsed by :func:`integer`."""
+
+
+def target_argument(help: str) -> Any:
+    """``TARGET``: a model of one's own, ``path/to/file.py:FACTORY`` (or ``--transformers``: :func:`model_source`)."""
+    return Annotated[Optional[str], typer.Argument(help=help)]
+
+
+def transformers_option(help: str) -> Any:
+    """``--transformers MODEL_TYPE|config.json``: a transformers model built from its config."""
+    return Annotated[Optional[str], typer.Option("--transformers", metavar="MODEL_TYPE|config.json",
+                                                 rich_help_panel=MODEL_PANEL, help=help)]
 
 
 def set_option(help: str) -> Any:

@@ -24,21 +24,16 @@ SeedOption = opt.seed_option("Seed for the random weights and the token ids, 0..
 TimeoutOption = opt.timeout_option(
     "Limit on each call into the model (building it, its forward), in seconds. Default 60; with --in-process, "
     "none unless given.")
+TargetArgument = opt.target_argument("A model of your own: 'path/to/file.py:FACTORY', FACTORY() -> nn.Module or "
+                                     "(module, inputs), inputs a dict of forward keyword arguments or a tensor.")
+TransformersOption = opt.transformers_option(
+    "A transformers model built from its config with random weights (never downloaded): a model type (llama, mistral, "
+    "gemma2, gpt2, bert, t5, ...) gets small defaults; a config.json keeps its sizes unless --tiny.")
 
 
 def scan(  # long by its options (typer reads them from the signature); the body hands them to the helpers below
-    target: Annotated[
-        Optional[str],
-        typer.Argument(help="A model of your own: 'path/to/file.py:FACTORY', FACTORY() -> nn.Module or (module, "
-                            "inputs), inputs a dict of forward keyword arguments or a tensor."),
-    ] = None,
-    transformers: Annotated[
-        Optional[str],
-        typer.Option("--transformers", metavar="MODEL_TYPE|config.json", rich_help_panel=MODEL_PANEL,
-                     help="A transformers model built from its config with random weights (never downloaded): a "
-                          "model type (llama, mistral, gemma2, gpt2, bert, t5, ...) gets small defaults; a "
-                          "config.json keeps its sizes unless --tiny."),
-    ] = None,
+    target: TargetArgument = None,
+    transformers: TransformersOption = None,
     tiny: Annotated[bool, typer.Option("--tiny", rich_help_panel=MODEL_PANEL, help="With a config.json: use the small defaults of its model type (2 layers, width 64, windows of 16).")] = False,
     set_: SetOption = None,
     attn_implementation: ImplementationOption = None,
@@ -105,11 +100,9 @@ def scan_args(target: Optional[str], transformers: Optional[str], *, tiny: bool,
     from attn_ledger.probes.model.judge import REFERENCE_BUDGET
     from attn_ledger.probes.model.targets import target as make_target
 
-    if (target is None) == (transformers is None):
-        raise InputError("target: expected exactly one of a model 'file.py:FACTORY' or --transformers MODEL_TYPE|config.json")
+    kind, source = opt.model_source(target, transformers)
     seed_value = opt.seed(seed) or 0
-    kind = "transformers" if transformers is not None else "factory"
-    t = make_target(kind, transformers or target, tiny=tiny, overrides=overrides, implementation=implementation,
+    t = make_target(kind, source, tiny=tiny, overrides=overrides, implementation=implementation,
                     register=register, mask_format=mask_format, seed=seed_value)
     plan = InputPlan(opt.integer(sizes["--batch"], "--batch", 1) or 2, opt.integer(sizes["--seq-len"], "--seq-len", 2) or 24,
                      padding or "none", seed_value, opt.integer(sizes["--decoder-len"], "--decoder-len", 1))

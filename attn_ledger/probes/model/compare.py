@@ -20,7 +20,7 @@ document meets its own example's rows. The first failing row is the headline, so
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from attn_ledger.errors import InputError, shown
 from attn_ledger.report import Check, Note, Report, Row, bounded, counted, row_status, unjudged
@@ -29,8 +29,7 @@ from attn_ledger.tolerance import COMPARE_FACTOR, TOP_K, compare_bound, eps
 if TYPE_CHECKING:
     from torch import Tensor
 
-VARY_KINDS = ("attn-implementation", "dtype", "padding-side", "batch", "cache", "packing")
-LATER_KINDS = ("target",)
+VARY_KINDS = ("attn-implementation", "dtype", "padding-side", "batch", "cache", "packing", "target")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BUILTIN = ("eager", "sdpa", "flex_attention")
 
@@ -51,23 +50,24 @@ class Vary:
             return "cache (the full forward against a prefill and token-by-token decode through the cache)"
         if self.kind == "packing":
             return "packing (each sequence apart against all packed into one row, position ids restarting)"
+        if self.kind == "target":
+            return f"target={self.b}"
         return f"{self.kind}={self.a},{self.b}"
 
 
 def parse_vary(text: str) -> Vary:
     """``--vary WHAT``: ``attn-implementation=A,B``, ``dtype=A,B``, ``padding-side`` (left against right),
     ``batch`` (each example alone against the batch), ``cache`` (the full forward against a prefill and
-    token-by-token decode through the model's own cache) or ``packing`` (each sequence apart against all of them
-    packed into one row).
+    token-by-token decode through the model's own cache), ``packing`` (each sequence apart against all of them
+    packed into one row) or ``target=FILE:FACTORY`` (another model: a port against its reference).
 
     Raises:
-        InputError: an unknown kind, a kind not available yet, or values that are not two distinct names.
+        InputError: an unknown kind, or values that are not two distinct names.
+        SetupError: a target that is not ``FILE:FACTORY`` (or ``module:FACTORY``), or a missing file.
     """
     kind, eq, values = text.partition("=")
     kind = kind.strip()
-    expected = "attn-implementation=A,B, dtype=A,B, padding-side, batch, cache or packing"
-    if kind in LATER_KINDS:
-        raise InputError(f"--vary: got {shown(text)}; {kind} is not available yet, expected {expected}")
+    expected = "attn-implementation=A,B, dtype=A,B, padding-side, batch, cache, packing or target=FILE:FACTORY"
     if kind not in VARY_KINDS:
         raise InputError(f"--vary: got {shown(text)}, expected {expected}")
     if kind == "padding-side":
@@ -87,6 +87,11 @@ def parse_vary(text: str) -> Vary:
         if eq and values.replace(" ", "") not in ("apart,packed", ""):
             raise InputError(f"--vary: got {shown(text)}, expected packing (each sequence apart against packed)")
         return Vary(kind, "apart", "packed")
+    if kind == "target":
+        from attn_ledger.inputs.userload import parse_spec
+
+        parse_spec(values.strip(), "--vary target")
+        return Vary(kind, "", values.strip())
     names = [v.strip() for v in values.split(",")]
     if not eq or len(names) != 2 or not all(names) or names[0] == names[1]:
         raise InputError(f"--vary: got {shown(text)}, expected {kind}=A,B with two different values")
@@ -107,30 +112,37 @@ class Runs:
     dtypes: tuple[str, str]
     plan_a: dict[str, Any]
     plan_b: dict[str, Any]
+    map: str | None = None  # --map FILE:FN: B's names of A's weights and blocks (--vary target)
 
     def args(self) -> dict[str, Any]:
         return {"target": self.target_a, "target_b": self.target_b, "dtypes": list(self.dtypes),
                 "plan": self.plan_a, "plan_b": self.plan_b, "vary": [self.vary.kind, self.vary.a, self.vary.b],
-                "field": "target"}
+                "field": "target", "map": self.map}
 
 
 def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str | None = None,
          register: str | None = None, mask_format: str | None = None, dtype: str = "float32",
-         plan: Any) -> Runs:
-    """Run A and run B of ``--transformers source`` under ``vary`` (validated here, built in the worker).
+         plan: Any, map: str | None = None, kind: str = "transformers") -> Runs:
+    """Run A and run B of ``--transformers source`` (``kind`` "factory": of the ``FILE:FACTORY`` ``source``) under
+    ``vary`` (validated here, built in the worker); under ``--vary target`` run B is the other model, ``map`` naming
+    A's weights and blocks in it.
 
     Raises:
         InputError: ``--register`` where neither implementation is a name of one's own, both are, or the varied
-            kind is also given as an option.
+            kind is also given as an option; ``map`` without ``--vary target``.
+        SetupError: a ``map`` that is not ``FILE:FN``.
     """
     from dataclasses import replace
 
     from attn_ledger.probes.model.targets import target
 
     def make(impl: str | None, reg: str | None) -> dict[str, Any]:
-        return target("transformers", source, overrides=overrides, implementation=impl, register=reg,
+        return target(kind, source, overrides=overrides, implementation=impl, register=reg,
                       mask_format=mask_format if reg else None, seed=plan.seed).to_json()
 
+    if map is not None and vary.kind != "target":
+        raise InputError(f"--map: got {shown(map)} with --vary {vary.words}, expected --vary target=FILE:FACTORY "
+                         "(the map names A's weights and blocks in another model)")
     if vary.kind == "attn-implementation":
         if implementation is not None:
             raise InputError("--attn-implementation: cannot be given with --vary attn-implementation=A,B")
@@ -147,6 +159,8 @@ def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str 
         tb = make(vary.b, register if vary.b in own else None)
         return Runs(vary, ta, tb, (dtype, dtype), plan.to_json(), plan.to_json())
     t = make(implementation, register)
+    if vary.kind == "target":
+        return _target_runs(vary, t, dtype, plan, map)
     if vary.kind == "dtype":
         return Runs(vary, t, t, (vary.a, vary.b), plan.to_json(), plan.to_json())
     if vary.kind in ("batch", "packing"):
@@ -161,6 +175,19 @@ def runs(vary: Vary, source: str, *, overrides: Any = None, implementation: str 
         raise InputError("--padding: cannot be given with --vary padding-side (run A is left padded, run B right)")
     return Runs(vary, t, t, (dtype, dtype), replace(plan, padding="left").to_json(),
                 replace(plan, padding="right").to_json())
+
+
+def _target_runs(vary: Vary, t: dict[str, Any], dtype: str, plan: Any, map: str | None) -> Runs:
+    """``--vary target=FILE:FACTORY``: run A is ``t``, run B the factory's model, both in ``dtype`` on one plan."""
+    from dataclasses import replace
+
+    from attn_ledger.inputs.userload import parse_spec
+    from attn_ledger.probes.model.targets import target
+
+    if map is not None:
+        parse_spec(map, "--map")
+    b = target("factory", vary.b, seed=plan.seed, field="--vary target").to_json()
+    return Runs(replace(vary, a=str(t["source"])), t, b, (dtype, dtype), plan.to_json(), plan.to_json(), map)
 
 
 def _cache_plan(plan: Any) -> None:
@@ -567,15 +594,19 @@ def compare_report(facts: Mapping[str, Any], runs_: Runs, judge: Judge, run: Map
 
 def stopped_report(args: Mapping[str, Any], reason: str, data: Mapping[str, Any]) -> Report:
     """The report of a compare whose forwards never came back (a crash or the time limit)."""
-    label = f"--transformers {args['target']['source']}"
+    from attn_ledger.probes.model.targets import Target
+
+    label = Target.from_json(args["target"]).label
     check = Check(1, "forward", "fail", reason=reason, data=dict(data))
     return Report("compare", f"compare {label}", (Row("forward", "fail", (check,)),), unit="row", row_label="layer",
                   details={"model": {"label": label}})
 
 
 def compare_models(a: Any, b: Any, inputs: "Mapping[str, Tensor] | None" = None, *, batch: int = 2, seq_len: int = 24,
-                   padding: str = "left", seed: int = 0, label: str | None = None, cache: bool = False) -> Report:
-    """Compare two runs of one transformers model in this process, block by block (see :func:`compare`).
+                   padding: str = "left", seed: int = 0, label: str | None = None, cache: bool = False,
+                   map: Callable[[str], str] | None = None) -> Report:  # long: its arguments' documentation
+    """Compare two runs of one transformers model, or a model and its port, in this process, block by block (see
+    :func:`compare`).
 
     Args:
         a: run A, the reference: a transformers model (its weights, dtype and attention implementation as given).
@@ -588,19 +619,21 @@ def compare_models(a: Any, b: Any, inputs: "Mapping[str, Tensor] | None" = None,
         cache: run B is a prefill of the first tokens, then one forward per token through B's own cache
             (``--vary cache``); A the full forward. ``b`` may be ``a`` itself, or a model whose cache path is in
             question. Decoders only (the report says it is not applicable otherwise); left padding or none.
+        map: ``b`` is another model (a port of ``a``) that names ``a``'s weights and blocks ``map(name)``
+            (``--vary target``'s ``--map``); it must hold ``a``'s weights under those names.
 
     Raises:
-        InputError: inputs without ``input_ids`` and ``attention_mask`` of one shape ``[B, T]``; models that differ
-            in their weights' names; a model with no list of blocks; under ``cache``, inputs it cannot decode.
+        InputError: inputs without ``input_ids`` and ``attention_mask`` of one shape ``[B, T]``; models whose weights
+            do not pair by name (through ``map``) or by shape; a model with no list of blocks; a block of ``a`` that
+            ``map`` names and ``b`` lacks; under ``cache``, inputs it cannot decode.
     """
     from attn_ledger.probes.model.driver import LocalModel, model_facts
     from attn_ledger.probes.model.inputs import InputPlan
-    from attn_ledger.probes.model.pair import pair_of
+    from attn_ledger.probes.model.pair import Names, matched_weights, pair_of
 
     name = label or type(a).__name__
-    if set(a.state_dict()) != set(b.state_dict()):
-        missing = sorted(set(a.state_dict()) ^ set(b.state_dict()))
-        raise InputError(f"b: its weights' names differ from a's ({missing[0]} ...); expected one model run two ways")
+    names = Names(None, map is not None, map, "map" if map is not None else "b")
+    matched_weights(a, b, names)
     if inputs is not None:
         ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
         if ids is None or mask is None or ids.dim() != 2 or tuple(ids.shape) != tuple(mask.shape):
@@ -611,7 +644,8 @@ def compare_models(a: Any, b: Any, inputs: "Mapping[str, Tensor] | None" = None,
     was = a.training, b.training
     a.eval(), b.eval()
     try:
-        pair = pair_of(a, b, name, name, model_facts, cached=cache)
+        pair = pair_of(a, b, name, name if map is None else type(b).__name__, model_facts, cached=cache,
+                       names=names if map is not None else None)
         dtypes = (pair.facts["dtype"], pair.facts["b"]["dtype"])
         impls = (pair.facts.get("implementation"), pair.facts["b"].get("implementation"))
         plan = InputPlan(batch, seq_len, "none" if inputs is not None else padding, seed).to_json()

@@ -14,6 +14,10 @@ which may be rounded already; eager takes its softmax in float32). A ``compare``
   only -inf); the plain runs set such rows to 0 after each block, so that their padded keys carry no NaN into
   the real rows (a real row never reads them) and the whole run stays a reference for the logits.
 
+Under ``--vary target`` run B is another model (a port): A's weights go into it under the names ``--map`` gives
+them (:class:`Names`, :func:`matched_weights`), and each of A's blocks is watched in B at the path the same map gives
+(:func:`mapped_blocks`); the rest is as for one model run two ways.
+
 Under ``--vary cache`` run B is a prefill, then one forward per token through the model's own cache, each block
 replayed on A's rows of the same positions with a cache of the replays' own; under ``--vary packing`` run A is each
 sequence apart and run B one forward of them all packed into one row. Either way B's forwards are laid out as one
@@ -53,6 +57,11 @@ class Pair:
     alone: bool = False  # --vary batch: run A is one forward per example, alone
     cached: bool = False  # --vary cache: run B is a prefill, then one token at a time through the model's cache
     packed: bool = False  # --vary packing: run A is each sequence apart, run B all of them packed into one row
+    blocks_b: list[str] | None = None  # B's paths of A's blocks, where B is another model (--vary target)
+
+    @property
+    def paths_b(self) -> list[str]:
+        return self.blocks if self.blocks_b is None else self.blocks_b
 
 
 def _dtype(name: str) -> Any:
@@ -104,35 +113,127 @@ def _plain_copy(model: "nn.Module", dtype: str, implementations: tuple[str, ...]
 
 def setup(args: dict[str, Any], model_facts: Callable[..., dict[str, Any]]) -> tuple[Pair, dict[str, Any]]:
     """Build both runs (user code runs here only), B with A's weights, and the plain models; say what they are
-    (``model_facts``: :func:`attn_ledger.probes.model.driver.model_facts`, which imports this module)."""
+    (``model_facts``: :func:`attn_ledger.probes.model.driver.model_facts`, which imports this module). Under
+    ``--vary target`` B is another model, its weights and blocks named through ``--map`` where one is given."""
     import torch
 
     from attn_ledger.probes.model.targets import Target, build
 
     ta, tb = Target.from_json(args["target"]), Target.from_json(args["target_b"])
+    kind = (args.get("vary") or [""])[0]
+    # the map's file is imported before B's factory's: importing one file again after B is built would leave B's
+    # classes in a module that sys.modules no longer holds, where the capture looks for its attention function
+    names = Names(args.get("map"), kind == "target", field="--map" if args.get("map") else "--vary")
     a, _ = build(ta, head=True)
+    if not hasattr(getattr(a, "config", None), "to_json_string"):
+        raise InputError(f"target: {ta.source}() returned a {type(a).__name__} without a transformers config, expected "
+                         "a transformers model (the tokens compare runs are made from its config)")
     b, _ = build(tb, head=True)
-    missing = set(a.state_dict()) ^ set(b.state_dict())
-    if missing:
-        raise InputError(f"--vary: the two runs' models differ in their weights ({sorted(missing)[0]} ...); "
-                         "expected one model run two ways")
     with torch.no_grad():
-        b.load_state_dict(a.state_dict())
+        b.load_state_dict(matched_weights(a, b, names))
     da, db = args["dtypes"]
     a, b = a.to(_dtype(da)).eval(), b.to(_dtype(db)).eval()
-    kind = (args.get("vary") or [""])[0]
     pair = pair_of(a, b, ta.label, tb.label, model_facts, alone=kind in ("batch", "packing"), cached=kind == "cache",
-                   packed=kind == "packing")
+                   packed=kind == "packing", names=names if kind == "target" else None)
     return pair, {"units": [0], "model": pair.facts}
 
 
-def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_facts: Callable[..., dict[str, Any]],
-            alone: bool = False, cached: bool = False, packed: bool = False) -> Pair:
-    """Two built runs (in eval mode, each in its dtype) and the plain models beside them: A's model with eager
-    attention in each run's dtype, and in float64.
+class Names:
+    """How B names A's weights and blocks: ``--map FILE:FN`` (``spec``; ``FN(name) -> name``, user code: the worker
+    only) or a function given (``fn``, :func:`~attn_ledger.probes.model.compare.compare_models`'s ``map``), else as
+    A does. Each name goes through :meth:`__call__`, which refuses what is not a name.
+
+    Args:
+        other: B is another model (``--vary target``), not A run another way; it changes what errors expect.
+        field: the option errors name: the map's (``--map``), or the one that made B where nothing maps (``--vary``).
+    """
+
+    def __init__(self, spec: str | None, other: bool = False, fn: Callable[[str], str] | None = None,
+                 field: str = "--vary") -> None:
+        from attn_ledger.inputs.userload import load_object
+
+        if fn is None and spec is not None:
+            fn = load_object(spec, field)
+        self.spec, self.other, self.field, self.fn = spec, other, field, fn
+
+    def __call__(self, name: str) -> str:
+        if self.fn is None:
+            return name
+        what = f"{self.spec or getattr(self.fn, '__name__', 'map')}({name!r})"
+        try:
+            with user_call(what):
+                out = self.fn(name)
+        except UserCodeError as exc:
+            raise InputError(f"{self.field}: {what} {exc}") from None
+        except Exception as exc:
+            raise InputError(f"{self.field}: {what} raised {type(exc).__name__}: {first_line(exc)}") from None
+        if not isinstance(out, str):
+            raise InputError(f"{self.field}: {what} returned a {type(out).__name__}, expected B's name for it (a str)")
+        return out
+
+    def refused(self, text: str) -> InputError:
+        """A one-line error about the names, with what was expected."""
+        if self.fn is not None:
+            return InputError(f"{self.field}: {text}, expected it to name each of B's weights once, by one of A's")
+        if self.other:
+            return InputError(f"{self.field}: {text}, expected B to name its weights as A does, or --map FILE:FN")
+        return InputError(f"{self.field}: {text}, expected one model run two ways")
+
+
+def matched_weights(a: "nn.Module", b: "nn.Module", names: Names) -> dict[str, Any]:
+    """A's weights (its state dict) under the names ``names`` gives them in B: B's state dict of A's weights.
 
     Raises:
-        InputError: A has no list of blocks holding its attention modules.
+        InputError: a name B has no weight of, a B weight that no weight of A or two of them fill, a shape that
+            differs.
+    """
+    from attn_ledger.errors import did_you_mean
+
+    sa, sb = a.state_dict(), b.state_dict()
+    moved: dict[str, tuple[str, Any]] = {}
+    for name, t in sa.items():
+        to = names(name)
+        if to not in sb:
+            raise names.refused(f"A's {name} {'is' if to == name else f'maps to {to!r}, which is'} not a weight "
+                                f"of B{did_you_mean(to, list(sb))}")
+        if to in moved:
+            raise names.refused(f"A's {moved[to][0]} and {name} both map to B's {to}")
+        if tuple(sb[to].shape) != tuple(t.shape):
+            raise names.refused(f"A's {name} has shape {list(t.shape)} and B's {to} {list(sb[to].shape)}")
+        moved[to] = (name, t)
+    left = [n for n in sb if n not in moved]
+    if left:
+        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+        raise names.refused(f"B's {left[0]}{more} is left unfilled: no weight of A maps to it")
+    return {to: t for to, (_, t) in moved.items()}
+
+
+def mapped_blocks(blocks: list[str], b: "nn.Module", names: Names) -> list[str]:
+    """B's blocks, each A's block path as ``names`` gives it.
+
+    Raises:
+        InputError: a path that is not a module of B.
+    """
+    from attn_ledger.errors import did_you_mean
+
+    modules = dict(b.named_modules())
+    out = []
+    for path in blocks:
+        to = names(path)
+        if to not in modules:
+            raise names.refused(f"A's block {path} {'is' if to == path else f'maps to {to!r}, which is'} not a "
+                                f"module of B{did_you_mean(to, list(modules))}")
+        out.append(to)
+    return out
+
+
+def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_facts: Callable[..., dict[str, Any]],
+            alone: bool = False, cached: bool = False, packed: bool = False, names: Names | None = None) -> Pair:
+    """Two built runs (in eval mode, each in its dtype) and the plain models beside them: A's model with eager
+    attention in each run's dtype, and in float64. ``names``: B is another model, its blocks A's as these name them.
+
+    Raises:
+        InputError: A has no list of blocks holding its attention modules; a block ``names`` gives that B lacks.
     """
     da, db = (str(next(m.parameters()).dtype).removeprefix("torch.") for m in (a, b))
     plain = {d: _plain_copy(a, d) for d in dict.fromkeys((da, db))}
@@ -144,7 +245,10 @@ def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_fa
     facts["blocks"] = blocks
     if not blocks:
         raise InputError(f"target: {label_a} has no list of blocks holding its attention modules to compare")
-    return Pair(a, b, plain, exact, blocks, facts, alone, cached, packed)
+    blocks_b = blocks if names is None else mapped_blocks(blocks, b, names)
+    if blocks_b != blocks:
+        facts["b"]["blocks"] = blocks_b
+    return Pair(a, b, plain, exact, blocks, facts, alone, cached, packed, blocks_b)
 
 
 # --- one forward, watched block by block ------------------------------------------------------------------
@@ -550,11 +654,12 @@ def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, 
             _forward(pair.a, Watch(pair.a, blocks), inputs_a, f"{label} (run A)")
         moved = mover(valid_a, valid_b, pads=not pair.alone)
         if pair.cached:
-            seen_b = _cached(pair.b, blocks, inputs_b, valid_b, seen_a.inputs, f"{label} (run B)")
+            seen_b = _cached(pair.b, pair.paths_b, inputs_b, valid_b, seen_a.inputs, f"{label} (run B)")
         elif pair.packed:
-            seen_b = _packed(pair.b, blocks, inputs_b, valid_b, seen_a.inputs, f"{label} (run B, packed)")
+            seen_b = _packed(pair.b, pair.paths_b, inputs_b, valid_b, seen_a.inputs, f"{label} (run B, packed)")
         else:
-            seen_b = _forward(pair.b, Watch(pair.b, blocks, seen_a.inputs, moved), inputs_b, f"{label} (run B)")
+            seen_b = _forward(pair.b, Watch(pair.b, pair.paths_b, seen_a.inputs, moved), inputs_b,
+                              f"{pair.facts['b'].get('label', label)} (run B)")
         plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved, ~valid_b), inputs_b, f"plain {d} {label}")
                  for d, m in pair.plain.items()}
         exact = _forward(pair.exact, Watch(pair.exact, blocks, seen_a.inputs, moved, ~valid_b), inputs_b,
@@ -693,11 +798,12 @@ def run_calls(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, An
     :func:`attn_ledger.probes.model.driver.run_scan`, which imports this module), sending only the attention calls
     inside block ``index``, ``side`` ("a" or "b") added to their facts. Under ``--vary batch`` run A is ``example``
     alone."""
-    prefix = pair.blocks[index] + "."
     out: dict[str, Any] = {}
     if pair.alone:  # run A of --vary batch: the example the block's error is worst on, alone
         inputs_a = alone_inputs(inputs_a, inputs_a["attention_mask"].bool(), example)
-    for side, model, inputs, facts in (("a", pair.a, inputs_a, pair.facts), ("b", pair.b, inputs_b, pair.facts["b"])):
+    for side, model, inputs, facts, paths in (("a", pair.a, inputs_a, pair.facts, pair.blocks),
+                                              ("b", pair.b, inputs_b, pair.facts["b"], pair.paths_b)):
+        prefix = paths[index] + "."
         keep = _BlockCalls(prefix, side, sink)
         run = scan_forward(model, facts, inputs, keep)
         out[side] = {"calls": keep.sent, "error": (run.get("error") or {}).get("text"),

@@ -87,6 +87,7 @@ class Target:
     register: str | None = None
     mask_format: str = "sdpa"
     seed: int = 0
+    field: str = "target"  # the option that named a factory, for its errors (``--vary target`` for run B's)
 
     @property
     def label(self) -> str:
@@ -96,12 +97,13 @@ class Target:
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "source": self.source, "tiny": self.tiny,
                 "overrides": [[k, v] for k, v in self.overrides], "implementation": self.implementation,
-                "register": self.register, "mask_format": self.mask_format, "seed": self.seed}
+                "register": self.register, "mask_format": self.mask_format, "seed": self.seed,
+                "field": self.field}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Target":
         return cls(d["kind"], d["source"], bool(d["tiny"]), tuple((k, v) for k, v in d["overrides"]),
-                   d["implementation"], d["register"], d["mask_format"], int(d["seed"]))
+                   d["implementation"], d["register"], d["mask_format"], int(d["seed"]), d.get("field", "target"))
 
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -135,7 +137,7 @@ def is_config_path(source: str) -> bool:
 
 def target(kind: str, source: str, *, tiny: bool = False, overrides: Sequence[str] | None = None,
            implementation: str | None = None, register: str | None = None, mask_format: str | None = None,
-           seed: int = 0) -> Target:
+           seed: int = 0, field: str = "target") -> Target:
     """A :class:`Target` from the options, its plain parts validated here (the rest in the worker).
 
     Raises:
@@ -156,7 +158,7 @@ def target(kind: str, source: str, *, tiny: bool = False, overrides: Sequence[st
     else:
         if tiny or pairs:
             raise InputError(f"{'--tiny' if tiny else '--set'}: applies to --transformers, not to a FILE:FACTORY target")
-        parse_spec(source, "target")
+        parse_spec(source, field)
     if register is not None:
         if implementation is None or implementation in BUILTIN_IMPLEMENTATIONS:
             raise InputError(f"--register: got {shown(register)} with --attn-implementation "
@@ -167,7 +169,7 @@ def target(kind: str, source: str, *, tiny: bool = False, overrides: Sequence[st
                          "a registered implementation gets")
     if mask_format is not None and mask_format not in MASK_FORMATS:
         raise InputError(f"--mask-format: got {mask_format!r}, expected one of {', '.join(MASK_FORMATS)}")
-    return Target(kind, source, tiny, pairs, implementation, register, mask_format or "sdpa", seed)
+    return Target(kind, source, tiny, pairs, implementation, register, mask_format or "sdpa", seed, field)
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -291,20 +293,20 @@ def _from_factory(t: Target) -> tuple[Any, Any]:
     from attn_ledger.inputs.userload import load_object
     from attn_ledger.seeding import manual_seed
 
-    factory = load_object(t.source, "target")
+    factory = load_object(t.source, t.field)
     manual_seed(t.seed)
     try:
         with user_call(f"{t.source}()"):
             made = factory()
     except UserCodeError as exc:
-        raise SetupError(f"target: {t.source}() {exc}") from None
+        raise SetupError(f"{t.field}: {t.source}() {exc}") from None
     except Exception as exc:
-        raise SetupError(f"target: {t.source}() raised {type(exc).__name__}: {first_line(exc)}") from None
+        raise SetupError(f"{t.field}: {t.source}() raised {type(exc).__name__}: {first_line(exc)}") from None
     model, given = (made if isinstance(made, tuple) and len(made) == 2 else (made, None))
     if not isinstance(model, torch.nn.Module):
-        raise SetupError(f"target: {t.source}() returned {type(made).__name__}, expected an nn.Module "
+        raise SetupError(f"{t.field}: {t.source}() returned {type(made).__name__}, expected an nn.Module "
                          "or (module, inputs)")
     if given is not None and not isinstance(given, (dict, torch.Tensor)):
-        raise SetupError(f"target: {t.source}() returned inputs of type {type(given).__name__}, expected a dict "
+        raise SetupError(f"{t.field}: {t.source}() returned inputs of type {type(given).__name__}, expected a dict "
                          "of forward keyword arguments or a tensor")
     return model, given
