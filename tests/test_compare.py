@@ -30,16 +30,21 @@ runner = CliRunner()
 ROWS = token_rows(torch.tensor([[True, True, True], [True, True, False]]))  # 5 real rows: 3 and 2
 
 
-@pytest.mark.parametrize("text, kind, a, b", [
-    ("attn-implementation=eager,sdpa", "attn-implementation", "eager", "sdpa"),
-    ("dtype=float32, bfloat16", "dtype", "float32", "bfloat16"),
-    ("padding-side", "padding-side", "left", "right"),
-    ("batch", "batch", "alone", "batched"),
-    ("target=fixtures/models/port.py:port", "target", "", "fixtures/models/port.py:port"),
-], ids=["implementation", "dtype", "padding", "batch", "target"])
-def test_vary_parses_each_kind(text, kind, a, b):
+PARSED = {  # --vary as written: (kind, run A, run B)
+    "attn-implementation=eager,sdpa": ("attn-implementation", "eager", "sdpa"),
+    "dtype=float32, bfloat16": ("dtype", "float32", "bfloat16"),
+    "padding-side": ("padding-side", "left", "right"),
+    "batch": ("batch", "alone", "batched"),
+    "cache=full,cached": ("cache", "full", "cached"),
+    "packing": ("packing", "apart", "packed"),
+    "target=fixtures/models/port.py:port": ("target", "", "fixtures/models/port.py:port"),
+}
+
+
+@pytest.mark.parametrize("text", PARSED)
+def test_vary_parses_each_kind(text):
     v = parse_vary(text)
-    assert (v.kind, v.a, v.b) == (kind, a, b)
+    assert (v.kind, v.a, v.b) == PARSED[text]
 
 
 @pytest.mark.parametrize("text, words", [

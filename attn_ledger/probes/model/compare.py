@@ -30,6 +30,12 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 VARY_KINDS = ("attn-implementation", "dtype", "padding-side", "batch", "cache", "packing", "target")
+FIXED_RUNS = {  # the kinds whose two runs are fixed: run A, run B (``WHAT=A,B`` may name them), and what they are
+    "padding-side": ("left", "right", "left against right"),
+    "batch": ("alone", "batched", "each example alone against the batch"),
+    "cache": ("full", "cached", "the full forward against decoding through the cache"),
+    "packing": ("apart", "packed", "each sequence apart against packed"),
+}
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BUILTIN = ("eager", "sdpa", "flex_attention")
 
@@ -70,23 +76,11 @@ def parse_vary(text: str) -> Vary:
     expected = "attn-implementation=A,B, dtype=A,B, padding-side, batch, cache, packing or target=FILE:FACTORY"
     if kind not in VARY_KINDS:
         raise InputError(f"--vary: got {shown(text)}, expected {expected}")
-    if kind == "padding-side":
-        if eq and values.replace(" ", "") not in ("left,right", ""):
-            raise InputError(f"--vary: got {shown(text)}, expected padding-side (left against right)")
-        return Vary(kind, "left", "right")
-    if kind == "batch":
-        if eq and values.replace(" ", "") not in ("alone,batched", ""):
-            raise InputError(f"--vary: got {shown(text)}, expected batch (each example alone against the batch)")
-        return Vary(kind, "alone", "batched")
-    if kind == "cache":
-        if eq and values.replace(" ", "") not in ("full,cached", ""):
-            raise InputError(f"--vary: got {shown(text)}, expected cache (the full forward against decoding "
-                             "through the cache)")
-        return Vary(kind, "full", "cached")
-    if kind == "packing":
-        if eq and values.replace(" ", "") not in ("apart,packed", ""):
-            raise InputError(f"--vary: got {shown(text)}, expected packing (each sequence apart against packed)")
-        return Vary(kind, "apart", "packed")
+    if kind in FIXED_RUNS:
+        a, b, what = FIXED_RUNS[kind]
+        if eq and values.replace(" ", "") not in (f"{a},{b}", ""):
+            raise InputError(f"--vary: got {shown(text)}, expected {kind} ({what})")
+        return Vary(kind, a, b)
     if kind == "target":
         from attn_ledger.inputs.userload import parse_spec
 
