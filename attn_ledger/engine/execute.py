@@ -664,7 +664,9 @@ def reference_chunks(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
         h0, h1 = j0 * group, j1 * group
         whole = j0 == 0 and j1 == nkv
         qc, kc, vc = (q, k, v) if whole else (q[:, h0:h1], k[:, j0:j1], v[:, j0:j1])
-        kc, vc = kc.to(dtype), vc.to(dtype)  # cast once, for the reference and M alike
+        k64, v64 = kc.to(dtype), vc.to(dtype)  # cast once, for the reference and M alike
+        owned = k64 is not kc and v64 is not vc  # copies (not the caller's tensors): M may overwrite them
+        kc, vc = k64, v64
         a = allow if allow is None or allow.shape[1] == 1 or whole else allow[:, h0:h1]
         sc = sinks if sinks is None or whole else sinks[h0:h1]
         bc = bias if bias is None or bias.shape[1] == 1 or whole else bias[:, h0:h1]
@@ -675,7 +677,7 @@ def reference_chunks(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
             carried = rule.carried if whole else tuple(None if c is None else c[:, h0:h1] for c in rule.carried)
             known = (ref["scores"], ref["weights"] if sinks is None else None)  # with sinks, M's weights have none
             m = rounding.stage_magnitudes(qc, kc, vc, a, scale, softcap, carried, rule.eps, rule.tiny, rule.accumulate,
-                                          known=known, bias=bc)
+                                          known=known, bias=bc, owned=owned)  # kc, vc not used after it
             mags.append({key: m[key] for key in ("scores", "weights", "out")})
     if len(parts) == 1:
         return parts[0], mags[0] if mags else None

@@ -47,7 +47,7 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
                      carried: "tuple[Tensor | None, Tensor | None, Tensor | None] | None" = None,
                      eps: float = 1.0, tiny: float = 0.0, accumulate: float = 1.0, *,
                      known: "tuple[Tensor, Tensor | None] | None" = None,
-                     bias: "Tensor | None" = None) -> dict[str, "Tensor"]:
+                     bias: "Tensor | None" = None, owned: bool = False) -> dict[str, "Tensor"]:
     """``M`` of the scores, weights and context, in float64.
 
     Args:
@@ -70,6 +70,8 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
             weights on these rows, from these q, k, v, computed already; without it both are computed here.
         bias: added to the (capped) scores, broadcastable to ``[B, Nh, R, Tk]``: its size joins each score's
             magnitude (the addition's rounding).
+        owned: ``k`` and ``v`` are float64 copies the caller is done with: their magnitudes are taken in place,
+            while the copies are still in cache, instead of into two more tensors of their size.
 
     Returns:
         ``{"scores", "weights": [B, Nh, R, Tk], "out": [B, Nh, R, Dv]}``.
@@ -84,14 +86,15 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     qd = q.detach().to(f64)
     kk = repeat_kv(k.detach().to(f64), nh)  # [B, Nh, Tk, Dh]
     vv = repeat_kv(v.detach().to(f64), nh)  # [B, Nh, Tk, Dv]
-    va = vv.abs()
     bb = None if bias is None else bias.detach().to(f64)
     if known is None:
         s = _capped_scores(qd, kk, scale, softcap)
         s, weights = (s if bb is None else s + bb), None
     else:
         s, weights = known  # the reference's scores, with the bias added already
-    qa, ka = qd.abs(), kk.abs()
+    dq, dk, dv_in = (None if c is None else (c.detach().to(f64) - r).abs()  # |pipeline - reference|
+                     for c, r in zip(carried or (None, None, None), (qd, kk, vv)))
+    qa, ka, va = qd.abs(), (kk.abs_() if owned else kk.abs()), (vv.abs_() if owned else vv.abs())
     # in place on fresh tensors (a small sample's cost is its number of operations), in the order written out
     a = torch.matmul(qa, ka.transpose(-2, -1)).mul_(abs(scale))  # [B, Nh, R, Tk]: |q| |k| |scale|
     if bb is not None:
@@ -99,8 +102,6 @@ def stage_magnitudes(q: "Tensor", k: "Tensor", v: "Tensor", allow: "Tensor | Non
     acc = accumulate
     dot = 1.0 + acc * math.sqrt(dh)  # q . k sums Dh products
     m_scores = a.mul_(dot).add_(s.abs())  # a * dot + |s|
-    dq, dk, dv_in = (None if c is None else (c.detach().to(f64) - r).abs()  # |pipeline - reference|
-                     for c, r in zip(carried or (None, None, None), (qd, kk, vv)))
     by_carried = _carried_scores(dq, dk, qa, ka)
     if by_carried is not None:
         m_scores = m_scores.add_(by_carried.mul_(abs(scale) / eps))
@@ -136,10 +137,11 @@ def _weights(s: "Tensor", allow: "Tensor | None", weights: "Tensor | None") -> t
         live = torch.ones((*s.shape[:-1], 1), dtype=torch.bool, device=s.device)
         return (torch.softmax(s, dim=-1) if weights is None else weights), torch.ones_like(s, dtype=torch.bool), live
     ok = allow.expand_as(s)
-    live = allow.any(dim=-1, keepdim=True).expand(*s.shape[:-1], 1)  # [B, Nh, R, 1], from the unexpanded relation
+    has = allow.any(dim=-1, keepdim=True)  # [B|1, Nh|1, R, 1]: rows with an allowed key
+    live = has.expand(*s.shape[:-1], 1)  # [B, Nh, R, 1]
     if weights is None:
         weights = torch.softmax(torch.where(ok, s, float("-inf")).where(live, 0.0), dim=-1)
-    return weights.where(live, 0.0), ok, live
+    return (weights if bool(has.all()) else weights.where(live, 0.0)), ok, live
 
 
 def _carried_scores(dq: "Tensor | None", dk: "Tensor | None", qa: "Tensor", ka: "Tensor") -> "Tensor | None":
@@ -389,8 +391,8 @@ def agreement(stage: str, of: str, got: "Tensor", ref: "Tensor", m: "Tensor", dt
     if got.numel() == 0 or got.shape != ref.shape:
         return Agreement(stage, of, "float64", 0.0 if got.numel() == 0 else math.nan,
                          -1.0 if got.numel() == 0 else math.nan, parts=base, **kw)
-    g, r = got.to(torch.float64), ref.to(torch.float64)
-    err = (g - r).abs_()  # [B, Nh, R, *]
+    g, r = got, ref.to(torch.float64)
+    err = (g - r).abs_()  # [B, Nh, R, *], in float64 (a half or float32 ``got`` is promoted exactly)
     diff = float(err.amax())  # NaN or infinite where any difference is
     if not math.isfinite(diff):  # a NaN or an infinity on either side
         same = (torch.isnan(g) & torch.isnan(r)) | (torch.isinf(g) & (g == r))
