@@ -11,7 +11,10 @@ from attn_ledger.errors import FIRST_LINE_CHARS, first_line
     (ValueError("   \n  "), "", ""),
     (KeyError("q"), "(no message)", "'q'"),
     (RuntimeError(), "RuntimeError", "RuntimeError"),
-], ids=["first-line", "empty", "blank", "key-error-repr", "fallback-name"])
+    (RuntimeError("backend='inductor' raised:\nLoweringException: not supported\n  target: x"), "",
+     "backend='inductor' raised: LoweringException: not supported"),
+    (RuntimeError("expected one of:"), "", "expected one of:"),
+], ids=["first-line", "empty", "blank", "key-error-repr", "fallback-name", "introduction-joined", "colon-alone"])
 def test_first_line_takes_the_first_line_or_the_fallback(exc, empty, expected):
     assert first_line(exc, empty) == expected
 

@@ -194,6 +194,28 @@ def test_m_beside_the_reference_is_m_computed_alone(monkeypatch, case):
     assert torch.equal(ref["out"], X.reference_block(q, k, v, allow, 0.3, "zeros", torch.float64, softcap, sinks)["out"])
 
 
+def test_m_takes_magnitudes_in_place_only_on_its_own_copies():
+    """float32 K and V are cast to float64 copies, which M may overwrite; float64 K and V are the caller's own
+    tensors, which it must leave as they were (and M is the same either way)."""
+    from attn_ledger.engine import execute as X
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64), torch.randn(1, 2, 7, 5, generator=g, dtype=torch.float64)
+    k0, v0 = k.clone(), v.clone()
+    rule = X.Rule((None, None, None), tolerance.EPS["float32"], 0.0, 1.0)
+    _, mags64 = X.reference_chunks(q, k, v, None, 0.3, "zeros", torch.float64, rule=rule)
+    assert torch.equal(k, k0) and torch.equal(v, v0)  # no |K| written over the caller's K
+    kf, vf = k.float(), v.float()
+    kf0 = kf.clone()
+    _, mags32 = X.reference_chunks(q.float(), kf, vf, None, 0.3, "zeros", torch.float64, rule=rule)
+    assert torch.equal(kf, kf0)  # the float64 copy was overwritten, not the float32 input
+    alone = rounding.stage_magnitudes(q.float(), kf, vf, None, 0.3, None, None, rule.eps, 0.0)
+    for key in ("scores", "weights", "out"):
+        assert torch.equal(mags32[key], alone[key]), key
+    assert mags64["out"].shape == mags32["out"].shape
+
+
 def test_m_carries_a_pipeline_tensor_that_is_not_the_references_own():
     """A pipeline q that differs from the reference's raises M of the scores by its carried terms."""
     from attn_ledger.engine import execute as X
