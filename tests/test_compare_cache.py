@@ -130,7 +130,20 @@ def test_positions_one_ahead_in_the_decode_step_are_named_at_the_position_ids_an
     assert first.row == "position_ids"  # read where the blocks receive them, not from the inputs the tool made
     # the first decoded token of example 0 (no padding): the prefill is right, the decode one ahead
     assert first.check.location == {"block": 0, "example": 0, "token": 24 - DECODE_STEPS, "a": 16, "b": 17}
-    assert report.details["first_adder"] == {"block": "model.layers.0", "layer": 0}
+    first_adder = dict(report.details["first_adder"])
+    calls = first_adder.pop("attention")["calls"]
+    assert first_adder == {"block": "model.layers.0", "layer": 0}
+    # the stage diagnosis, from block 0's attention calls: run A's full forward and run B's prefill agree with their
+    # references; every decode step of run B got q and k rotated one position ahead, its attention itself right
+    assert [(c["call"], c["status"]) for c in calls[:3]] == [
+        ("model.layers.0.self_attn", "pass"), ("model.layers.0.self_attn, tokens 0..15", "pass"),
+        ("model.layers.0.self_attn, token 16", "fail")]
+    decoded = calls[2:]
+    assert len(decoded) == DECODE_STEPS and all(c["check"] == "rotary" and c["stage"] == "input" for c in decoded)
+    assert decoded[0]["diagnosis"].startswith("rotary positions 1 ahead: q and k rotated as position 17 where the "
+                                              "token is at 16")
+    assert report.ledgers["B: model.layers.0.self_attn, token 16"].verdict == "pass"
+    assert "run B's model.layers.0.self_attn, token 16 fails rotary" in report.row("model.layers.0").first_failing().reason
     block0 = report.row("model.layers.0")
     assert block0.fields["mark"] == "first adder" and block0.fields["added"] > 1e3 * block0.fields["bound"]
     assert block0.check("added_error").location["token"] >= 24 - DECODE_STEPS  # only decoded tokens are wrong
@@ -167,3 +180,30 @@ def test_given_inputs_that_cannot_be_decoded_are_refused():
             "position_ids": torch.tensor([[0, 1, 2, 3], [1, 1, 0, 1]])}
     report = compare_models(reference, reference, left, cache=True)
     assert report.exit_code == 0 and report.details["cache"] == {"prefill": 3, "decoded": 1}
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_a_correct_decode_steps_attention_calls_pass_the_judge_each_on_its_own_tokens(implementation, padding):
+    """The judge of the first adder's attention sees each decode step as it was run: its query tokens' positions,
+    the keys in the cache so far, and k's new rows against the k projection (the rest is the cache)."""
+    from attn_ledger.probes.model.adder import RUNS
+    from attn_ledger.probes.model.driver import LocalModel, model_facts
+    from attn_ledger.probes.model.inputs import InputPlan, make_inputs
+    from attn_ledger.probes.model.pair import pair_of
+    from attn_ledger.probes.model.scan import Judge, ScanOptions, sides_of
+
+    reference, broken = _fixture().positions_one_ahead(implementation)
+    verdicts = {}
+    for name, model in (("reference", reference), ("broken", broken)):
+        pair = pair_of(reference, model, "llama", "llama", model_facts, cached=True)
+        inputs = make_inputs(InputPlan(2, 24, padding, 0), pair.facts)
+        judges = {side: Judge(pair.facts, sides_of(inputs), ScanOptions(keep_going=True)) for side, _ in RUNS}
+        LocalModel(pair).compare_calls(inputs, inputs, 0, lambda f, t: judges[f["side"]].take(f, t))
+        entries = judges["b"].entries
+        assert [e.facts["tokens"] for e in entries] == [[0, 24 - DECODE_STEPS - 1]] + [[t, t] for t in range(24 - DECODE_STEPS, 24)]
+        verdicts[name] = [{c.name: c.status for c in e.verdict.checks} for e in entries]
+        assert all(c.status != "fail" for e in judges["a"].entries for c in e.verdict.checks)
+    assert all(v["rotary"] == "pass" and "fail" not in v.values() for v in verdicts["reference"])
+    assert verdicts["broken"][0]["rotary"] == "pass"  # the prefill is right
+    assert all(v["rotary"] == "fail" for v in verdicts["broken"][1:])  # every decoded token one position ahead

@@ -73,9 +73,16 @@ def test_a_first_token_that_reads_the_previous_document_is_named_at_block_0():
     report = _run("llama", fn="first_token_reads_previous")
     assert report.exit_code == 1
     assert report.first_finding.row == "model.layers.0"
-    assert report.details["first_adder"] == {"block": "model.layers.0", "layer": 0}
+    first_adder = dict(report.details["first_adder"])
+    calls = {c["run"]: c for c in first_adder.pop("attention")["calls"]}
+    assert first_adder == {"block": "model.layers.0", "layer": 0}
     # the second document's first token: the first that has a document before it in the packed row
     assert report.row("model.layers.0").check("added_error").location == {"example": 1, "token": 0}
+    # its stage: run B's packed call puts weight on the key before the document's first token (row 20 of the packed
+    # row, the first document being 20 tokens long); that example alone in run A agrees with its reference
+    assert calls["A (example 1 alone)"]["status"] == "pass"
+    assert calls["B"]["check"] == "forbidden_weight" and calls["B"]["stage"] == "weights"
+    assert calls["B"]["reason"].endswith("at example 0, head 0, query 20, key 19")
 
 
 def test_an_encoder_is_not_applicable_and_exits_0():
@@ -97,4 +104,45 @@ def test_a_packed_mask_whose_documents_start_one_token_late_is_named_at_the_mask
     assert report.first_finding.row == "masks"  # a model-level row, before any block
     where = report.first_finding.check.location
     assert where["block"] == 0 and where["other_documents"] >= 1
-    assert report.details["first_adder"] == {"block": "model.layers.0", "layer": 0}
+    first_adder = dict(report.details["first_adder"])
+    calls = {c["run"]: c for c in first_adder.pop("attention")["calls"]}
+    assert first_adder == {"block": "model.layers.0", "layer": 0}
+    # the stage: run B's packed call, judged with each document kept apart, follows its own leaky mask
+    b = calls["B"]
+    assert b["status"] == "fail" and b["diagnosis"] == "the call's own mask"
+    if implementation == "eager":  # the weights come back: weight on another document's key
+        assert (b["check"], b["stage"]) == ("forbidden_weight", "weights")
+    else:  # no weights: the mask itself, against the causal relation within each document, and the context
+        assert b["check"] == "relation" and "the causal relation within each packed document forbids" in b["reason"]
+        assert b["stage"] == "context"
+    assert calls[f"A (example {where['example']} alone)"]["status"] == "pass"
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_correct_packed_call_passes_the_judge_with_each_document_kept_apart(monkeypatch, implementation):
+    """Run B's packed call is judged against the causal relation within each document: a correct model's passes
+    every check, and a mask whose documents start one token late fails its relation (or its weights)."""
+    import runpy
+
+    from attn_ledger.probes.model.adder import packed_sides
+    from attn_ledger.probes.model.compare import runs
+    from attn_ledger.probes.model.driver import LocalModel, setup
+    from attn_ledger.probes.model.inputs import InputPlan, make_inputs
+    from attn_ledger.probes.model.scan import Judge, ScanOptions
+
+    def judged():
+        r = runs(parse_vary("packing"), "llama", implementation=implementation, plan=InputPlan(3, 20, "left", 0))
+        loaded, _ = setup(r.args())
+        inputs = make_inputs(InputPlan(**r.plan_a), loaded.facts)
+        judge = Judge(loaded.facts, packed_sides(inputs["attention_mask"].bool()), ScanOptions(keep_going=True))
+        LocalModel(loaded).compare_calls(inputs, inputs, 0, lambda f, t: judge.take(f, t) if f["side"] == "b" else None)
+        (entry,) = judge.entries
+        return {c.name: c.status for c in entry.verdict.checks}
+
+    good = judged()
+    assert "fail" not in good.values() and good["relation"] == "pass" and good["reference"] == "pass"
+    fixture = runpy.run_path(str(ROOT / "fixtures" / "models" / "packing.py"))
+    module, name = fixture["PATCH"]
+    monkeypatch.setattr(f"{module}.{name}", fixture["documents_one_late"])
+    bad = judged()
+    assert bad["relation"] == "fail" and bad["reference"] == "fail"

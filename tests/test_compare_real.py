@@ -108,9 +108,30 @@ def test_a_mask_builder_that_leaves_a_fully_padded_row_nan_is_named_at_block_0_i
     calls = _attention(bad)  # the left-padded run's call is the one that fails, on its padded rows
     assert calls["A"]["status"] == "fail" and calls["A"]["check"] == "finite"
     assert calls["B"]["status"] == "pass"
-    assert "run A's model.layers.0.self_attn fails finite (query rows (padded ones included) with NaN or inf in the " \
-        "context" in bad.first_finding.check.reason
-    assert calls["A"]["reason"].endswith("at example 1, head 0, query 0")  # the left-padded example's first row
+    # the stage: its mask forbids every key of that row with -inf, so the masked scores' softmax is 0 / 0
+    assert "forbids every key of a query row with -inf" in calls["A"]["diagnosis"]
+    assert calls["A"]["stage"] == "masked_scores" and calls["A"]["stage_check"] is None  # the judge's word, not the ledger's
+    assert "run A's model.layers.0.self_attn fails finite (it matches a mask that forbids every key of a query row " \
+        "with -inf" in bad.first_finding.check.reason
+    assert "the fault enters at stage masked_scores" in bad.first_finding.check.reason
+    assert bad.ledgers["A: model.layers.0.self_attn"].verdict == "pass"  # its real rows are right
+
+
+def test_the_finite_diagnosis_needs_a_row_of_minus_inf_and_a_nan_row_to_name():
+    import torch
+
+    from attn_ledger.probes.model.judge import Call, _finite_check
+
+    mask = torch.zeros(1, 1, 3, 3)
+    mask[0, 0, 0] = float("-inf")  # query 0 may read no key
+    bad = torch.zeros(1, 2, 3, dtype=torch.bool)
+    bad[0, 1, 0] = True
+    named = _finite_check(Call({}, mask=mask), bad)
+    assert named.failed and named.data["stage"] == "masked_scores" and named.location == {"example": 0, "head": 1, "query": 0}
+    lowest = mask.clone()
+    lowest[0, 0, 0] = torch.finfo(torch.float32).min  # the lowest finite value: that row is not the cause
+    assert "diagnosis" not in _finite_check(Call({}, mask=lowest), bad).data
+    assert _finite_check(Call({}, mask=mask), torch.zeros(1, 2, 3, dtype=torch.bool)).passed
 
 
 def test_rounding_is_not_a_finding():

@@ -198,19 +198,30 @@ def _compare_attention(d: Mapping[str, Any]) -> str:
                 f"{runs} ({len(calls)} call{'s' if len(calls) != 1 else ''}): the error it adds comes from outside "
                 "its attention calls (projections, norms, MLP)")
     parts = []
-    for c in failing:
+    for run in dict.fromkeys(c["run"] for c in failing):  # each run's first failing call, and how many more
+        mine = [c for c in failing if c["run"] == run]
+        c = mine[0]
         text = f"run {c['run']}'s {c['call']} fails {c['check']}"
         if c.get("diagnosis"):
             text += f" (it matches {c['diagnosis']})"
         elif c.get("reason"):
             text += f" ({c['reason']})"
-        if c.get("stage"):
+        if c.get("stage") and c.get("stage_check"):
             text += f"; its stage ledger first fails at stage {c['stage']} ({c['stage_check']})"
+        elif c.get("stage"):
+            text += f"; the fault enters at stage {c['stage']}"
+        if len(mine) > 1:
+            text += f"; {len(mine) - 1} more of run {run}'s calls there fail"
         parts.append(text)
     agree = sorted({c["run"] for c in calls} - {c["run"] for c in failing})
     if agree:
         parts.append(f"run {', '.join(agree)} agrees with its reference there")
     return "; ".join(parts)
+
+
+def _compare_first_adder(d: Mapping[str, Any]) -> str:
+    """The first adder's attention, where a model-level row (masks, position ids) is the first finding."""
+    return f"first adder {d['block']}: {_compare_attention(d)}"
 
 
 def _scan_reference(d: Mapping[str, Any]) -> str:
@@ -473,6 +484,7 @@ TEXT: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "scan_reference": _scan_reference,
     "compare_runs": _compare_runs,
     "compare_attention": _compare_attention,
+    "compare_first_adder": _compare_first_adder,
     "scan_stopped": _scan_stopped,
     "scan_unreplayable": _scan_unreplayable,
     "scan_saved": _scan_saved,

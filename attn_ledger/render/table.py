@@ -190,7 +190,11 @@ def layout(report: Report, width: int = 100, detail: bool = False) -> list[Line]
         own = _detail_layout(report, width)
     if report.ledger is None:
         return own
-    heading = f"stage ledger of {report.first_finding.row}" if report.first_finding is not None else "stage ledger"
+    adder = (report.details or {}).get("first_adder") or {}
+    if adder.get("block"):  # compare: the ledger of the first adder's failing call (or run B's first)
+        heading = f"stage ledger of {adder['block']}'s attention"
+    else:
+        heading = f"stage ledger of {report.first_finding.row}" if report.first_finding is not None else "stage ledger"
     return own + [[], [(heading + ":", "bold")]] + layout(report.ledger, width, detail)
 
 

@@ -38,8 +38,8 @@ class CallSummary:
     check: str | None = None
     reason: str = ""
     diagnosis: str | None = None
-    stage: str | None = None
-    stage_check: str | None = None
+    stage: str | None = None  # the ledger's first failing stage, else where the failing check says the fault enters
+    stage_check: str | None = None  # the ledger's check there (None: the stage is the check's word)
     ledger: str | None = None  # the ledger's key in the report's ``ledgers``, or why there is none
 
     def as_json(self) -> dict[str, Any]:
@@ -84,6 +84,8 @@ def _summary(run: str, judge: Any, entry: Any, ledgers: dict[str, Report]) -> Ca
         ledgers[key] = found
         if found.first_finding is not None:
             stage, stage_check = found.first_finding.row, found.first_finding.name
+    if stage is None and first is not None:  # the ledger's stages agree: where the check says the fault enters
+        stage = (first.data or {}).get("stage")
     return CallSummary(run, label, row_status(checks), None if first is None else first.name,
                        "" if first is None else first.reason or _measured(first),
                        None if first is None else (first.data or {}).get("diagnosis"), stage, stage_check,
@@ -101,15 +103,19 @@ def _measured(check: Any) -> str:
 
 
 def attention_of(handle: Any, facts: Mapping[str, Any], inputs_a: Mapping[str, "Tensor"],
-                 inputs_b: Mapping[str, "Tensor"], index: int, block: str, alone: int | None = None) -> Attention:
+                 inputs_b: Mapping[str, "Tensor"], index: int, block: str, alone: int | None = None,
+                 packed: bool = False) -> Attention:
     """Block ``index``'s attention calls in both runs (through ``handle.compare_calls``), judged and ledgered;
-    ``alone``: run A is that example alone (``--vary batch``)."""
+    ``alone``: run A is that example alone (``--vary batch``); ``packed``: run B is the examples packed into one row
+    (``--vary packing``), each judged as its own document. Under ``--vary cache`` each of run B's decode steps is
+    judged on the tokens up to its own (:meth:`~attn_ledger.probes.model.scan.Judge.sides_of`)."""
     from attn_ledger.probes.model.pair import alone_inputs
     from attn_ledger.probes.model.scan import Judge, ScanOptions, sides_of
 
     options = ScanOptions(keep_going=True, every_ledger=True)
     sides_a = sides_of(inputs_a if alone is None else alone_inputs(inputs_a, inputs_a["attention_mask"].bool(), alone))
-    judges = {"a": Judge(facts, sides_a, options), "b": Judge(facts.get("b", facts), sides_of(inputs_b), options)}
+    sides_b = packed_sides(inputs_b["attention_mask"].bool()) if packed else sides_of(inputs_b)
+    judges = {"a": Judge(facts, sides_a, options), "b": Judge(facts.get("b", facts), sides_b, options)}
     names = dict(RUNS) if alone is None else {"a": f"A (example {alone} alone)", "b": "B"}
 
     def take(f: dict[str, Any], t: dict[str, "Tensor"]) -> None:
@@ -124,3 +130,16 @@ def attention_of(handle: Any, facts: Mapping[str, Any], inputs_a: Mapping[str, "
     errors = [f"run {names[side]}: {run[side]['error']}" for side, _ in RUNS if (run.get(side) or {}).get("error")]
     why = "; ".join(errors) if errors else ("" if calls else "no attention call inside it was captured")
     return Attention(block, calls, ledgers, why)
+
+
+def packed_sides(valid: "Tensor") -> Any:
+    """What run B of ``--vary packing`` feeds its one row ``[1, N]``: every token real, position ids restarting
+    at each document, and each token's document (the example it came from)."""
+    import torch
+
+    from attn_ledger.probes.model.judge import Sides
+
+    n = int(valid.sum())
+    positions = (valid.long().cumsum(-1) - 1)[valid][None]  # [1, N]
+    documents = torch.repeat_interleave(torch.arange(valid.shape[0]), valid.sum(-1))[None]  # [1, N]
+    return Sides({"input": torch.ones(1, n, dtype=torch.bool)}, positions, documents)

@@ -351,17 +351,21 @@ def _module_facts(module: Any) -> dict[str, Any]:
 
 
 def _heads_of(pre: dict[str, "Tensor"], q: "Tensor", k: "Tensor") -> dict[str, "Tensor"]:
-    """The projection outputs as ``[B, H, T, D]`` like q and k, where they can be read so."""
+    """The projection outputs as ``[B, H, T, D]`` like q and k, where they can be read so. A decode step's k holds
+    the cache too: its projection made only the new tokens, its last rows."""
     out = {}
     for role, like in (("q_pre", q), ("k_pre", k)):
         t = pre.get(role)
-        if t is None:
+        if t is None or t.dim() not in (3, 4):
             continue
         b, h, tt, d = like.shape
-        if t.dim() == 4 and tuple(t.shape) == (b, tt, h, d):
-            out[role] = t.transpose(1, 2)  # [B, T, H, D] -> [B, H, T, D]
-        elif t.dim() == 3 and tuple(t.shape) == (b, tt, h * d):
-            out[role] = t.reshape(b, tt, h, d).transpose(1, 2)
+        n = t.shape[1]
+        if n != tt and not (role == "k_pre" and 0 < n < tt):
+            continue
+        if t.dim() == 4 and tuple(t.shape) == (b, n, h, d):
+            out[role] = t.transpose(1, 2)  # [B, n, H, D] -> [B, H, n, D]
+        elif t.dim() == 3 and tuple(t.shape) == (b, n, h * d):
+            out[role] = t.reshape(b, n, h, d).transpose(1, 2)
     return out
 
 

@@ -458,16 +458,18 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
     if runs_.vary.kind == "cache":
         report = _with_decode(report, valid_b)
     first = report.details.get("first_adder")
-    if first is None or not hasattr(handle, "compare_calls") or runs_.vary.kind in ("cache", "packing"):
-        return report  # a decode step's calls, or a packed row's, are not captured for the stage ledger yet
+    if first is None or not hasattr(handle, "compare_calls"):
+        return report
     from attn_ledger.probes.model.adder import attention_of
 
     alone = None
-    if runs_.vary.kind == "batch":
-        where = report.row(first["block"]).check("added_error").location or {}
+    if runs_.vary.kind in ("batch", "packing"):  # run A is one forward per example: the one the finding is on
+        where = report.first_finding.check.location or {} if report.first_finding else {}
+        if "example" not in where:
+            where = report.row(first["block"]).check("added_error").location or {}
         alone = int(where.get("example", 0))
     return with_attention(report, attention_of(handle, facts, inputs_a, inputs_b, first["layer"], first["block"],
-                                               alone))
+                                               alone, packed=runs_.vary.kind == "packing"))
 
 
 def _with_decode(report: Report, valid: "Tensor") -> Report:
@@ -556,7 +558,12 @@ def with_attention(report: Report, attention: Any) -> Report:
             r = Row(r.name, r.status, checks, r.shape, r.axes, fields=r.fields)
         rows.append(r)
     details = {**report.details, "first_adder": {**report.details["first_adder"], "attention": attention.as_json()}}
-    return replace(report, rows=tuple(rows), first_finding=first_finding_of(rows), details=details, ledger=attention.ledger, ledgers=dict(attention.ledgers))
+    finding = first_finding_of(rows)
+    notes = report.notes
+    if finding is not None and finding.row != attention.block:  # a model-level row leads: say what the block's calls show
+        notes = (*notes, Note("compare_first_adder", attention.as_json()))
+    return replace(report, rows=tuple(rows), first_finding=finding, details=details, ledger=attention.ledger,
+                   ledgers=dict(attention.ledgers), notes=notes)
 
 
 def compare_report(facts: Mapping[str, Any], runs_: Runs, judge: Judge, run: Mapping[str, Any]) -> Report:

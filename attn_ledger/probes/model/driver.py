@@ -128,7 +128,7 @@ def run_scan(loaded: Loaded, inputs: "Mapping[str, Tensor] | None", sink: Sink) 
         cap = Capture(model, sink, interface=interface, modules=modules)
         error = _forward(cap, model, args, loaded.facts["label"])
         out["calls"], unseen = cap.calls, cap.unseen
-        if error is None and unseen and interface:
+        if error is None and unseen and interface and not _decoding(args[1]):  # a second forward would grow a live cache
             out["passes"] = 2
             again = Capture(model, sink, watch=frozenset(p for _, p in unseen))
             again.calls = cap.calls
@@ -155,9 +155,14 @@ def _forward_args(loaded: Loaded, inputs: "Mapping[str, Tensor] | None") -> tupl
         given = loaded.given
         return ((given,), {}) if isinstance(given, torch.Tensor) else ((), dict(given))
     kwargs = dict(inputs)
-    if loaded.facts.get("takes_use_cache"):
+    if loaded.facts.get("takes_use_cache") and "use_cache" not in kwargs:  # a decode step brings its own cache
         kwargs["use_cache"] = False
     return (), kwargs
+
+
+def _decoding(kwargs: Mapping[str, Any]) -> bool:
+    """Whether a forward's keyword arguments decode through a live cache (``use_cache=True``)."""
+    return kwargs.get("use_cache") is True
 
 
 def _discover(model: Any, args: tuple[tuple, dict], label: str) -> dict[str, Any]:

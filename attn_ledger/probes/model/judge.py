@@ -73,10 +73,19 @@ class Call:
 @dataclass(frozen=True)
 class Sides:
     """What the judge knows of the forward's inputs: real tokens per side (``[B, T]`` bool, ``input`` and
-    ``decoder``) and the decoder's position ids (``[B, T]``, or None)."""
+    ``decoder``), the decoder's position ids (``[B, T]``, or None) and, for documents packed into one row, each
+    token's document (``[B, T]``, or None: a key of another document is forbidden)."""
 
     valid: Mapping[str, "Tensor"]
     positions: "Tensor | None" = None
+    documents: "Tensor | None" = None
+
+    def up_to(self, end: int) -> "Sides":
+        """What a decode step's call sees: the tokens before ``end``."""
+        def cut(t: "Tensor | None") -> "Tensor | None":
+            return None if t is None else t[:, :end]
+
+        return Sides({k: v[:, :end] for k, v in self.valid.items()}, cut(self.positions), cut(self.documents))
 
 
 @dataclass
@@ -155,9 +164,14 @@ def _layout(call: Call) -> Check:
 # --- relations ------------------------------------------------------------------------------------
 
 
-def expected_allow(exp: Expected, valid_k: "Tensor", tq: int, tk: int) -> "Tensor":
-    """``[B, 1, Tq, Tk]`` bool: the relation the config implies (bottom-right causal, the window, real keys)."""
+def expected_allow(exp: Expected, valid_k: "Tensor", tq: int, tk: int, documents: "Tensor | None" = None) -> "Tensor":
+    """``[B, 1, Tq, Tk]`` bool: the relation the config implies (bottom-right causal, the window, real keys, and
+    where ``documents`` ``[B, Tk]`` are given, keys of the query's own document only)."""
     import torch
+
+    if documents is not None:
+        same = documents[:, tk - tq:, None] == documents[:, None, :]  # [B, Tq, Tk]
+        return expected_allow(exp, valid_k, tq, tk) & same[:, None]
 
     i = torch.arange(tq)[:, None] + (tk - tq)  # [Tq, 1] each query's position among the keys
     j = torch.arange(tk)[None, :]  # [1, Tk]
@@ -205,7 +219,7 @@ def observed_allow(call: Call, tq: int, tk: int) -> tuple["Tensor", "Tensor | No
 
 
 def _relation_check(call: Call, exp: Expected, allow: "Tensor", seen: "Tensor", seen_text: str,
-                    real: "Tensor", valid_k: "Tensor") -> Check:
+                    real: "Tensor", valid_k: "Tensor", packed: bool = False) -> Check:
     """L4 ``relation``: pairs (real queries only) where the call's mask and the implied relation disagree."""
     if not exp.judged:
         return unjudged(4, "relation", "not_applicable", f"the relation is not declared; the call's mask: {seen_text}")
@@ -223,18 +237,44 @@ def _relation_check(call: Call, exp: Expected, allow: "Tensor", seen: "Tensor", 
     elif padded:
         parts.append(f"it lets {padded} padded keys through")
     if n_leak - padded:
-        parts.append(f"it allows {n_leak - padded} pairs the {_relation_words(exp)} forbids")
+        parts.append(f"it allows {n_leak - padded} pairs the {_relation_words(exp, packed)} forbids")
     if n_drop:
-        parts.append(f"it blocks {n_drop} pairs the {_relation_words(exp)} allows")
+        parts.append(f"it blocks {n_drop} pairs the {_relation_words(exp, packed)} allows")
     data.update(padded_leaked=padded, disagreement="; ".join(parts))
     return counted(4, "relation", "query-key pairs where the call's mask and the relation disagree", n_leak + n_drop,
                    location=_first(leak | drop), reason=f"mask seen: {seen_text}; " + "; ".join(parts), data=data)
 
 
-def _relation_words(exp: Expected) -> str:
-    if exp.relation == "causal" and exp.window is not None:
-        return f"causal window of {exp.window}"
-    return exp.relation
+def _relation_words(exp: Expected, packed: bool = False) -> str:
+    words = f"causal window of {exp.window}" if exp.relation == "causal" and exp.window is not None else exp.relation
+    return f"{words} relation within each packed document" if packed else words
+
+
+# --- L3 ----------------------------------------------------------------------------------------------
+
+
+def _finite_check(call: Call, bad: "Tensor") -> Check:
+    """L3 ``finite`` on ``bad`` ``[B, Nh, Tq]`` (rows with NaN or inf in the context); where a bad row's own mask
+    forbids every key with ``-inf``, that is the diagnosis: its softmax is ``0 / 0``."""
+    import torch
+
+    check = counted(3, "finite", "query rows (padded ones included) with NaN or inf in the context", int(bad.sum()),
+                    location=_first(bad, ("example", "head", "query")))
+    m = call.mask
+    if check.passed or m is None or not m.is_floating_point():
+        return check
+    b, nh, tq = bad.shape
+    m = m.reshape(*([1] * (4 - m.dim())), *m.shape) if m.dim() < 4 else m
+    if m.shape[-2] < tq or m.shape[0] not in (1, b) or m.shape[1] not in (1, nh):
+        return check
+    dead = torch.isneginf(m[..., -tq:, :]).all(dim=-1)  # [B or 1, Nh or 1, Tq]
+    hit = bad & dead
+    if not bool(hit.any()):
+        return check
+    diagnosis = ("a mask that forbids every key of a query row with -inf: the softmax of such a row is 0 / 0 (NaN), "
+                 "where a mask of the dtype's lowest finite value leaves it finite")
+    return replace(check, reason=f"the context matches {diagnosis}", location=_first(hit, ("example", "head", "query")),
+                   data={**check.data, "diagnosis": diagnosis, "stage": "masked_scores"})
 
 
 # --- L3 on the weights, where the call returned them -------------------------------------------------
@@ -289,7 +329,7 @@ def _rotary_check(call: Call, exp: Expected, positions: "Tensor | None") -> Chec
     tq = call.q.shape[-2]
     pos = positions[:, None, -tq:] if positions is not None and positions.shape[-1] >= tq else None
     tol = tolerance_for(call.q.dtype, float(pos.abs().max()) if pos is not None else float(tq))
-    err = max(_rotation_error(call.q_pre, call.q, spec, pos), _rotation_error(call.k_pre, call.k, spec, pos))
+    err = _rotation_errors(call, spec, pos)
     data: dict[str, Any] = {"expected": {"pairing": spec.pairing, "base": spec.base, "rotated_dim": spec.rotated_dim}}
     check = bounded(4, "rotary", "max |q, k after rotary - projections rotated as the family does| / max |projection|",
                     err, tol, data=data)
@@ -297,9 +337,18 @@ def _rotary_check(call: Call, exp: Expected, positions: "Tensor | None") -> Chec
         return check
     diagnosis = _rotary_diagnosis(call, spec, pos, tol)
     if diagnosis:
-        data["diagnosis"] = diagnosis
+        data.update(diagnosis=diagnosis, stage="input")  # q and k reach the stages already rotated wrong
         check = replace(check, reason=f"q and k match {diagnosis}", data=data)
     return check
+
+
+def _rotation_errors(call: Call, spec: Any, pos: "Tensor | None") -> float:
+    """The worse of q's and k's rotation error; a decode step's k holds the cache too, and only its last rows (the
+    new tokens, which the projections made) are compared."""
+    k = call.k
+    if call.k_pre is not None and k.dim() == 4 and call.k_pre.dim() == 4 and k.shape[-2] > call.k_pre.shape[-2]:
+        k = k[..., -call.k_pre.shape[-2]:, :]
+    return max(_rotation_error(call.q_pre, call.q, spec, pos), _rotation_error(call.k_pre, k, spec, pos))
 
 
 def _rotation_error(pre: "Tensor", post: "Tensor", spec: Any, pos: "Tensor | None") -> float:
@@ -312,16 +361,25 @@ def _rotation_error(pre: "Tensor", post: "Tensor", spec: Any, pos: "Tensor | Non
     return float((post.double() - want).abs().max()) / scale
 
 
+SHIFTS = (1, -1, 2, -2)
+"""Position offsets the rotary diagnosis tries: a loop that counts a token twice, or one too few."""
+
+
 def _rotary_diagnosis(call: Call, spec: Any, pos: "Tensor | None", tol: float) -> str:
     from dataclasses import replace as swap
 
     other = "interleaved" if spec.pairing == "half" else "half"
     names = {"half": "half-split pairs (rotate_half)", "interleaved": "adjacent pairs (rotate-every-two, GPT-J)"}
-    tried = swap(spec, pairing=other)
-    if max(_rotation_error(call.q_pre, call.q, tried, pos), _rotation_error(call.k_pre, call.k, tried, pos)) <= tol:
+    if _rotation_errors(call, swap(spec, pairing=other), pos) <= tol:
         return f"rotary over {names[other]}, where the family's convention is {names[spec.pairing]}"
     if float((call.q.double() - call.q_pre.double()).abs().max()) <= tol * float(call.q_pre.double().abs().max()):
         return "no rotation at all"
+    if pos is not None:
+        for shift in SHIFTS:
+            if _rotation_errors(call, spec, pos + shift) <= tol:
+                at = int(pos[0].flatten()[-1])
+                return (f"rotary positions {abs(shift)} {'ahead' if shift > 0 else 'behind'}: q and k rotated as "
+                        f"position {at + shift} where the token is at {at} (example 0's last query)")
     return ""
 
 
@@ -450,7 +508,7 @@ def _reference_check(call: Call, s: _Setting, rows: "Tensor | None", judged: "Te
 
 
 def _variants(call: Call, exp: Expected, s: _Setting, seen: "Tensor", seen_bias: "Tensor | None",
-              valid_k: "Tensor", width: int) -> list[tuple[str, _Setting]]:
+              valid_k: "Tensor", width: int, documents: "Tensor | None" = None) -> list[tuple[str, _Setting]]:
     """The wrong computations worth naming for this call, most specific first."""
     import torch
 
@@ -467,26 +525,33 @@ def _variants(call: Call, exp: Expected, s: _Setting, seen: "Tensor", seen_bias:
         if abs(value - s.scale) > 1e-9 * abs(s.scale):
             out.append((text, replace(s, scale=float(value))))
     tq, tk = call.q.shape[-2], call.k.shape[-2]
+
+    def allow_of(e: Expected, valid: "Tensor") -> "Tensor":  # packed documents kept apart, as the config implies
+        return expected_allow(e, valid, tq, tk, documents)
+
     if exp.relation == "causal" and exp.window is not None:
         wide = replace(exp, window=exp.window + 1)
         out.append((f"a window of {exp.window + 1} keys, one wider than sliding_window={exp.window}",
-                    replace(s, allow=expected_allow(wide, valid_k, tq, tk))))
+                    replace(s, allow=allow_of(wide, valid_k))))
         out.append(("no sliding window (the layer attended every earlier key)",
-                    replace(s, allow=expected_allow(replace(exp, window=None), valid_k, tq, tk))))
+                    replace(s, allow=allow_of(replace(exp, window=None), valid_k))))
     if exp.relation == "causal":
         out.append(("no causal mask: every key attended, the future included",
-                    replace(s, allow=expected_allow(replace(exp, relation="bidirectional", window=None), valid_k, tq, tk))))
+                    replace(s, allow=allow_of(replace(exp, relation="bidirectional", window=None), valid_k))))
     elif exp.relation == "bidirectional":
         out.append(("a causal mask on a bidirectional layer",
-                    replace(s, allow=expected_allow(replace(exp, relation="causal"), valid_k, tq, tk))))
+                    replace(s, allow=allow_of(replace(exp, relation="causal"), valid_k))))
     b = call.q.shape[0]
     if exp.relation == "causal" and 1 < b and b * tq <= JOINED_MOST and tq == tk and s.bias is None:
         causal = torch.ones(b * tq, b * tk, dtype=torch.bool).tril()[None, None]  # [1, 1, B*Tq, B*Tk]
         out.append(("the batch read as one sequence: each example attends to the examples before it, its mask "
                     "unused", replace(s, allow=causal, joined=True)))
+    if documents is not None:
+        out.append(("packed documents not kept apart: a query reads earlier documents' keys",
+                    replace(s, allow=expected_allow(exp, valid_k, tq, tk))))
     if not bool(valid_k.all()):
         out.append(("padding ignored: padded keys attended",
-                    replace(s, allow=expected_allow(exp, valid_k.new_ones(valid_k.shape), tq, tk))))
+                    replace(s, allow=allow_of(exp, valid_k.new_ones(valid_k.shape)))))
     out.append(("the mask read with the wrong polarity (blocked where it allows)", replace(s, allow=~seen)))
     out.append(("the call's own mask", replace(s, allow=seen, bias=_plus(s.bias, seen_bias))))
     if exp.softcap is not None:
@@ -512,7 +577,7 @@ def implied(call: Call, exp: Expected, sides: Sides) -> tuple["Tensor", "Tensor"
     tk = call.k.shape[-2]
     valid_q, valid_k = _side(sides, exp.queries, b, tq), _side(sides, exp.keys, b, tk)
     seen, seen_bias, seen_text = observed_allow(call, tq, tk)
-    allow = expected_allow(exp, valid_k, tq, tk) if exp.judged else seen
+    allow = expected_allow(exp, valid_k, tq, tk, _documents(sides, exp.keys, b, tk)) if exp.judged else seen
     real = valid_q & allow.any(dim=-1).any(dim=1)  # [B, Tq]
     return allow, real, seen, seen_bias, seen_text
 
@@ -543,12 +608,12 @@ def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_
     valid_k = _side(sides, exp.keys, b, tk)
     allow, real, seen, seen_bias, seen_text = implied(call, exp, sides)
     bad = ~torch.isfinite(call.context).all(dim=-1)  # [B, Nh, Tq]
-    checks.append(counted(3, "finite", "query rows (padded ones included) with NaN or inf in the context",
-                          int(bad.sum()), location=_first(bad, ("example", "head", "query"))))
+    checks.append(_finite_check(call, bad))
     checks += _weights_checks(call, allow, real, dtype)
     checks.append(_rotary_check(call, exp, sides.positions))
     checks.append(_scale_check(call, exp, width))
-    checks.append(_relation_check(call, exp, allow, seen, seen_text, real, valid_k))
+    checks.append(_relation_check(call, exp, allow, seen, seen_text, real, valid_k,
+                                  _documents(sides, exp.keys, b, tk) is not None))
     checks.append(_softcap_check(call, exp))
     checks.append(_sinks_check(call, exp))
     scale = scale_of(call, exp)
@@ -557,11 +622,18 @@ def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_
     rows = sample_rows(b, nh, tq, tk, budget)
     judged = real if rows is None else real[:, rows]
     ref, example = _reference_check(call, s, rows, judged, dtype,
-                                    lambda: _variants(call, exp, s, seen, seen_bias, valid_k, width))
+                                    lambda: _variants(call, exp, s, seen, seen_bias, valid_k, width,
+                                                  _documents(sides, exp.keys, b, tk)))
     checks.append(ref)
     sampled = {"rows": tq if rows is None else int(rows.numel()), "of": tq}
     return Verdict(carry_diagnosis(checks, _POSITION, "the context matches", keep_own=True), allow, real, scale,
                    exp.softcap, sampled, example)
+
+
+def _documents(sides: Sides, name: str, b: int, t: int) -> "Tensor | None":
+    """``[B, T]`` each token's document where the input side holds packed documents of that shape, else None."""
+    d = sides.documents
+    return d if d is not None and name == "input" and tuple(d.shape) == (b, t) else None
 
 
 def _side(sides: Sides, name: str, b: int, t: int) -> "Tensor":

@@ -805,7 +805,41 @@ def run_calls(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, An
                                               ("b", pair.b, inputs_b, pair.facts["b"], pair.paths_b)):
         prefix = paths[index] + "."
         keep = _BlockCalls(prefix, side, sink)
-        run = scan_forward(model, facts, inputs, keep)
+        if side == "b" and pair.cached:
+            run = _decode_calls(model, facts, inputs, keep, scan_forward)
+        elif side == "b" and pair.packed:
+            run = scan_forward(model, facts, packed_inputs(inputs, inputs["attention_mask"].bool()), keep)
+        else:
+            run = scan_forward(model, facts, inputs, keep)
         out[side] = {"calls": keep.sent, "error": (run.get("error") or {}).get("text"),
                      "unseen": [p for _, p in run.get("unseen", []) if str(p).startswith(prefix)]}
+    return out
+
+
+STEP_ENTRIES = 1_000_000
+"""A decode step's calls are numbered after every earlier step's: entry ``step * STEP_ENTRIES + entry``."""
+
+
+def _decode_calls(model: Any, facts: dict[str, Any], inputs: Mapping[str, Any], sink: Sink,
+                  scan_forward: Callable[[Any, dict[str, Any], Mapping[str, Any], Sink], dict[str, Any]]
+                  ) -> dict[str, Any]:
+    """Run B of ``--vary cache`` under scan's capture: the prefill, then one forward per token through the model's
+    own cache, each call's facts given ``tokens`` (its first and last query token) and an entry after the earlier
+    steps'."""
+    from attn_ledger.probes.model.inputs import prefill_length
+
+    valid = inputs["attention_mask"].bool()
+    t = valid.shape[1]
+    keyword, live = _cache_keyword(model), _new_cache(model)
+    out: dict[str, Any] = {"calls": 0, "unseen": []}
+    for step, (s, e) in enumerate(cache_steps(t, prefill_length(t, (~valid).sum(-1).tolist()))):
+        def tagged(f: dict[str, Any], tensors: dict[str, Any], s: int = s, e: int = e, step: int = step) -> None:
+            sink({**f, "tokens": [s, e - 1], "entry": step * STEP_ENTRIES + int(f["entry"])}, tensors)
+
+        run = scan_forward(model, facts, _step_inputs(inputs, s, e, keyword, live), tagged)
+        out["calls"] += run.get("calls", 0)
+        out["unseen"] += run.get("unseen", [])
+        if run.get("error"):
+            out["error"] = run["error"]
+            break
     return out

@@ -92,18 +92,25 @@ class Judge:
         width = int(call.q.shape[-1]) if call.q is not None and call.q.dim() == 4 else 0
         exp = expect(self.model, {**facts, "width": width}, self.options.declared)
         shape = tuple(call.q.shape) if call.q is not None else None
+        sides = self.sides_of(facts)
         verdict = None
         if self.first is None or order < self.first.order or self.options.keep_going:
-            verdict = judge_call(call, exp, self.sides, self.options.budget)
+            verdict = judge_call(call, exp, sides, self.options.budget)
         self.entries.append(Entry(order, facts, exp, verdict, shape))
         if verdict is not None and verdict.failed and (self.first is None or order < self.first.order):
             self.first = Kept(order, call, verdict, exp)
         if verdict is not None and self.options.every_ledger:
-            found = call_ledger(Kept(order, call, verdict, exp), self.sides)
+            found = call_ledger(Kept(order, call, verdict, exp), sides)
             if isinstance(found, Report):
                 self.ledgers[label_of(facts)] = found
         if self.save_dir is not None:
             self._save(call, exp, int(facts.get("index", len(self.entries) - 1)), label_of(facts))
+
+    def sides_of(self, facts: Mapping[str, Any]) -> Sides:
+        """The inputs as a call saw them: a decode step's call (``tokens``: its first and last token) sees the
+        tokens up to its last."""
+        span = facts.get("tokens")
+        return self.sides if span is None else self.sides.up_to(int(span[1]) + 1)
 
     def _save(self, call: Call, exp: Expected, index: int, label: str) -> None:
         from attn_ledger.probes.model.replay import save_call
@@ -134,10 +141,16 @@ class Judge:
 
 
 def label_of(facts: Mapping[str, Any]) -> str:
-    """A call's row name: its module path (``#2`` on for a module's later calls in one forward)."""
+    """A call's row name: its module path (``#2`` on for a module's later calls in one forward; a decode step's
+    tokens after it)."""
     path = str(facts.get("path") or "(model)")
     n = int(facts.get("call", 0))
-    return path if n == 0 else f"{path}#{n + 1}"
+    label = path if n == 0 else f"{path}#{n + 1}"
+    span = facts.get("tokens")
+    if span is None:
+        return label
+    first, last = (int(x) for x in span)
+    return f"{label}, token {first}" if first == last else f"{label}, tokens {first}..{last}"
 
 
 def relation_words(exp: Expected | None) -> str:
@@ -339,7 +352,7 @@ def first_ledger(judge: Judge) -> "Report | str | None":
     if judge.first is None:
         return None
     found = judge.ledgers.get(label_of(judge.first.call.facts))
-    return found if found is not None else call_ledger(judge.first, judge.sides)
+    return found if found is not None else call_ledger(judge.first, judge.sides_of(judge.first.call.facts))
 
 
 def call_ledger(kept: Kept, sides: Sides) -> "Report | str":
