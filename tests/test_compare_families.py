@@ -74,12 +74,33 @@ def test_each_invariance_passes_or_says_it_does_not_apply(family, vary):
     padding = "none" if vary == "padding-side" else ("right" if family in RIGHT and vary.startswith("dtype") else "left")
     report = _compare(family, vary, padding)
     assert report.exit_code == 0, _failing(report)
-    if family == "t5" and vary in ("padding-side", "batch"):  # its decoder's rows are not realigned yet
-        assert [r.status for r in report.rows] == ["not_applicable"]
-        assert "encoder-decoder" in report.rows[0].checks[0].reason
-    else:
-        assert report.verdict == "pass", _failing(report)
-        assert any(r.fields.get("layer") is not None for r in report.rows)  # blocks were compared
+    assert report.verdict == "pass", _failing(report)
+    assert any(r.fields.get("layer") is not None for r in report.rows)  # blocks were compared
+    if family == "t5":  # its decoder blocks' rows are the decoder's tokens, the same in both runs
+        decoder = [r for r in report.rows if r.name.startswith("decoder.")]
+        assert decoder and all(r.status == "pass" for r in decoder)
+
+
+@pytest.mark.parametrize("vary", ["padding-side", "batch"])
+def test_learned_positions_without_position_ids_are_not_applicable(vary):
+    """BART embeds each position with a learned table and its inputs carry no position ids: moving a token moves
+    its embedding, so its runs need not agree, and the report says so instead of failing."""
+    report = _compare("bart", vary, "none" if vary == "padding-side" else "left")
+    assert report.exit_code == 0
+    assert [(r.name, r.status) for r in report.rows] == [(vary, "not_applicable")]
+    assert "learned (encoder.embed_positions)" in report.rows[0].checks[0].reason
+
+
+def test_an_encoder_decoders_blocks_are_told_apart_and_a_decoders_are_not():
+    from attn_ledger.probes.model.pair import blocks_of, decoder_blocks
+    from attn_ledger.probes.model.targets import build, target
+
+    def sides(family, architecture):
+        model, _ = build(target("transformers", family, seed=0), head=True)
+        return decoder_blocks(model, blocks_of(model), architecture)
+
+    assert sides("t5", "encoder-decoder") == (False, False, True, True)
+    assert not any(sides("llama", "decoder"))  # its get_decoder() is its stack of blocks: none is a decoder's own
 
 
 @FLEX

@@ -251,20 +251,35 @@ def ratio_check(name: str, x: "Tensor", ref: "Tensor", plains: list[tuple["Tenso
 class Judge:
     """Takes the parts the worker streams (``take`` is the sink) and keeps the rows they make."""
 
-    def __init__(self, facts: Mapping[str, Any], dtypes: tuple[str, str], token_rows: Mapping[str, Any]) -> None:
+    def __init__(self, facts: Mapping[str, Any], dtypes: tuple[str, str], token_rows: Mapping[str, Any],
+                 decoder_len: int | None = None) -> None:
+        """``token_rows``: the input's real rows (:func:`token_rows`); ``decoder_len``: an encoder-decoder's decoder
+        length, whose blocks (``facts["decoder_blocks"]``) have every decoder token as a real row."""
         self.facts, self.dtypes, self.token_rows = facts, dtypes, token_rows
+        self.decoder = set(facts.get("decoder_blocks") or ()) if decoder_len else set()
+        b = len(token_rows["counts"])
+        self.decoder_rows = token_rows if not self.decoder else \
+            {"example": [e for e in range(b) for _ in range(decoder_len or 0)],
+             "token": [p for _ in range(b) for p in range(decoder_len or 0)], "counts": [decoder_len] * b}
         self.model_rows: list[Row] = []
         self.logits_row: Row | None = None
         self.blocks: list[Row] = []
         self.valid: dict[str, Any] = {}
 
+    def rows_of(self, block: int) -> Mapping[str, Any]:
+        return self.decoder_rows if block in self.decoder else self.token_rows
+
     def take(self, facts: dict[str, Any], tensors: dict[str, "Tensor"]) -> None:
         if facts["part"] == "model":
-            self.model_rows = model_rows(tensors, facts, self.dtypes, self.token_rows)
-            self.logits_row = logits_row(tensors, self.dtypes, self.token_rows)
+            per = [self.rows_of(i) for i in range(len(facts["masks"]))]
+            self.model_rows = model_rows(tensors, facts, self.dtypes, self.token_rows, per)
+            self.logits_row = logits_row(tensors, self.dtypes, per[-1] if per else self.token_rows)
             self.valid = {"a": facts.get("valid_a"), "b": facts.get("valid_b")}
         else:
-            self.blocks.append(block_row(facts, tensors, self.dtypes, self.token_rows, self.valid))
+            i = int(facts["index"])
+            every = [[True] * n for n in self.decoder_rows["counts"]]  # a decoder's tokens are all real
+            valid = {"a": every, "b": every} if i in self.decoder else self.valid
+            self.blocks.append(block_row(facts, tensors, self.dtypes, self.rows_of(i), valid))
 
 
 def _plains(tensors: Mapping[str, "Tensor"], key: str = "", exact: str = "exact") -> list[tuple["Tensor", "Tensor"]]:
@@ -305,14 +320,16 @@ def finite_check(t: Mapping[str, "Tensor"], valid: Mapping[str, Any]) -> Check:
 
 
 def model_rows(t: Mapping[str, "Tensor"], facts: Mapping[str, Any], dtypes: tuple[str, str],
-               rows: Mapping[str, Any]) -> list[Row]:
-    """``embeddings``, ``masks``, ``position_ids`` and ``position_embeddings``, in that order."""
+               rows: Mapping[str, Any], block_rows: "list[Mapping[str, Any]] | None" = None) -> list[Row]:
+    """``embeddings``, ``masks``, ``position_ids`` and ``position_embeddings``, in that order; ``block_rows``: each
+    block's real rows where they differ from ``rows`` (an encoder-decoder's decoder blocks)."""
     emb, nums = ratio_check("embeddings", t["b_embed"], t["a_embed"], _plains(t, "_embed", "exact"), dtypes, rows,
                             "max |B - A| of block 0's input")
     out = [Row("embeddings", row_status((emb,)), (emb,), fields=_numbers(nums["error"], nums["error"], nums["bound"]))]  # nothing inherited: added is total
-    out.append(_one_check_row("masks", mask_check(t, facts["masks"], rows)))
-    out.append(_one_check_row("position_ids", positions_check(t, len(facts["masks"]), rows)))
-    out.append(_one_check_row("position_embeddings", rotary_check(t, len(facts["masks"]), dtypes, rows)))
+    per = block_rows or [rows] * len(facts["masks"])
+    out.append(_one_check_row("masks", mask_check(t, facts["masks"], per)))
+    out.append(_one_check_row("position_ids", positions_check(t, len(facts["masks"]), per)))
+    out.append(_one_check_row("position_embeddings", rotary_check(t, len(facts["masks"]), dtypes, per)))
     return out
 
 
@@ -326,7 +343,7 @@ def _one_check_row(name: str, check: Check) -> Row:
     return Row(name, row_status((check,)), (check,), fields=_numbers())
 
 
-def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], rows: Mapping[str, Any]) -> Check:
+def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], per: "list[Mapping[str, Any]]") -> Check:
     """Which real keys each real query may read, run B against run A, at every block where both runs' blocks
     received a mask; under ``--vary packing``, also each key of another document run B's packed mask lets a
     query read (run A, each document apart, can read none). A block given none applies its implementation's own
@@ -335,6 +352,7 @@ def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], rows: Mapping[
     differ, first, compared = 0, None, []
     per_block: list[int | None] = []
     for i in range(len(kinds)):
+        rows = per[i]  # block i's real rows
         a, b = (t.get(f"{s}_mask_{i}") for s in ("a", "b"))
         cross = t.get(f"b_cross_{i}")
         n = None
@@ -362,10 +380,11 @@ def mask_check(t: Mapping[str, "Tensor"], kinds: list[list[Any]], rows: Mapping[
     return counted(2, "masks", "real (query, key) pairs allowed in one run only", differ, location=first, data=data)
 
 
-def positions_check(t: Mapping[str, "Tensor"], blocks: int, rows: Mapping[str, Any]) -> Check:
+def positions_check(t: Mapping[str, "Tensor"], blocks: int, per: "list[Mapping[str, Any]]") -> Check:
     """Position ids as each block received them, at real tokens: equal in both runs."""
     differ, first, seen = 0, None, 0
     for i in range(blocks):
+        rows = per[i]
         a, b = t.get(f"a_pos_{i}"), t.get(f"b_pos_{i}")
         if a is None or b is None:
             continue
@@ -380,10 +399,12 @@ def positions_check(t: Mapping[str, "Tensor"], blocks: int, rows: Mapping[str, A
     return counted(2, "position_ids", "real tokens whose position ids differ", differ, location=first)
 
 
-def rotary_check(t: Mapping[str, "Tensor"], blocks: int, dtypes: tuple[str, str], rows: Mapping[str, Any]) -> Check:
+def rotary_check(t: Mapping[str, "Tensor"], blocks: int, dtypes: tuple[str, str],
+                 per: "list[Mapping[str, Any]]") -> Check:
     """cos and sin as each block received them, at real tokens: within twice the coarser dtype's eps."""
     worst, where, seen = 0.0, None, 0
     for i in range(blocks):
+        rows = per[i]
         for part in ("cos", "sin"):
             a, b = t.get(f"a_{part}_{i}"), t.get(f"b_{part}_{i}")
             if a is None or b is None:
@@ -438,8 +459,7 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
     from attn_ledger.probes.model.inputs import InputPlan, make_inputs, valid_positions, pad_counts
 
     facts = handle.facts
-    refusal = {"cache": lambda: cache_refusal(facts, given), "packing": lambda: packing_refusal(facts),
-               "padding-side": lambda: realignment_refusal(facts), "batch": lambda: realignment_refusal(facts)}
+    refusal = {"cache": lambda: cache_refusal(facts, given), "packing": lambda: packing_refusal(facts)}
     why = refusal[runs_.vary.kind]() if runs_.vary.kind in refusal else ""
     if why:
         return not_applicable_report(facts, runs_, runs_.vary.kind, why)
@@ -452,7 +472,11 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
         valid_b = valid_positions(pad_counts(plan_b.batch, plan_b.seq_len, plan_b.padding), plan_b.seq_len,
                                   plan_b.padding)
         inputs_b = aligned_inputs(inputs_a, valid_b) if plan_b.padding != plan_a.padding else inputs_a
-    judge = Judge(facts, runs_.dtypes, token_rows(valid_b))
+    why = positions_refusal(facts, inputs_a) if runs_.vary.kind in ("padding-side", "batch") else ""
+    if why:
+        return not_applicable_report(facts, runs_, runs_.vary.kind, why)
+    dec = inputs_b.get("decoder_input_ids")
+    judge = Judge(facts, runs_.dtypes, token_rows(valid_b), None if dec is None else int(dec.shape[1]))
     run = handle.compare(inputs_a, inputs_b, judge.take)
     report = compare_report(facts, runs_, judge, run)
     if runs_.vary.kind == "cache":
@@ -508,13 +532,14 @@ def cache_refusal(facts: Mapping[str, Any], given: "Mapping[str, Tensor] | None"
     return ""
 
 
-def realignment_refusal(facts: Mapping[str, Any]) -> str:
-    """Why ``--vary padding-side`` or ``batch`` (which move an example's real tokens to other rows) does not apply
-    to this model yet, or "" where it does: the rows are realigned along the input sequence, and an
-    encoder-decoder's decoder blocks hold the decoder's sequence instead."""
-    if facts.get("architecture") == "encoder-decoder":
-        return (f"{facts.get('label')} is an encoder-decoder: its rows are realigned along the encoder's input, "
-                "and its decoder blocks' rows (the decoder's own sequence) are not realigned yet")
+def positions_refusal(facts: Mapping[str, Any], inputs: Mapping[str, "Tensor"]) -> str:
+    """Why ``--vary padding-side`` or ``batch`` (which move an example's real tokens to other positions) does not
+    apply to this model, or "" where it does: learned absolute positions, and no position ids in its inputs to
+    keep each token at its own (an encoder-decoder such as BART)."""
+    learned = facts.get("learned_positions") or []
+    if learned and "position_ids" not in inputs:
+        return (f"{facts.get('label')}'s positions are learned ({learned[0]}) and its inputs carry no position_ids: "
+                "a token moved to another position is embedded differently, so its runs need not agree")
     return ""
 
 

@@ -52,8 +52,14 @@ def _accepts(model: Any, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+LEARNED_POSITIONS = ("embed_positions", "position_embeddings", "wpe")
+"""Names of the modules that hold learned absolute position embeddings (BART, BERT, GPT-2)."""
+
+
 def model_facts(model: "nn.Module", given: Any, label: str) -> dict[str, Any]:
     """What the judge reads of the model, as plain data (its config through ``to_json_string``)."""
+    import torch
+
     from attn_ledger.probes.model.capture import attention_modules
 
     config = getattr(model, "config", None)
@@ -69,6 +75,8 @@ def model_facts(model: "nn.Module", given: Any, label: str) -> dict[str, Any]:
             facts[key] = value if isinstance(value, int) else None
         facts["takes_position_ids"] = _accepts(model, "position_ids")
         facts["takes_use_cache"] = _accepts(model, "use_cache")
+        facts["learned_positions"] = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in LEARNED_POSITIONS
+                                      and isinstance(getattr(m, "weight", None), torch.Tensor)]
     params = [p for p in model.parameters() if p.is_floating_point()]
     facts["dtype"] = str(params[0].dtype).removeprefix("torch.") if params else "float32"
     facts["layers"] = len(facts["attention_modules"])

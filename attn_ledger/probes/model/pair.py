@@ -58,6 +58,7 @@ class Pair:
     cached: bool = False  # --vary cache: run B is a prefill, then one token at a time through the model's cache
     packed: bool = False  # --vary packing: run A is each sequence apart, run B all of them packed into one row
     blocks_b: list[str] | None = None  # B's paths of A's blocks, where B is another model (--vary target)
+    decoder: tuple[bool, ...] = ()  # per block: an encoder-decoder's decoder block (its rows: the decoder's tokens)
 
     @property
     def paths_b(self) -> list[str]:
@@ -87,6 +88,36 @@ def blocks_of(model: "nn.Module") -> list[str]:
                     out.append(block)
                 break
     return out
+
+
+def decoder_blocks(model: "nn.Module", blocks: list[str], architecture: str) -> tuple[bool, ...]:
+    """Per block, whether it sits in an encoder-decoder's decoder (``model.get_decoder()``): its rows are the
+    decoder's tokens, not the input's. All False for any other ``architecture``."""
+    get = getattr(model, "get_decoder", None)
+    if architecture != "encoder-decoder" or not callable(get):
+        return tuple(False for _ in blocks)
+    try:
+        dec = get()
+    except (AttributeError, NotImplementedError, TypeError):
+        return tuple(False for _ in blocks)
+    if dec is None or dec is model:
+        return tuple(False for _ in blocks)
+    names = {id(m): n for n, m in model.named_modules()}
+    prefix = names.get(id(dec))
+    if not prefix:
+        return tuple(False for _ in blocks)
+    return tuple(b.startswith(prefix + ".") for b in blocks)
+
+
+def row_masks(pair: "Pair", valid: "Tensor", inputs: Mapping[str, Any]) -> list["Tensor"]:
+    """Per block, its real rows ``[B, T]``: ``valid`` (the input's real tokens), or for a decoder block every one of
+    the decoder's tokens (the decoder input is never padded)."""
+    import torch
+
+    dec = inputs.get("decoder_input_ids")
+    every = None if dec is None else torch.ones(dec.shape, dtype=torch.bool)
+    return [every if (d and every is not None) else valid
+            for d in (pair.decoder or tuple(False for _ in pair.blocks))]
 
 
 def _plain_copy(model: "nn.Module", dtype: str, implementations: tuple[str, ...] = ("eager",)) -> "nn.Module":
@@ -248,7 +279,9 @@ def pair_of(a: "nn.Module", b: "nn.Module", label_a: str, label_b: str, model_fa
     blocks_b = blocks if names is None else mapped_blocks(blocks, b, names)
     if blocks_b != blocks:
         facts["b"]["blocks"] = blocks_b
-    return Pair(a, b, plain, exact, blocks, facts, alone, cached, packed, blocks_b)
+    decoder = decoder_blocks(a, blocks, facts["architecture"])
+    facts["decoder_blocks"] = [i for i, d in enumerate(decoder) if d]
+    return Pair(a, b, plain, exact, blocks, facts, alone, cached, packed, blocks_b, decoder)
 
 
 # --- one forward, watched block by block ------------------------------------------------------------------
@@ -284,8 +317,10 @@ class Watch:
     inputs, run each block once more on them (``moved(h_a, h_own)`` places A's rows among the block's own)."""
 
     def __init__(self, model: "nn.Module", blocks: list[str], replay_on: list[Any] | None = None,
-                 moved: Callable[[Any, Any], Any] | None = None, padded: Any = None,
+                 moved: Callable[[Any, Any], Any] | list[Callable[[Any, Any], Any]] | None = None, padded: Any = None,
                  swap: Callable[[tuple, dict], tuple[tuple, dict]] | None = None) -> None:
+        """``moved`` and ``padded`` (rows whose non-finite values are zeroed, ``[B, T]``) are one for every block,
+        or a list with one per block (an encoder-decoder's decoder blocks have rows of their own)."""
         n = len(blocks)
         self.model, self.blocks, self.replay_on, self.moved, self.padded = model, blocks, replay_on, moved, padded
         self.swap = swap  # the replay's arguments from the block's own (--vary cache: the replays' own cache)
@@ -314,7 +349,8 @@ class Watch:
             self.seen.inputs[i] = h.detach().clone()
             self.seen.kwargs[i] = {k: kwargs.get(k) for k in ("attention_mask", "position_ids", "position_embeddings")}
             if self.replay_on is not None:
-                ha = self.moved(self.replay_on[i], h)  # A's real rows at this run's positions, in its dtype
+                move = self.moved[i] if isinstance(self.moved, list) else self.moved
+                ha = move(self.replay_on[i], h)  # A's real rows at this run's positions, in its dtype
                 self.replaying = True
                 try:
                     r_args, r_kwargs = _with_hidden(*((args, kwargs) if self.swap is None else self.swap(args, kwargs)), ha)
@@ -328,9 +364,10 @@ class Watch:
             if self.replaying:
                 return None
             h = _first(out)
-            if self.padded is not None and not h[self.padded].isfinite().all():
+            padded = self.padded[i] if isinstance(self.padded, list) else self.padded
+            if padded is not None and not h[padded].isfinite().all():
                 h = h.clone()  # [B, T, E]
-                h[self.padded] = h[self.padded].nan_to_num(0.0, 0.0, 0.0)
+                h[padded] = h[padded].nan_to_num(0.0, 0.0, 0.0)
                 out = (h, *out[1:]) if isinstance(out, tuple) else h
             self.seen.outputs[i] = h.detach().clone()
             return out
@@ -428,21 +465,24 @@ def _placed_mask(masks: list[Any], valid: "Tensor") -> Any:
     return out[:, None]  # [B, 1, T, T]
 
 
-def _alone(model: Any, blocks: list[str], inputs: Mapping[str, Any], valid: "Tensor", label: str) -> Seen:
-    """Run A of ``--vary batch``: one forward per example alone, what each block kept laid out as the batch."""
+def _alone(model: Any, blocks: list[str], inputs: Mapping[str, Any], valid: "Tensor", label: str,
+           rows: list["Tensor"] | None = None) -> Seen:
+    """Run A of ``--vary batch``: one forward per example alone, what each block kept laid out as the batch (block
+    ``i``'s at its real rows ``rows[i]``, ``valid`` where not given)."""
     seen = [_forward(model, Watch(model, blocks), alone_inputs(inputs, valid, e), f"{label} (run A, example {e} alone)")
             for e in range(valid.shape[0])]
     n = len(blocks)
     out = Seen([None] * n, [None] * n, [None] * n, [{} for _ in range(n)])
     for i in range(n):
-        out.inputs[i] = _placed([s.inputs[i] for s in seen], valid)
-        out.outputs[i] = _placed([s.outputs[i] for s in seen], valid)
+        here = valid if rows is None else rows[i]
+        out.inputs[i] = _placed([s.inputs[i] for s in seen], here)
+        out.outputs[i] = _placed([s.outputs[i] for s in seen], here)
         kw = [s.kwargs[i] for s in seen]
-        pairs = _embedding_pairs(kw, lambda parts: _placed(parts, valid))
-        out.kwargs[i] = {"attention_mask": _placed_mask([k.get("attention_mask") for k in kw], valid),
-                         "position_ids": _placed([k.get("position_ids") for k in kw], valid),
+        pairs = _embedding_pairs(kw, lambda parts, here=here: _placed(parts, here))
+        out.kwargs[i] = {"attention_mask": _placed_mask([k.get("attention_mask") for k in kw], here),
+                         "position_ids": _placed([k.get("position_ids") for k in kw], here),
                          "position_embeddings": pairs}
-    out.logits = _placed([s.logits for s in seen], valid)
+    out.logits = _placed([s.logits for s in seen], valid if rows is None else rows[-1])  # the decoder's, if any
     return out
 
 
@@ -649,10 +689,12 @@ def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, 
     """The runs (see the module docstring); each block's real rows and the model's rows go to ``sink``."""
     valid_a, valid_b = inputs_a["attention_mask"].bool(), inputs_b["attention_mask"].bool()
     blocks, label = pair.blocks, pair.facts["label"]
+    rows_a, rows_b = row_masks(pair, valid_a, inputs_a), row_masks(pair, valid_b, inputs_b)  # per block
     try:
-        seen_a = _alone(pair.a, blocks, inputs_a, valid_a, label) if pair.alone else \
+        seen_a = _alone(pair.a, blocks, inputs_a, valid_a, label, rows_a) if pair.alone else \
             _forward(pair.a, Watch(pair.a, blocks), inputs_a, f"{label} (run A)")
-        moved = mover(valid_a, valid_b, pads=not pair.alone)
+        moved: Any = [mover(ra, rb, pads=not pair.alone) for ra, rb in zip(rows_a, rows_b)]
+        padded = [~rb for rb in rows_b]
         if pair.cached:
             seen_b = _cached(pair.b, pair.paths_b, inputs_b, valid_b, seen_a.inputs, f"{label} (run B)")
         elif pair.packed:
@@ -660,19 +702,21 @@ def run_compare(pair: Pair, inputs_a: Mapping[str, Any], inputs_b: Mapping[str, 
         else:
             seen_b = _forward(pair.b, Watch(pair.b, pair.paths_b, seen_a.inputs, moved), inputs_b,
                               f"{pair.facts['b'].get('label', label)} (run B)")
-        plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved, ~valid_b), inputs_b, f"plain {d} {label}")
+        plain = {d: _forward(m, Watch(m, blocks, seen_a.inputs, moved, padded), inputs_b, f"plain {d} {label}")
                  for d, m in pair.plain.items()}
-        exact = _forward(pair.exact, Watch(pair.exact, blocks, seen_a.inputs, moved, ~valid_b), inputs_b,
+        exact = _forward(pair.exact, Watch(pair.exact, blocks, seen_a.inputs, moved, padded), inputs_b,
                          f"float64 {label}")
     except _Raised as exc:
         return {"error": str(exc)}
-    _send_model(sink, seen_a, seen_b, plain, exact, valid_a, valid_b)
+    _send_model(sink, seen_a, seen_b, plain, exact, rows_a, rows_b)
     for i in range(len(blocks)):
-        rows = {"a_out": seen_a.outputs[i][valid_a], "b_out": seen_b.outputs[i][valid_b],
-                "b_replay": seen_b.replays[i][valid_b], "exact": exact.replays[i][valid_b]}
-        rows.update({f"plain_{d}": s.replays[i][valid_b] for d, s in plain.items()})
+        va, vb = rows_a[i], rows_b[i]
+        rows = {"a_out": seen_a.outputs[i][va], "b_out": seen_b.outputs[i][vb],
+                "b_replay": seen_b.replays[i][vb], "exact": exact.replays[i][vb]}
+        rows.update({f"plain_{d}": s.replays[i][vb] for d, s in plain.items()})
         rows.update(_made_not_finite(seen_a, seen_b, i))
-        sink({"part": "block", "index": i, "path": blocks[i]}, _float(rows))
+        sink({"part": "block", "index": i, "path": blocks[i], "decoder": bool(pair.decoder and pair.decoder[i])},
+             _float(rows))
     return {"blocks": len(blocks)}
 
 
@@ -714,17 +758,19 @@ def allowed(mask: Any, valid: "Tensor") -> Any:
     return mask.expand(b, mask.shape[1], t, t)[:, 0]  # [B, Tq, Tk]
 
 
-def _send_model(sink: Sink, a: Seen, b: Seen, plain: Mapping[str, Seen], exact: Seen, valid_a: "Tensor",
-                valid_b: "Tensor") -> None:
+def _send_model(sink: Sink, a: Seen, b: Seen, plain: Mapping[str, Seen], exact: Seen, rows_a: list["Tensor"],
+                rows_b: list["Tensor"]) -> None:
     """The model-level part: embeddings (block 0's input), each block's mask, position ids and position
-    embeddings as the blocks received them, and the logits, each run's real rows only."""
+    embeddings as the blocks received them, and the logits (the last block's rows), each run's real rows only
+    (``rows_a``, ``rows_b``: per block)."""
+    valid_a, valid_b = rows_a[0], rows_b[0]
     tensors: dict[str, Any] = {"a_embed": a.inputs[0][valid_a], "b_embed": b.inputs[0][valid_b],
                                "exact_embed": exact.inputs[0][valid_b]}
     tensors.update({f"plain_{d}_embed": s.inputs[0][valid_b] for d, s in plain.items()})
     masks: list[list[Any]] = []
     for i in range(len(a.inputs)):
         kinds = []
-        for side, seen, valid in (("a", a, valid_a), ("b", b, valid_b)):
+        for side, seen, valid in (("a", a, rows_a[i]), ("b", b, rows_b[i])):
             kw = seen.kwargs[i]
             m = allowed(kw.get("attention_mask"), valid)
             kinds.append(None if m is None else "tensor")
@@ -740,12 +786,13 @@ def _send_model(sink: Sink, a: Seen, b: Seen, plain: Mapping[str, Seen], exact: 
                 tensors[f"{side}_cos_{i}"] = emb[0].expand(*valid.shape, emb[0].shape[-1])[valid]
                 tensors[f"{side}_sin_{i}"] = emb[1].expand(*valid.shape, emb[1].shape[-1])[valid]
         masks.append(kinds)
-    for side, seen, valid in (("a", a, valid_a), ("b", b, valid_b), ("exact", exact, valid_b)):
+    last_a, last_b = rows_a[-1], rows_b[-1]
+    for side, seen, valid in (("a", a, last_a), ("b", b, last_b), ("exact", exact, last_b)):
         if seen.logits is not None:
             tensors[f"{side}_logits"] = seen.logits[valid]
     for d, s in plain.items():
         if s.logits is not None:
-            tensors[f"plain_{d}_logits"] = s.logits[valid_b]
+            tensors[f"plain_{d}_logits"] = s.logits[last_b]
     sink({"part": "model", "masks": masks, "valid_a": valid_a.tolist(), "valid_b": valid_b.tolist()}, _float(tensors))
 
 
