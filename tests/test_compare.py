@@ -125,32 +125,46 @@ def _causal() -> torch.Tensor:
 
 def test_masks_pass_when_both_runs_allow_the_same_keys_and_fail_naming_the_first_pair():
     a = _causal()
-    good = mask_check({"a_mask_0": a, "b_mask_0": a.clone()}, [["tensor", "tensor"]], ROWS)
+    good = mask_check({"a_mask_0": a, "b_mask_0": a.clone()}, [["tensor", "tensor"]], [ROWS])
     assert good.passed and good.value == 0
     wide = a.clone()
     wide[3, 1] = True  # example 1's first real token reads its second
-    bad = mask_check({"a_mask_0": a, "b_mask_0": wide}, [["tensor", "tensor"]], ROWS)
+    bad = mask_check({"a_mask_0": a, "b_mask_0": wide}, [["tensor", "tensor"]], [ROWS])
     assert bad.failed and bad.value == 1
     assert dict(bad.location) == {"block": 0, "example": 1, "token": 0, "key": 1, "a": False, "b": True}
-    none = mask_check({"a_mask_0": a}, [["tensor", None]], ROWS)
+    none = mask_check({"a_mask_0": a}, [["tensor", None]], [ROWS])
     assert none.status == "not_applicable"
+
+
+def test_each_block_is_located_by_its_own_rows():
+    """An encoder-decoder's decoder block has rows of its own (every decoder token): a difference there is named by
+    the decoder's example and token, not the input's."""
+    a = _causal()
+    decoder_rows = {"example": [0, 0, 1, 1], "token": [0, 1, 0, 1], "counts": [2, 2]}
+    dec = torch.ones(2, 2).tril().repeat(2, 1).bool()  # [4, 2]: each example's 2 decoder tokens, causal
+    wide = dec.clone()
+    wide[2, 1] = True  # the second example's first decoder token reads its second
+    t = {"a_mask_0": a, "b_mask_0": a.clone(), "a_mask_1": dec, "b_mask_1": wide}
+    bad = mask_check(t, [["tensor", "tensor"]] * 2, [ROWS, decoder_rows])
+    assert bad.failed and bad.value == 1
+    assert dict(bad.location) == {"block": 1, "example": 1, "token": 0, "key": 1, "a": False, "b": True}
 
 
 def test_position_ids_must_be_equal_where_the_blocks_receive_them():
     pos = torch.tensor([0, 1, 2, 0, 1])
-    assert positions_check({"a_pos_0": pos, "b_pos_0": pos.clone()}, 1, ROWS).passed
-    bad = positions_check({"a_pos_0": pos, "b_pos_0": pos + torch.tensor([0, 0, 0, 1, 1])}, 1, ROWS)
+    assert positions_check({"a_pos_0": pos, "b_pos_0": pos.clone()}, 1, [ROWS]).passed
+    bad = positions_check({"a_pos_0": pos, "b_pos_0": pos + torch.tensor([0, 0, 0, 1, 1])}, 1, [ROWS])
     assert bad.failed and bad.value == 2 and dict(bad.location)["example"] == 1
-    assert positions_check({}, 1, ROWS).status == "not_applicable"
+    assert positions_check({}, 1, [ROWS]).status == "not_applicable"
 
 
 def test_position_embeddings_may_differ_by_the_coarser_dtypes_rounding_only():
     cos = torch.rand(5, 4)
     t = {"a_cos_0": cos, "b_cos_0": cos.bfloat16().float(), "a_sin_0": cos, "b_sin_0": cos}
-    assert rotary_check(t, 1, ("float32", "bfloat16"), ROWS).passed
-    assert rotary_check(t, 1, ("float32", "float32"), ROWS).failed  # bfloat16 rounding is not float32's
+    assert rotary_check(t, 1, ("float32", "bfloat16"), [ROWS]).passed
+    assert rotary_check(t, 1, ("float32", "float32"), [ROWS]).failed  # bfloat16 rounding is not float32's
     t["b_sin_0"] = cos + 0.05
-    bad = rotary_check(t, 1, ("float32", "bfloat16"), ROWS)
+    bad = rotary_check(t, 1, ("float32", "bfloat16"), [ROWS])
     assert bad.failed and dict(bad.location)["part"] == "sin"
 
 
