@@ -156,6 +156,8 @@ def test_flex_attention_passes_its_block_mask_read_densely():
     # through the worker, as users run it: torch.compile warns of its own internals, which pytest makes errors here
     result = runner.invoke(app, ["scan", "--transformers", "llama", "--attn-implementation", "flex_attention",
                                  "--padding", "left", "--format", "json"])
+    if result.exit_code == 1 and "raised BackendCompilerFailed" in result.stdout:  # e.g. ATEN_CPU_CAPABILITY=default
+        pytest.skip("torch.compile cannot build flex attention's kernel here (BackendCompilerFailed)")
     assert result.exit_code == 0, result.output[-2000:]
     doc = json.loads(result.stdout)
     assert [[c["status"] for c in r["checks"] if c["name"] == "relation"] for r in doc["rows"]] == [["pass"], ["pass"]]
