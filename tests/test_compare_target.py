@@ -61,6 +61,23 @@ def test_the_port_paired_by_repeat_is_named_at_block_0_with_its_stage_in_json_ex
     assert report["ledger"]["first_finding"]["row"] == "weights"
 
 
+def test_the_port_that_tiles_its_kv_heads_before_the_call_is_named_at_block_0_by_the_call_s_k():
+    """Paired before the call, the call's k has one head per query head and the call is right on what it gets:
+    the rotary check reads k's heads against the k projection's, and names the tiling."""
+    result = _compare("port_repeat_before", *MAP, "--format", "json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    assert report["first_finding"]["row"] == "model.layers.0"
+    calls = {c["run"]: c for c in report["details"]["first_adder"]["attention"]["calls"]}
+    assert calls["A"]["status"] == "pass"
+    b = calls["B"]
+    assert (b["call"], b["status"], b["check"], b["stage"]) == ("blocks.0.attn", "fail", "rotary", "input")
+    assert b["diagnosis"].startswith("kv heads tiled (repeat) before the call, instead of repeated per group")
+    assert report["ledger"]["verdict"] == "pass"  # the failing call's stage ledger: the attention itself is right
+    good = json.loads(_compare("port", *MAP, "--format", "json").output)
+    assert good["verdict"] == "pass"
+
+
 BROKEN = '''
 import sys
 

@@ -43,7 +43,7 @@ Sink = Callable[[dict[str, Any], dict[str, "Tensor"]], None]
 
 _ATTENTION = re.compile(r"(?i)(attention|attn|mha)$")
 _PLAIN_KWARGS = ("scaling", "dropout", "sliding_window", "softcap", "is_causal")
-_Q_SOURCES = (("q_norm", "k_norm"), ("q_proj", "k_proj"))
+_Q_SOURCES = (("q_norm", "k_norm"), ("q_proj", "k_proj"), ("wq", "wk"))  # the last: Meta's Llama code and its ports
 
 
 def attention_modules(model: "nn.Module") -> dict[str, "nn.Module"]:
@@ -352,7 +352,8 @@ def _module_facts(module: Any) -> dict[str, Any]:
 
 def _heads_of(pre: dict[str, "Tensor"], q: "Tensor", k: "Tensor") -> dict[str, "Tensor"]:
     """The projection outputs as ``[B, H, T, D]`` like q and k, where they can be read so. A decode step's k holds
-    the cache too: its projection made only the new tokens, its last rows."""
+    the cache too: its projection made only the new tokens, its last rows. k's projection may have fewer heads than
+    the call's k, where the kv heads were paired with the query heads before the call: it keeps its own."""
     out = {}
     for role, like in (("q_pre", q), ("k_pre", k)):
         t = pre.get(role)
@@ -362,6 +363,11 @@ def _heads_of(pre: dict[str, "Tensor"], q: "Tensor", k: "Tensor") -> dict[str, "
         n = t.shape[1]
         if n != tt and not (role == "k_pre" and 0 < n < tt):
             continue
+        if role == "k_pre" and t.dim() == 3 and d and t.shape[2] % d == 0 and 0 < t.shape[2] // d < h \
+                and h % (t.shape[2] // d) == 0:
+            h = t.shape[2] // d  # kv heads paired before the call: the projection's own heads
+        elif role == "k_pre" and t.dim() == 4 and t.shape[3] == d and 0 < t.shape[2] < h and h % t.shape[2] == 0:
+            h = t.shape[2]
         if t.dim() == 4 and tuple(t.shape) == (b, n, h, d):
             out[role] = t.transpose(1, 2)  # [B, n, H, D] -> [B, H, n, D]
         elif t.dim() == 3 and tuple(t.shape) == (b, n, h * d):

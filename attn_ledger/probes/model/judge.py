@@ -342,13 +342,22 @@ def _rotary_check(call: Call, exp: Expected, positions: "Tensor | None") -> Chec
     return check
 
 
-def _rotation_errors(call: Call, spec: Any, pos: "Tensor | None") -> float:
+def _rotation_errors(call: Call, spec: Any, pos: "Tensor | None", tiled: bool = False) -> float:
     """The worse of q's and k's rotation error; a decode step's k holds the cache too, and only its last rows (the
     new tokens, which the projections made) are compared."""
-    k = call.k
-    if call.k_pre is not None and k.dim() == 4 and call.k_pre.dim() == 4 and k.shape[-2] > call.k_pre.shape[-2]:
-        k = k[..., -call.k_pre.shape[-2]:, :]
-    return max(_rotation_error(call.q_pre, call.q, spec, pos), _rotation_error(call.k_pre, k, spec, pos))
+    k, k_pre = call.k, call.k_pre
+    if k_pre is not None and k.dim() == 4 and k_pre.dim() == 4 and k.shape[-2] > k_pre.shape[-2]:
+        k = k[..., -k_pre.shape[-2]:, :]
+    if k_pre is not None and k.dim() == 4 and k_pre.dim() == 4 and k.shape[1] > k_pre.shape[1]:
+        k_pre = _paired(k_pre, k.shape[1], tiled)  # kv heads paired before the call: as the family pairs them
+    return max(_rotation_error(call.q_pre, call.q, spec, pos), _rotation_error(k_pre, k, spec, pos))
+
+
+def _paired(k: "Tensor", heads: int, tiled: bool) -> "Tensor":
+    """``[B, Nkv, T, D] -> [B, heads, T, D]``: each query head's kv head, repeated per group (``repeat_kv``) or,
+    ``tiled``, the kv heads tiled (``repeat``)."""
+    groups = heads // k.shape[1]
+    return k.repeat(1, groups, 1, 1) if tiled else k.repeat_interleave(groups, dim=1)
 
 
 def _rotation_error(pre: "Tensor", post: "Tensor", spec: Any, pos: "Tensor | None") -> float:
@@ -372,6 +381,9 @@ def _rotary_diagnosis(call: Call, spec: Any, pos: "Tensor | None", tol: float) -
     names = {"half": "half-split pairs (rotate_half)", "interleaved": "adjacent pairs (rotate-every-two, GPT-J)"}
     if _rotation_errors(call, swap(spec, pairing=other), pos) <= tol:
         return f"rotary over {names[other]}, where the family's convention is {names[spec.pairing]}"
+    if call.k_pre is not None and call.k.shape[1] > call.k_pre.shape[1] and _rotation_errors(call, spec, pos, True) <= tol:
+        return ("kv heads tiled (repeat) before the call, instead of repeated per group (repeat_kv): query head h reads "
+                f"kv head h % {call.k_pre.shape[1]}")
     if float((call.q.double() - call.q_pre.double()).abs().max()) <= tol * float(call.q_pre.double().abs().max()):
         return "no rotation at all"
     if pos is not None:
