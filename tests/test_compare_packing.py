@@ -146,3 +146,19 @@ def test_a_correct_packed_call_passes_the_judge_with_each_document_kept_apart(mo
     monkeypatch.setattr(f"{module}.{name}", fixture["documents_one_late"])
     bad = judged()
     assert bad["relation"] == "fail" and bad["reference"] == "fail"
+
+
+def test_the_late_document_finder_is_named_from_the_command_line_through_its_factory():
+    import json
+
+    import transformers.masking_utils as masking_utils
+
+    before = masking_utils.find_packed_sequence_indices
+    result = runner.invoke(app, ["compare", f"{ROOT / 'fixtures' / 'models' / 'packing.py'}:one_late_llama",
+                                 "--vary", "packing", "--format", "json"])
+    assert result.exit_code == 1, result.output[-2000:]
+    report = json.loads(result.stdout)
+    assert report["first_finding"]["row"] == "masks"
+    calls = {c["run"]: c for c in report["details"]["first_adder"]["attention"]["calls"]}
+    assert calls["B"]["check"] == "relation" and calls["B"]["diagnosis"] == "the call's own mask"
+    assert masking_utils.find_packed_sequence_indices is before  # the factory ran in the worker only

@@ -117,6 +117,22 @@ def test_a_mask_builder_that_leaves_a_fully_padded_row_nan_is_named_at_block_0_i
     assert bad.ledgers["A: model.layers.0.self_attn"].verdict == "pass"  # its real rows are right
 
 
+def test_the_nan_mask_builder_is_named_from_the_command_line_through_its_factory():
+    """The factory puts the builder in place in the worker, where it runs; the tool's own process keeps
+    transformers' builder."""
+    result = runner.invoke(app, ["compare", f"{ROOT / 'fixtures' / 'models' / 'padding.py'}:minus_inf_llama",
+                                 "--vary", "padding-side", "--format", "json"])
+    assert result.exit_code == 1, result.output[-2000:]
+    report = json.loads(result.stdout)
+    assert (report["first_finding"]["row"], report["first_finding"]["check"]) == ("model.layers.0", "finite")
+    calls = {c["run"]: c for c in report["details"]["first_adder"]["attention"]["calls"]}
+    assert (calls["A"]["check"], calls["A"]["stage"]) == ("finite", "masked_scores")
+    assert calls["B"]["status"] == "pass"
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    assert AttentionMaskInterface._global_mapping["eager"] is eager_mask  # untouched here
+
+
 def test_the_finite_diagnosis_needs_a_row_of_minus_inf_and_a_nan_row_to_name():
     import torch
 
