@@ -82,7 +82,17 @@ def test_a_first_token_that_reads_the_previous_document_is_named_at_block_0():
     # row, the first document being 20 tokens long); that example alone in run A agrees with its reference
     assert calls["A (example 1 alone)"]["status"] == "pass"
     assert calls["B"]["check"] == "forbidden_weight" and calls["B"]["stage"] == "weights"
-    assert calls["B"]["reason"].endswith("at example 0, head 0, query 20, key 19")
+    assert calls["B"]["reason"].endswith("at head 0, document 1, token 0, key document 0, key token 19")
+
+
+def test_a_packed_rows_location_is_said_by_document_and_token():
+    from attn_ledger.probes.model.adder import packed_location
+
+    where = {"example": 0, "head": 2, "query": 20, "key": 19}
+    assert packed_location(where, [20, 15]) == {"head": 2, "document": 1, "token": 0, "key document": 0,
+                                                "key token": 19}
+    assert packed_location({"example": 0, "query": 34}, [20, 15]) == {"document": 1, "token": 14}
+    assert packed_location({"example": 0, "query": 35}, [20, 15]) == {"document": 2, "token": 0}  # past the last
 
 
 def test_an_encoder_is_not_applicable_and_exits_0():

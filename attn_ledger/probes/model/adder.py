@@ -69,7 +69,12 @@ class Attention:
         return {"block": self.block, "calls": [c.as_json() for c in self.calls], "why": self.why or None}
 
 
-def _summary(run: str, judge: Any, entry: Any, ledgers: dict[str, Report]) -> CallSummary:
+def _summary(run: str, judge: Any, entry: Any, ledgers: dict[str, Report],
+             counts: list[int] | None = None) -> CallSummary:
+    """``counts``: the call is run B's packed row, of documents this many tokens long (its location is then said
+    by document and token)."""
+    from dataclasses import replace
+
     from attn_ledger.probes.model.scan import label_of
 
     label = label_of(entry.facts)
@@ -77,6 +82,8 @@ def _summary(run: str, judge: Any, entry: Any, ledgers: dict[str, Report]) -> Ca
         return CallSummary(run, label, "not_reached", reason="not judged")
     checks = entry.verdict.checks
     first = entry.verdict.first_failure()
+    if first is not None and counts and first.location:
+        first = replace(first, location=packed_location(first.location, counts))
     found = judge.ledgers.get(label)
     key = f"{run}: {label}"
     stage = stage_check = None
@@ -126,7 +133,9 @@ def attention_of(handle: Any, facts: Mapping[str, Any], inputs_a: Mapping[str, "
     except CallStopped as stop:
         return Attention(block, (), {}, why=f"the forwards that capture its attention stopped: {stop.detail}")
     ledgers: dict[str, Report] = {}
-    calls = tuple(_summary(names[side], judges[side], e, ledgers) for side, _ in RUNS for e in judges[side].entries)
+    counts = inputs_b["attention_mask"].bool().sum(-1).tolist() if packed else None
+    calls = tuple(_summary(names[side], judges[side], e, ledgers, counts if side == "b" else None)
+                  for side, _ in RUNS for e in judges[side].entries)
     errors = [f"run {names[side]}: {run[side]['error']}" for side, _ in RUNS if (run.get(side) or {}).get("error")]
     why = "; ".join(errors) if errors else ("" if calls else "no attention call inside it was captured")
     return Attention(block, calls, ledgers, why)
@@ -143,3 +152,26 @@ def packed_sides(valid: "Tensor") -> Any:
     positions = (valid.long().cumsum(-1) - 1)[valid][None]  # [1, N]
     documents = torch.repeat_interleave(torch.arange(valid.shape[0]), valid.sum(-1))[None]  # [1, N]
     return Sides({"input": torch.ones(1, n, dtype=torch.bool)}, positions, documents)
+
+
+def packed_location(where: Mapping[str, Any], counts: list[int]) -> dict[str, Any]:
+    """A location in the packed row (``query``, ``key``: positions along it) said by document (the example each
+    came from) and its token within the document; the other fields as they are."""
+    def split(position: int) -> tuple[int, int]:
+        for doc, n in enumerate(counts):
+            if position < n:
+                return doc, position
+            position -= n
+        return len(counts), position
+
+    out: dict[str, Any] = {}
+    for name, value in where.items():
+        if name == "example" and value == 0:  # the packed row is one example: said by documents instead
+            continue
+        if name in ("query", "key") and isinstance(value, int):
+            doc, token = split(value)
+            prefix = "" if name == "query" else "key "
+            out[f"{prefix}document"], out[f"{prefix}token"] = doc, token
+        else:
+            out[name] = value
+    return out
