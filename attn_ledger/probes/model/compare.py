@@ -13,8 +13,11 @@ streams back, here, in the tool's process. Rows, in order:
   top :data:`attn_ledger.tolerance.TOP_K`.
 
 Only real rows are compared; under ``padding-side`` they are aligned by their order among the example's real
-tokens, under ``cache`` each decoded token's forward meets A's row at its position, under ``packing`` each packed
-document meets its own example's rows. The first failing row is the headline, so a block that adds error is named where it first acts.
+tokens (an encoder-decoder's decoder blocks, whose tokens are never padded, meet row for row), under ``cache`` each
+decoded token's forward meets A's row at its position, under ``packing`` each packed document meets its own
+example's rows. The first failing row is the headline, so a block that adds error is named where it first acts;
+the first adder's attention calls are then judged and put through the stage ledger
+(:mod:`attn_ledger.probes.model.adder`), under ``cache`` each decode step's and under ``packing`` the packed row's.
 """
 
 from __future__ import annotations
