@@ -265,3 +265,30 @@ def test_compare_models_refuses_a_map_that_names_a_weight_the_port_lacks(port_mo
     llama, port = _with_llamas_weights(port_module, port_module.port)
     with pytest.raises(InputError, match="map: A's lm_head.weight maps to 'head', which is not a weight of B"):
         compare_models(llama, port, map=lambda n: "head" if n == "lm_head.weight" else port_module.from_llama(n))
+
+
+def test_a_k_paired_before_the_call_is_read_against_its_projection_both_ways():
+    """The call's k has one head per query head, its projection one per kv head: paired per group (repeat_kv) it
+    agrees with the projection rotated; tiled (repeat) it does not, and the diagnosis names the tiling."""
+    import torch
+
+    from attn_ledger.maths.rotary import RotarySpec, apply_rotary
+    from attn_ledger.probes.model.capture import _heads_of
+    from attn_ledger.probes.model.judge import Call, _rotary_diagnosis, _rotation_errors
+
+    spec = RotarySpec("half", 10000.0, None)
+    g = torch.Generator().manual_seed(0)
+    q_proj, k_proj = torch.randn(1, 5, 4 * 16, generator=g), torch.randn(1, 5, 2 * 16, generator=g)  # [B, T, H * D]
+    q = apply_rotary(q_proj.view(1, 5, 4, 16).transpose(1, 2), spec)  # [1, 4, 5, 16]
+    k = apply_rotary(k_proj.view(1, 5, 2, 16).transpose(1, 2), spec)  # [1, 2, 5, 16]
+    for paired, right in ((k.repeat_interleave(2, dim=1), True), (k.repeat(1, 2, 1, 1), False)):
+        pre = _heads_of({"q_pre": q_proj, "k_pre": k_proj}, q, paired)
+        assert pre["k_pre"].shape == (1, 2, 5, 16)  # the projection keeps its own 2 heads
+        call = Call({}, q=q, k=paired, q_pre=pre["q_pre"], k_pre=pre["k_pre"])
+        err = _rotation_errors(call, spec, None)
+        if right:
+            assert err < 1e-6
+        else:
+            assert err > 0.1
+            assert _rotary_diagnosis(call, spec, None, 1e-6).startswith("kv heads tiled (repeat) before the call")
+    assert "k_pre" not in _heads_of({"k_pre": torch.randn(1, 5, 3 * 16)}, q, k.repeat(1, 2, 1, 1))  # 3 does not divide 4

@@ -147,11 +147,10 @@ def packed_sides(valid: "Tensor") -> Any:
     import torch
 
     from attn_ledger.probes.model.judge import Sides
+    from attn_ledger.probes.model.pair import packed_documents, packed_positions
 
-    n = int(valid.sum())
-    positions = (valid.long().cumsum(-1) - 1)[valid][None]  # [1, N]
-    documents = torch.repeat_interleave(torch.arange(valid.shape[0]), valid.sum(-1))[None]  # [1, N]
-    return Sides({"input": torch.ones(1, n, dtype=torch.bool)}, positions, documents)
+    every = torch.ones(1, int(valid.sum()), dtype=torch.bool)  # [1, N]
+    return Sides({"input": every}, packed_positions(valid), packed_documents(valid)[None])
 
 
 def packed_location(where: Mapping[str, Any], counts: list[int]) -> dict[str, Any]:

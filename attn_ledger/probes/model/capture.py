@@ -357,21 +357,16 @@ def _heads_of(pre: dict[str, "Tensor"], q: "Tensor", k: "Tensor") -> dict[str, "
     out = {}
     for role, like in (("q_pre", q), ("k_pre", k)):
         t = pre.get(role)
-        if t is None or t.dim() not in (3, 4):
-            continue
         b, h, tt, d = like.shape
-        n = t.shape[1]
-        if n != tt and not (role == "k_pre" and 0 < n < tt):
+        if t is None or t.dim() not in (3, 4) or t.shape[0] != b or (t.dim() == 4 and t.shape[3] != d) or not d:
             continue
-        if role == "k_pre" and t.dim() == 3 and d and t.shape[2] % d == 0 and 0 < t.shape[2] // d < h \
-                and h % (t.shape[2] // d) == 0:
-            h = t.shape[2] // d  # kv heads paired before the call: the projection's own heads
-        elif role == "k_pre" and t.dim() == 4 and t.shape[3] == d and 0 < t.shape[2] < h and h % t.shape[2] == 0:
-            h = t.shape[2]
-        if t.dim() == 4 and tuple(t.shape) == (b, n, h, d):
-            out[role] = t.transpose(1, 2)  # [B, n, H, D] -> [B, H, n, D]
-        elif t.dim() == 3 and tuple(t.shape) == (b, n, h * d):
-            out[role] = t.reshape(b, n, h, d).transpose(1, 2)
+        n, width = t.shape[1], t.shape[2] * (d if t.dim() == 4 else 1)  # [B, n, H' * D] or [B, n, H', D]
+        heads = width // d
+        fits = width % d == 0 and n == tt and heads == h
+        if role == "k_pre":  # a cache's older rows, or kv heads paired before the call
+            fits = width % d == 0 and 0 < n <= tt and 0 < heads <= h and h % heads == 0
+        if fits:
+            out[role] = t.reshape(b, n, heads, d).transpose(1, 2)  # [B, H', n, D]
     return out
 
 

@@ -254,16 +254,17 @@ def ratio_check(name: str, x: "Tensor", ref: "Tensor", plains: list[tuple["Tenso
 class Judge:
     """Takes the parts the worker streams (``take`` is the sink) and keeps the rows they make."""
 
-    def __init__(self, facts: Mapping[str, Any], dtypes: tuple[str, str], token_rows: Mapping[str, Any],
+    def __init__(self, facts: Mapping[str, Any], dtypes: tuple[str, str], rows: Mapping[str, Any],
                  decoder_len: int | None = None) -> None:
-        """``token_rows``: the input's real rows (:func:`token_rows`); ``decoder_len``: an encoder-decoder's decoder
+        """``rows``: the input's real rows (:func:`token_rows`); ``decoder_len``: an encoder-decoder's decoder
         length, whose blocks (``facts["decoder_blocks"]``) have every decoder token as a real row."""
-        self.facts, self.dtypes, self.token_rows = facts, dtypes, token_rows
+        import torch
+
+        self.facts, self.dtypes, self.token_rows = facts, dtypes, rows
         self.decoder = set(facts.get("decoder_blocks") or ()) if decoder_len else set()
-        b = len(token_rows["counts"])
-        self.decoder_rows = token_rows if not self.decoder else \
-            {"example": [e for e in range(b) for _ in range(decoder_len or 0)],
-             "token": [p for _ in range(b) for p in range(decoder_len or 0)], "counts": [decoder_len] * b}
+        every = torch.ones(len(rows["counts"]), decoder_len or 0, dtype=torch.bool)  # a decoder's tokens: all real
+        self.decoder_rows = token_rows(every) if self.decoder else rows
+        self.decoder_valid = every.tolist()
         self.model_rows: list[Row] = []
         self.logits_row: Row | None = None
         self.blocks: list[Row] = []
@@ -280,8 +281,7 @@ class Judge:
             self.valid = {"a": facts.get("valid_a"), "b": facts.get("valid_b")}
         else:
             i = int(facts["index"])
-            every = [[True] * n for n in self.decoder_rows["counts"]]  # a decoder's tokens are all real
-            valid = {"a": every, "b": every} if i in self.decoder else self.valid
+            valid = {"a": self.decoder_valid, "b": self.decoder_valid} if i in self.decoder else self.valid
             self.blocks.append(block_row(facts, tensors, self.dtypes, self.rows_of(i), valid))
 
 
@@ -491,7 +491,7 @@ def compare(handle: Any, runs_: Runs, given: "Mapping[str, Tensor] | None" = Non
 
     alone = None
     if runs_.vary.kind in ("batch", "packing"):  # run A is one forward per example: the one the finding is on
-        where = report.first_finding.check.location or {} if report.first_finding else {}
+        where = (report.first_finding.check.location or {}) if report.first_finding else {}
         if "example" not in where:
             where = report.row(first["block"]).check("added_error").location or {}
         alone = int(where.get("example", 0))

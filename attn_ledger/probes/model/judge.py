@@ -624,8 +624,8 @@ def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_
     checks += _weights_checks(call, allow, real, dtype)
     checks.append(_rotary_check(call, exp, sides.positions))
     checks.append(_scale_check(call, exp, width))
-    checks.append(_relation_check(call, exp, allow, seen, seen_text, real, valid_k,
-                                  _documents(sides, exp.keys, b, tk) is not None))
+    documents = _documents(sides, exp.keys, b, tk)
+    checks.append(_relation_check(call, exp, allow, seen, seen_text, real, valid_k, documents is not None))
     checks.append(_softcap_check(call, exp))
     checks.append(_sinks_check(call, exp))
     scale = scale_of(call, exp)
@@ -634,8 +634,7 @@ def judge_call(call: Call, exp: Expected, sides: Sides, budget: int = REFERENCE_
     rows = sample_rows(b, nh, tq, tk, budget)
     judged = real if rows is None else real[:, rows]
     ref, example = _reference_check(call, s, rows, judged, dtype,
-                                    lambda: _variants(call, exp, s, seen, seen_bias, valid_k, width,
-                                                  _documents(sides, exp.keys, b, tk)))
+                                    lambda: _variants(call, exp, s, seen, seen_bias, valid_k, width, documents))
     checks.append(ref)
     sampled = {"rows": tq if rows is None else int(rows.numel()), "of": tq}
     return Verdict(carry_diagnosis(checks, _POSITION, "the context matches", keep_own=True), allow, real, scale,

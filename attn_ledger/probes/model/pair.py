@@ -613,8 +613,19 @@ def packed_inputs(inputs: Mapping[str, Any], valid: "Tensor") -> dict[str, Any]:
     """All examples' real tokens in one row ``[1, N]``, example after example, position ids restarting at 0 for
     each, and no attention mask (transformers finds the documents from the position ids, given no mask and no
     cache)."""
-    pos = valid.long().cumsum(-1) - 1  # [B, T]
-    return {"input_ids": inputs["input_ids"][valid][None], "position_ids": pos[valid][None]}  # [1, N]
+    return {"input_ids": inputs["input_ids"][valid][None], "position_ids": packed_positions(valid)}  # [1, N]
+
+
+def packed_positions(valid: "Tensor") -> "Tensor":
+    """``[1, N]``: each real token's position within its own example, example after example (the packed row's)."""
+    return (valid.long().cumsum(-1) - 1)[valid][None]
+
+
+def packed_documents(valid: "Tensor") -> "Tensor":
+    """``[N]``: each real token's example, example after example (the packed row's documents)."""
+    import torch
+
+    return torch.repeat_interleave(torch.arange(valid.shape[0]), valid.sum(-1))
 
 
 def _spread(x: Any, valid: "Tensor") -> Any:
@@ -656,7 +667,7 @@ def _other_documents(mask: Any, valid: "Tensor") -> Any:
     allow = allowed(mask, torch.ones(1, n, dtype=torch.bool))
     if allow is None:
         return None
-    doc = torch.repeat_interleave(torch.arange(valid.shape[0]), valid.sum(-1))  # [N] each row's document
+    doc = packed_documents(valid)  # [N] each row's document
     return (allow[0] & (doc[:, None] != doc[None, :])).sum(-1)  # [N]
 
 
