@@ -464,14 +464,16 @@ def range_excess(c: "Tensor", vb: "Tensor", ai: "Tensor | None", rtol: float, at
         vlo, vhi = span if span is not None else (vb.amin(dim=-2, keepdim=True), vb.amax(dim=-2, keepdim=True))
         lo, hi = vlo.to(wide), vhi.to(wide)  # [B, Nh, 1, Dv]; min and max are exact in any dtype
         extremes = (hi.amax(), lo.amin())  # the largest |value| lies at an extreme
-    ends = [float(x) for x in extremes]
-    if lo.shape[-2] == 1 < cf.shape[-2] and all(math.isfinite(x) for x in ends):
-        # one finite range per coordinate for every row: a rounded lo - c only falls as c grows (and c - hi rises),
-        # so the largest over the rows is the one at each coordinate's least (greatest) c, exactly
+    if lo.shape[-2] == 1 < cf.shape[-2]:
+        # one range per coordinate for every row: where it is finite, a rounded lo - c only falls as c grows (and
+        # c - hi rises), so the largest over the rows is the one at each coordinate's least (greatest) c, exactly
         c_lo, c_hi = cf.amin(dim=-2, keepdim=True), cf.amax(dim=-2, keepdim=True)  # [B, Nh, 1, Dv] (not aminmax:
         # along a middle dim it runs several times slower than the two)
-        below, above = float((lo - c_lo).amax()), float((c_hi - hi).amax())
+        *ends, below, above = torch.stack([*extremes, (lo - c_lo).amax(), (c_hi - hi).amax()]).tolist()
+        if not all(math.isfinite(x) for x in ends):  # an infinite range: every row, as it is
+            below, above = float((lo - cf).amax()), float((cf - hi).amax())
     else:
+        ends = [float(x) for x in extremes]
         below, above = float((lo - cf).amax()), float((cf - hi).amax())
     tol = atol + rtol * max(abs(x) for x in ends)
     value = math.nan if math.isnan(below) or math.isnan(above) else max(below, above) - tol

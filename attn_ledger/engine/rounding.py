@@ -393,11 +393,13 @@ def agreement(stage: str, of: str, got: "Tensor", ref: "Tensor", m: "Tensor", dt
                          -1.0 if got.numel() == 0 else math.nan, parts=base, **kw)
     g, r = got, ref.to(torch.float64)
     err = (g - r).abs_()  # [B, Nh, R, *], in float64 (a half or float32 ``got`` is promoted exactly)
-    diff = float(err.amax())  # NaN or infinite where any difference is
     bound = m * (c * eps)
-    least = float(bound.amin()) if m.shape == err.shape else math.nan
+    if m.shape == err.shape:  # both in one read: NaN or infinite where any difference is; a NaN bound, NaN
+        diff, least = torch.stack([err.amax(), bound.amin()]).tolist()
+    else:
+        diff, least = float(err.amax()), math.nan
     if math.isfinite(diff) and least >= 0.0:  # every error finite, every bound a number
-        flat, worst, e_w, m_w = _worst_ratio(g, r, err, bound, m, least == 0.0)
+        flat, worst, e_w, m_w = _worst_ratio(err, bound, m, least == 0.0)
     else:  # a NaN or an infinity on either side, or a bound that is NaN
         if not math.isfinite(diff):
             same = (torch.isnan(g) & torch.isnan(r)) | (torch.isinf(g) & (g == r))
@@ -412,33 +414,26 @@ def agreement(stage: str, of: str, got: "Tensor", ref: "Tensor", m: "Tensor", dt
     return Agreement(stage, of, "float64", diff, worst - 1.0, where=where, parts=parts, **kw)
 
 
-def _worst_ratio(g: "Tensor", r: "Tensor", err: "Tensor", bound: "Tensor", m: "Tensor",
-                 zero: bool) -> tuple[int, float, float, float]:
+def _worst_ratio(err: "Tensor", bound: "Tensor", m: "Tensor", zero: bool) -> tuple[int, float, float, float]:
     """The element with the largest error / bound (the first, on a tie), where every error is finite and every
-    bound is a number >= 0 (``zero``: some bound is 0): its flat index, ratio, error and ``M``. ``err`` and
-    ``bound`` are overwritten.
+    bound is a number >= 0 (``zero``: some bound is 0): its flat index, ratio, error and ``M``. ``bound`` is
+    overwritten.
 
     A bound of zero takes an infinite ratio where its element errs and zero where it does not; a bound below
-    1e-300 counts as 1e-300. Written without a select on a boolean mask, which costs here several times
-    the arithmetic around it."""
+    1e-300 counts as 1e-300. Written without a select on a boolean mask, and with few operations: each
+    costs here more than the arithmetic on a few thousand elements."""
     import torch
 
     if zero:  # x / 0 is infinite where x > 0 and NaN where x == 0, which counts as 0
         live = bound.abs().sign_()  # 1 where the bound is positive, 0 where it is zero
-        ratio = err.div_(bound.clamp_min_(1e-300).mul_(live)).nan_to_num_(nan=0.0, posinf=math.inf)
+        ratio = torch.div(err, bound.clamp_min_(1e-300).mul_(live)).nan_to_num_(nan=0.0, posinf=math.inf)
     else:
-        ratio = err.div_(bound.clamp_min_(1e-300))
-    flat = int(ratio.reshape(-1).max(dim=0).indices)
-    at = M.unravel(flat, tuple(ratio.shape))
-    worst, g_w, r_w, m_w = torch.stack([_element(t, flat, at) for t in (ratio, g, r, m)]).tolist()
-    return flat, worst, abs(g_w - r_w), m_w  # |g - r| as the tensor holds it: one float64 subtraction
-
-
-def _element(t: "Tensor", flat: int, at: tuple[int, ...]) -> "Tensor":
-    """``t``'s element at row-major position ``flat`` (``at`` unravelled), as a float64 scalar tensor."""
-    import torch
-
-    return (t.view(-1)[flat] if t.is_contiguous() else t[at]).to(torch.float64)
+        ratio = torch.div(err, bound.clamp_min_(1e-300))
+    worst, at = ratio.reshape(-1).max(dim=0)
+    flat = int(at)
+    m_at = m.view(-1)[flat] if m.is_contiguous() else m[M.unravel(flat, tuple(m.shape))]
+    worst, e_w, m_w = torch.stack([worst, err.reshape(-1)[flat], m_at.to(worst.dtype)]).tolist()
+    return flat, worst, e_w, m_w
 
 
 def limit_of(a: Agreement) -> float:
