@@ -42,7 +42,7 @@ from attn_ledger.engine.backends import sdpa_capped
 from attn_ledger.engine import plan as P
 from attn_ledger.engine import rounding
 from attn_ledger.engine.measure import Agreement, Broken, Measure, Peak
-from attn_ledger.maths.pipeline import sink_share
+from attn_ledger.maths.pipeline import apply_mask, sink_share
 
 if TYPE_CHECKING:
     import torch
@@ -261,11 +261,19 @@ class Execution:
         """Masked scores: the mask function runs on the key columns where the pipeline's relation is
         not all-allowed; on the others masking is the identity, so those columns of the scores are
         kept as they are (and were screened finite at the scores stage)."""
+        import torch
+
         blk, lay = t.blk, t.lay
         (v0, v1), (p0, p1) = lay.band, lay.pipe_band
         try:
             m = s.clone() if self.plan.keep else s  # [B, Nh, rows, kw]; s itself is not used again
-            band_out = self.ops.mask(s[..., p0:p1], t.ap[..., p0:p1]) if p1 > p0 else None
+            if p1 > p0 and t.ap is not None and self.ops.mask is apply_mask:
+                # the built-in mask's values, written into the band in place: no second copy of the band
+                band = m[..., p0:p1]
+                torch.where(t.ap[..., p0:p1], band, torch.full((), -math.inf, dtype=band.dtype), out=band)
+                band_out = None
+            else:
+                band_out = self.ops.mask(s[..., p0:p1], t.ap[..., p0:p1]) if p1 > p0 else None
         except Exception as exc:
             yield Broken("masked_scores", raised=exc)
             return None

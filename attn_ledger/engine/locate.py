@@ -159,7 +159,8 @@ def locate(report: Report, empty_zero: bool = False) -> Report:
                     marks[f"{row.name}.{c.name}"] = mark
                     c = replace(c, location=where)
             found.append(c)
-        rows.append(replace(row, checks=tuple(found)))
+        unchanged = all(a is b for a, b in zip(found, row.checks))
+        rows.append(row if unchanged else replace(row, checks=tuple(found)))
     if not marks:
         return report
     tensors = {**g, "marks": marks}
