@@ -270,7 +270,8 @@ class Execution:
             if p1 > p0 and t.ap is not None and self.ops.mask is apply_mask:
                 # the built-in mask's values, written into the band in place: no second copy of the band
                 band = m[..., p0:p1]
-                torch.where(t.ap[..., p0:p1], band, torch.full((), -math.inf, dtype=band.dtype), out=band)
+                torch.where(t.ap[..., p0:p1], band, torch.full((), -math.inf, dtype=band.dtype, device=band.device),
+                            out=band)
                 band_out = None
             else:
                 band_out = self.ops.mask(s[..., p0:p1], t.ap[..., p0:p1]) if p1 > p0 else None

@@ -394,7 +394,7 @@ def agreement(stage: str, of: str, got: "Tensor", ref: "Tensor", m: "Tensor", dt
     g, r = got, ref.to(torch.float64)
     err = (g - r).abs_()  # [B, Nh, R, *], in float64 (a half or float32 ``got`` is promoted exactly)
     bound = m * (c * eps)
-    if m.shape == err.shape:  # both in one read: NaN or infinite where any difference is; a NaN bound, NaN
+    if m.shape == err.shape:  # one transfer: the largest error (NaN or infinite where any is), the least bound
         diff, least = torch.stack([err.amax(), bound.amin()]).tolist()
     else:
         diff, least = float(err.amax()), math.nan
